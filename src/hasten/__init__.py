@@ -1,0 +1,33 @@
+"""hasten: run a plain PyTorch training loop on any device and any number of processes."""
+
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Accelerator": ".accelerator",
+    "PartialState": ".state",
+    "AcceleratorState": ".state",
+    "GradientState": ".state",
+    "DistributedType": ".utils.dataclasses",
+    "find_executable_batch_size": ".utils.memory",
+    "skip_first_batches": ".data_loader",
+    "notebook_launcher": ".launchers",
+    "debug_launcher": ".launchers",
+    "DataLoaderConfiguration": ".utils.dataclasses",
+    "GradientAccumulationPlugin": ".utils.dataclasses",
+    "DistributedDataParallelKwargs": ".utils.dataclasses",
+    "GradScalerKwargs": ".utils.dataclasses",
+    "InitProcessGroupKwargs": ".utils.dataclasses",
+    "AutocastKwargs": ".utils.dataclasses",
+    "ProjectConfiguration": ".utils.dataclasses",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_module(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .accelerator import Accelerator
+    from .state import AcceleratorState, GradientState, PartialState
+    from .utils.dataclasses import DistributedType

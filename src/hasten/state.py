@@ -1,0 +1,441 @@
+"""Process-wide state: who am I, which device, which process group; and the gradient-sync state.
+
+``PartialState`` (topology + device + process group), ``AcceleratorState`` (adds precision and the
+parallel strategy's plugins) and ``GradientState`` (sync flags, active dataloader) are singletons
+shared by every instance, as in Accelerate: creating one anywhere gives the same view everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology, detect_topology
+from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
+from .utils.environment import parse_choice, parse_flag
+
+_MULTI_TYPES = {
+    "cuda": DistributedType.MULTI_GPU,
+    "xpu": DistributedType.MULTI_XPU,
+    "npu": DistributedType.MULTI_NPU,
+    "mlu": DistributedType.MULTI_MLU,
+    "musa": DistributedType.MULTI_MUSA,
+    "hpu": DistributedType.MULTI_HPU,
+    "cpu": DistributedType.MULTI_CPU,
+}
+_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
+
+
+def pick_device(topology: Topology, cpu: bool) -> torch.device:
+    """CUDA by local rank, then XPU, then MPS (single process), else CPU."""
+    if cpu:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if topology.local_rank >= count:
+            raise RuntimeError(
+                f"local rank {topology.local_rank} has no GPU: this node shows {count} CUDA device(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); launch at most "
+                f"{count} processes per node or pass cpu=True"
+            )
+        return torch.device("cuda", topology.local_rank)
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return torch.device("xpu", topology.local_rank % max(1, xpu.device_count()))
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available() and topology.world_size == 1:
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+class SharedDict:
+    """Mixin: every instance of a subclass shares one ``__dict__`` (a process-wide singleton)."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._shared_state = {}
+
+    def _bind_shared(self) -> None:
+        self.__dict__ = self._shared_state
+
+
+class PartialState(SharedDict):
+    """The topology of this process and its device; initialises the process group once.
+
+    Args:
+        cpu: run on CPU even if an accelerator is present.
+        **kwargs: passed to ``torch.distributed.init_process_group`` (``backend``, ``timeout``,
+            ``init_method``) when this process is one of several.
+    """
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self._bind_shared()
+        if self.initialized:
+            return
+        cpu = cpu or parse_flag("USE_CPU")
+        topo = detect_topology()
+        device = pick_device(topo, cpu)
+        backend = kwargs.pop("backend", None) or _BACKENDS.get(device.type, "gloo")
+        if topo.distributed:
+            self._init_process_group(topo, device, backend, kwargs)
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The user built the group himself (e.g. spawned processes): adopt it.
+            topo = Topology(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                            local_rank=dist.get_rank(), local_world_size=dist.get_world_size(),
+                            source="existing")
+            backend = dist.get_backend()
+        self.topology = topo
+        self.device = device
+        self.backend = backend if topo.distributed else None
+        self.distributed_type = _MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
+        self.debug = parse_flag("DEBUG")
+        self.fork_launched = parse_flag("FORK_LAUNCHED")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    @staticmethod
+    def _init_process_group(topo: Topology, device: torch.device, backend: str, kwargs: dict) -> None:
+        if dist.is_initialized():
+            return
+        if topo.master_addr:
+            os.environ.setdefault("MASTER_ADDR", topo.master_addr)
+        if topo.master_port:
+            os.environ.setdefault("MASTER_PORT", str(topo.master_port))
+        if kwargs.get("timeout") is None:
+            kwargs.pop("timeout", None)
+        elif not isinstance(kwargs["timeout"], timedelta):
+            raise TypeError(f"timeout={kwargs['timeout']!r} must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
+
+    # -- identity -------------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return "device" in self.__dict__
+
+    @property
+    def num_processes(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def num_machines(self) -> int:
+        return self.topology.num_nodes
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.topology.distributed
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
+
+    def __repr__(self) -> str:
+        return (
+            f"Distributed environment: {self.distributed_type}{('  Backend: ' + self.backend) if self.backend else ''}\n"
+            f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+        )
+
+    # -- synchronisation ------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point."""
+        if self.use_distributed:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def _goes_first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on the main process first, then on the others (e.g. dataset caching)."""
+        yield from self._goes_first(self.is_main_process)
+
+    @contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like ``main_process_first`` but once per node."""
+        yield from self._goes_first(self.is_local_main_process)
+
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Give each process its contiguous share of a list, tuple, dict of lists or tensor.
+
+        With ``apply_padding`` every share has the same length, padded with the last element, so
+        that the results can be gathered (drop the padding afterwards).
+        """
+        if self.num_processes == 1:
+            yield inputs
+            return
+        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+
+    # -- running on some processes only ---------------------------------------------------------
+    def _run_if(self, condition: Callable[[], bool], function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run only on the main process."""
+        return self._run_if(lambda: self.is_main_process, function)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: run only on each node's main process."""
+        return self._run_if(lambda: self.is_local_main_process, function)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        """Decorator: run only on the last process."""
+        return self._run_if(lambda: self.is_last_process, function)
+
+    def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None) -> Callable:
+        """Decorator: run only on process ``process_index``."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._run_if(lambda: self.process_index == process_index, function)
+
+    def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None) -> Callable:
+        """Decorator: run only on local process ``local_process_index`` of each node."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self._run_if(lambda: self.local_process_index == local_process_index, function)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` once per machine."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def set_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Tear the process group down (idempotent)."""
+        if self.use_distributed and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Forget the singleton (tests); the process group stays."""
+        cls._shared_state.clear()
+
+
+def _split(inputs: Any, n: int, index: int, pad: bool) -> Any:
+    if isinstance(inputs, dict):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"split_between_processes got a dict whose values have different lengths {sorted(lengths)}; "
+                "give every value the same length"
+            )
+        return {k: _split(v, n, index, pad) for k, v in inputs.items()}
+    if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
+        raise TypeError(
+            f"split_between_processes cannot split a {type(inputs).__name__}; "
+            "pass a list, tuple, dict of lists or a tensor"
+        )
+    total = len(inputs)
+    per, extra = divmod(total, n)
+    start = index * per + min(index, extra)
+    end = start + per + (1 if index < extra else 0)
+    share = inputs[start:end]
+    if pad and extra and total:
+        missing = per + 1 - (end - start)
+        if missing:
+            filler = share[-1:] if len(share) else inputs[-1:]
+            if isinstance(share, torch.Tensor):
+                share = torch.cat([share] + [filler] * missing)
+            else:
+                share = share + type(share)(list(filler) * missing)
+    return share
+
+
+class AcceleratorState(SharedDict):
+    """``PartialState`` plus the precision and parallel-strategy settings of the run."""
+
+    def __init__(
+        self,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        dynamo_plugin: Any = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        _from_accelerator: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self._bind_shared()
+        partial = PartialState(cpu, **kwargs)
+        mixed_precision = resolve_mixed_precision(mixed_precision)
+        if self.initialized:
+            if mixed_precision != self._mixed_precision and _from_accelerator:
+                raise ValueError(
+                    f"AcceleratorState already runs with mixed_precision={self._mixed_precision!r}; "
+                    f"a second Accelerator asked for {mixed_precision!r}. Create one Accelerator per "
+                    "process (or restart the interpreter) to change it"
+                )
+            return
+        self._partial = partial
+        self._mixed_precision = mixed_precision
+        self.dynamo_plugin = dynamo_plugin
+        self.deepspeed_plugin = deepspeed_plugin
+        self.fsdp_plugin = fsdp_plugin
+        self.distributed_type = partial.distributed_type
+        if deepspeed_plugin is not None:
+            self.distributed_type = DistributedType.DEEPSPEED
+        elif fsdp_plugin is not None and partial.use_distributed:
+            self.distributed_type = DistributedType.FSDP
+
+    @property
+    def initialized(self) -> bool:
+        return "_partial" in self.__dict__
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._mixed_precision
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything PartialState knows (device, process_index, ...) is readable here too.
+        if name.startswith("__") or "_partial" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_partial"], name)
+
+    def __repr__(self) -> str:
+        return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        cls._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+
+def resolve_mixed_precision(value: Optional[str]) -> str:
+    """The argument, else ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no"."""
+    source = "mixed_precision"
+    if value is None:
+        value = parse_choice("MIXED_PRECISION", "no")
+        source = "environment variable HASTEN_MIXED_PRECISION/ACCELERATE_MIXED_PRECISION"
+    value = str(value).lower()
+    if value not in PrecisionType.list():
+        raise ValueError(
+            f"{source}={value!r} is not a known precision; choose one of {PrecisionType.list()}"
+        )
+    return value
+
+
+class GradientState(SharedDict):
+    """Whether this micro-step syncs gradients, and which prepared dataloader is running."""
+
+    def __init__(self, gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None) -> None:
+        self._bind_shared()
+        if not self.initialized:
+            self.sync_gradients = True
+            self.active_dataloader = None
+            self.dataloader_references: list[Any] = [None]
+            self.plugin_kwargs = (gradient_accumulation_plugin or GradientAccumulationPlugin()).to_dict()
+            self._is_xla_gradients_synced = False
+        elif gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = gradient_accumulation_plugin.to_dict()
+
+    @property
+    def initialized(self) -> bool:
+        return "sync_gradients" in self.__dict__
+
+    @property
+    def num_steps(self) -> int:
+        return self.plugin_kwargs.get("num_steps") or 1
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self.plugin_kwargs.get("adjust_scheduler", True)
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self.plugin_kwargs.get("sync_with_dataloader", True)
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self.plugin_kwargs.get("sync_each_batch", False)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return bool(self.active_dataloader is not None and self.active_dataloader.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        return -1 if self.active_dataloader is None else self.active_dataloader.remainder
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader: Any) -> None:
+        self.active_dataloader = dataloader
+        self.dataloader_references.append(dataloader)
+
+    def _remove_dataloader(self, dataloader: Any) -> None:
+        if dataloader in self.dataloader_references:
+            self.dataloader_references.remove(dataloader)
+        self.active_dataloader = self.dataloader_references[-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
+            f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
+        )
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        cls._shared_state.clear()
+
+
+def is_initialized() -> bool:
+    """Whether an ``AcceleratorState`` exists in this process."""
+    return AcceleratorState().initialized if AcceleratorState._shared_state else False
+
+
+def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - the set is the memory
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)

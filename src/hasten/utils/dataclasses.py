@@ -1,0 +1,244 @@
+"""Configuration objects of the public API (same names and fields as Accelerate's).
+
+Torch is imported lazily here so that the CLI can use the enums without paying for it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+
+class DistributedType(str, enum.Enum):
+    """How the processes of a job cooperate."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_HPU = "MULTI_HPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+
+    def __str__(self) -> str:  # prints as "MULTI_CPU", not "DistributedType.MULTI_CPU"
+        return self.value
+
+
+class PrecisionType(str, enum.Enum):
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class RNGType(str, enum.Enum):
+    TORCH = "torch"
+    CUDA = "cuda"
+    XPU = "xpu"
+    GENERATOR = "generator"
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+class KwargsHandler:
+    """Base of the ``kwargs_handlers`` given to ``Accelerator``: only non-default fields count."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields whose value differs from the default."""
+        default = self.__class__()
+        return {k: v for k, v in self.to_dict().items() if getattr(default, k) != v}
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments for ``torch.nn.parallel.DistributedDataParallel``."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def to_dict(self, ignore_keys=("comm_hook", "comm_wrapper", "comm_state_option")) -> dict[str, Any]:
+        return {k: v for k, v in super().to_dict().items() if k not in ignore_keys}
+
+    def register_comm_hook(self, model) -> None:
+        """Install the chosen gradient-communication hook on a DDP model."""
+        hook = DDPCommunicationHookType(self.comm_hook)
+        if hook == DDPCommunicationHookType.NO:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hooks = {
+            DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+            DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+            DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+            DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+        }
+        wrappers = {
+            DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+            DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+        }
+        fn = hooks[hook]
+        state = None
+        if hook in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
+            state = powerSGD_hook.PowerSGDState(process_group=None, **self.comm_state_option)
+        wrapper = DDPCommunicationHookType(self.comm_wrapper)
+        if wrapper != DDPCommunicationHookType.NO:
+            fn = wrappers[wrapper](fn)
+        model.register_comm_hook(state, fn)
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for ``torch.amp.GradScaler`` (used with fp16)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for ``torch.distributed.init_process_group``."""
+
+    backend: Optional[str] = None
+    init_method: Optional[str] = None
+    timeout: Optional[timedelta] = None
+
+    def to_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.to_dict().items() if v is not None}
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for ``torch.autocast``."""
+
+    enabled: bool = True
+    cache_enabled: Optional[bool] = None
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradient accumulation behaves.
+
+    num_steps: micro-steps per optimizer step. adjust_scheduler: count skipped scheduler steps.
+    sync_with_dataloader: force a sync at the end of each dataloader. sync_each_batch: all-reduce
+    gradients on every micro-step (saves memory, costs communication).
+    """
+
+    num_steps: Optional[int] = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders shard and place data.
+
+    split_batches: the loader's batch size is the global one and is split across processes.
+    dispatch_batches: rank 0 reads every batch and sends each rank its slice (default: True for
+    iterable datasets, False otherwise). even_batches: pad the end so every rank gets the same
+    number of batches. use_seedable_sampler: kept for compatibility; hasten always makes shuffling
+    reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
+    across ranks at prepare time). non_blocking: asynchronous host-to-device copies.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = True
+    data_seed: Optional[int] = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a run writes its checkpoints and logs."""
+
+    project_dir: Optional[str] = None
+    logging_dir: Optional[str] = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: Optional[int] = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: Optional[str] = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self) -> None:
+        if self.project_dir is not None:
+            self.project_dir = os.fspath(self.project_dir)
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None and self.total_limit < 1:
+            raise ValueError(
+                f"ProjectConfiguration(total_limit={self.total_limit}) would delete every checkpoint; "
+                "use a positive number or None to keep all"
+            )
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """Settings for ``torch.compile`` of prepared models (backend "no" disables it)."""
+
+    backend: str = "no"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    options: Any = None
+    disable: bool = False
+
+    def __post_init__(self) -> None:
+        self.backend = str(self.backend).lower()
+
+    def to_compile_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.mode is not None:
+            kw["mode"] = self.mode
+        if self.options is not None:
+            kw["options"] = self.options
+        return kw
+
+
+# Kwargs handlers that the Accelerator accepts, by class.
+KWARGS_HANDLERS: tuple[type, ...] = (
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    AutocastKwargs,
+)
+
+Callback = Callable[..., Any]

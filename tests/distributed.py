@@ -1,0 +1,130 @@
+"""Run check functions in real processes (2 ranks over gloo) and report per rank.
+
+One launch runs every ``check_*`` function of a module in the same processes, so the ~2 s
+start-up of each process is paid once per module, not once per test. Each rank writes one JSON
+line per check as it finishes; a test then judges what each rank *reported*, so a rank that
+aborts during teardown (a known gloo quirk) cannot make a passing check fail.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_names(module_name: str) -> list[str]:
+    module = importlib.import_module(module_name)
+    return [n for n in vars(module) if n.startswith("check_") and callable(getattr(module, n))]
+
+
+class Report:
+    def __init__(self, world_size: int, results: list[dict], logs: list[str]):
+        self.world_size = world_size
+        self.results = results  # per rank: name -> {"ok", "error", "value"}
+        self.logs = logs
+
+    def assert_passed(self, name: str) -> list:
+        values = []
+        for rank in range(self.world_size):
+            res = self.results[rank].get(name)
+            if res is None:
+                raise AssertionError(f"rank {rank} never reported {name}; its log:\n{self.logs[rank][-4000:]}")
+            if not res["ok"]:
+                raise AssertionError(f"{name} failed on rank {rank}:\n{res['error']}")
+            values.append(res.get("value"))
+        return values
+
+
+def run_checks(module_name: str, world_size: int = 2, env: Optional[dict] = None, timeout: float = 900,
+               only: Optional[list[str]] = None) -> Report:
+    """Start ``world_size`` processes (torchrun's variables) that run the module's checks."""
+    out = tempfile.mkdtemp(prefix="hasten-checks-")
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        penv = dict(os.environ)
+        penv.update(env or {})
+        penv.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HASTEN_TEST_TMP=out, OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([HERE, penv.get("PYTHONPATH", "")]),
+        )
+        if world_size == 1:
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                penv.pop(key)
+        log = open(os.path.join(out, f"log{rank}.txt"), "w")
+        cmd = [sys.executable, os.path.join(HERE, "distributed.py"), module_name, out, str(rank)]
+        if only:
+            cmd += only
+        procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
+        logs.append(log)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for log in logs:
+        log.close()
+    results, texts = [], []
+    for rank in range(world_size):
+        path = os.path.join(out, f"rank{rank}.jsonl")
+        res = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    item = json.loads(line)
+                    res[item["name"]] = item
+        results.append(res)
+        with open(os.path.join(out, f"log{rank}.txt")) as f:
+            texts.append(f.read())
+    return Report(world_size, results, texts)
+
+
+def _worker(module_name: str, out: str, rank: int, only: list[str]) -> None:
+    import torch.distributed as dist
+
+    from hasten.state import AcceleratorState, GradientState, PartialState
+
+    state = PartialState(timeout=timedelta(seconds=120))
+    module = importlib.import_module(module_name)
+    names = only or check_names(module_name)
+    with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
+        for name in names:
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+            try:
+                value = getattr(module, name)()
+                item = {"name": name, "ok": True, "value": value}
+            except BaseException:  # noqa: BLE001 - report everything, keep going
+                item = {"name": name, "ok": False, "error": traceback.format_exc()}
+            try:
+                json.dumps(item)
+            except TypeError:
+                item["value"] = repr(item.get("value"))
+            f.write(json.dumps(item) + "\n")
+            f.flush()
+            if state.use_distributed:
+                dist.barrier()
+    state.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])
