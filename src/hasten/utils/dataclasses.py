@@ -88,6 +88,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def to_dict(self, ignore_keys=("comm_hook", "comm_wrapper", "comm_state_option")) -> dict[str, Any]:
         return {k: v for k, v in super().to_dict().items() if k not in ignore_keys}
 
+    def to_kwargs_for_ddp(self) -> dict[str, Any]:
+        """The changed fields that ``DistributedDataParallel`` itself takes."""
+        return {k: v for k, v in self.to_kwargs().items() if k not in ("comm_hook", "comm_wrapper", "comm_state_option")}
+
     def register_comm_hook(self, model) -> None:
         """Install the chosen gradient-communication hook on a DDP model."""
         hook = DDPCommunicationHookType(self.comm_hook)

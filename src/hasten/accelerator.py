@@ -1,0 +1,604 @@
+"""``Accelerator``: the thin facade a training script talks to.
+
+It owns no mechanism of its own: process state (``state``), precision (``precision``), the parallel
+strategy (``strategies``), data sharding (``data_loader``), collectives (``utils.operations``) and
+saving (``saving``) each live in their own module; this class wires them together under
+Accelerate's public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .optimizer import AcceleratedOptimizer
+from .precision import Precision
+from .process_control import ProcessControlMixin
+from .scheduler import AcceleratedScheduler
+from .state import AcceleratorState, GradientState, warn_once
+from .strategies import foreign_wrapper, select_strategy
+from .utils.dataclasses import (
+    KWARGS_HANDLERS,
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
+from .utils.environment import get_env, parse_flag, parse_int
+
+_LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+
+
+def _dynamo_from_env() -> Optional[TorchDynamoPlugin]:
+    backend = (get_env("DYNAMO_BACKEND") or "no").lower()
+    if backend == "no":
+        return None
+    return TorchDynamoPlugin(backend=backend, mode=get_env("DYNAMO_MODE"),
+                             fullgraph=parse_flag("DYNAMO_USE_FULLGRAPH"),
+                             dynamic=parse_flag("DYNAMO_USE_DYNAMIC") if get_env("DYNAMO_USE_DYNAMIC") else None)
+
+
+class Accelerator(ProcessControlMixin):
+    """Adapts a plain PyTorch training loop to the current hardware and number of processes.
+
+    The arguments keep Accelerate's names and defaults. Settings left at their default are read
+    from ``HASTEN_*`` (else ``ACCELERATE_*``) environment variables set by ``hasten launch``.
+
+    Args:
+        device_placement: move prepared models and batches to ``accelerator.device``.
+        mixed_precision: "no", "fp16", "bf16" (or "fp8", which fails clearly for now).
+        gradient_accumulation_steps: micro-steps per optimizer step (>= 1).
+        cpu: force the CPU even when an accelerator is present.
+        dataloader_config: how prepared dataloaders shard data (``DataLoaderConfiguration``).
+        rng_types: RNGs synchronised at the start of each epoch of a prepared dataloader.
+        log_with: experiment trackers (none are bundled yet; ``None`` disables tracking).
+        project_dir / project_config: where checkpoints and logs go.
+        gradient_accumulation_plugin: full control of accumulation (exclusive with the steps argument).
+        step_scheduler_with_optimizer: step prepared schedulers only when the optimizer really steps.
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
+            ``InitProcessGroupKwargs``, ``AutocastKwargs``.
+        dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        rng_types: Optional[Sequence[str]] = None,
+        log_with: Any = None,
+        project_dir: Optional[str] = None,
+        project_config: Optional[ProjectConfiguration] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[Sequence[Any]] = None,
+        dynamo_backend: Optional[str] = None,
+        dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+        **legacy: Any,
+    ) -> None:
+        handlers = self._collect_handlers(kwargs_handlers)
+        dataloader_config = self._merge_legacy_data_kwargs(dataloader_config, legacy)
+        plugin = self._accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+        if dynamo_plugin is None:
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend) if dynamo_backend else _dynamo_from_env()
+        if dynamo_plugin is not None and dynamo_plugin.backend == "no":
+            dynamo_plugin = None
+        if fsdp_plugin is None and parse_flag("USE_FSDP"):
+            fsdp_plugin = "from-environment"
+        if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
+            deepspeed_plugin = "from-environment"
+
+        pg_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs()).to_kwargs()
+        self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
+                                      fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
+        self.gradient_state = GradientState(plugin)
+        self.precision = Precision(self.state.mixed_precision, self.state.device,
+                                   handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs))
+        self.strategy = select_strategy(self.state, ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
+        self.device_placement = device_placement
+        self.dataloader_config = dataloader_config
+        self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(project_dir)
+        self.log_with = self._check_trackers(log_with)
+        self.trackers: list[Any] = []
+        self.step = 0  # micro-steps inside the current accumulation window
+        # What prepare() handed out; a checkpoint saves exactly these (in order).
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[Any] = []
+        self._custom_objects: list[Any] = []
+        self._prepared: dict[int, Any] = {}  # id(input or output) -> output, so prepare is idempotent
+        self.flag_tensor: Optional[torch.Tensor] = None
+
+    # -- construction helpers -------------------------------------------------------------------
+    @staticmethod
+    def _collect_handlers(kwargs_handlers: Optional[Sequence[Any]]) -> dict[type, Any]:
+        found: dict[type, Any] = {}
+        for handler in kwargs_handlers or ():
+            kind = next((k for k in KWARGS_HANDLERS if isinstance(handler, k)), None)
+            if kind is None:
+                names = ", ".join(k.__name__ for k in KWARGS_HANDLERS)
+                raise TypeError(f"kwargs_handlers got {handler!r}, which is not one of {names}")
+            if kind in found:
+                raise ValueError(f"kwargs_handlers holds two {kind.__name__} objects; pass one and merge the settings")
+            found[kind] = handler
+        return found
+
+    @staticmethod
+    def _merge_legacy_data_kwargs(config: Optional[DataLoaderConfiguration], legacy: dict[str, Any]) -> DataLoaderConfiguration:
+        unknown = set(legacy) - set(_LEGACY_DATA_KWARGS)
+        if unknown:
+            raise TypeError(f"Accelerator() got unexpected keyword argument(s) {sorted(unknown)}")
+        config = config or DataLoaderConfiguration()
+        for key, value in legacy.items():
+            warnings.warn(f"Accelerator({key}=...) is deprecated; pass dataloader_config=DataLoaderConfiguration({key}=...)",
+                          FutureWarning, stacklevel=3)
+            setattr(config, key, value)
+        return config
+
+    @staticmethod
+    def _accumulation_plugin(steps: Any, plugin: Optional[GradientAccumulationPlugin]) -> GradientAccumulationPlugin:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={steps!r} is invalid; use a whole number >= 1 (1 = no accumulation)"
+            )
+        if plugin is not None:
+            if steps != 1:
+                raise ValueError(
+                    "both gradient_accumulation_steps and gradient_accumulation_plugin were given; "
+                    "set num_steps in the plugin only"
+                )
+            if plugin.num_steps is None or plugin.num_steps < 1:
+                raise ValueError(f"GradientAccumulationPlugin(num_steps={plugin.num_steps!r}) needs a whole number >= 1")
+            return plugin
+        if steps == 1:
+            steps = parse_int("GRADIENT_ACCUMULATION_STEPS", 1)
+            if steps < 1:
+                raise ValueError(f"HASTEN_GRADIENT_ACCUMULATION_STEPS={steps} is invalid; use a whole number >= 1")
+        return GradientAccumulationPlugin(num_steps=steps)
+
+    @staticmethod
+    def _check_trackers(log_with: Any) -> list[Any]:
+        if log_with in (None, [], ()):
+            return []
+        raise NotImplementedError(
+            f"log_with={log_with!r}: experiment trackers are not bundled with hasten yet; "
+            "remove log_with (or log from your script on accelerator.is_main_process)"
+        )
+
+    # -- read-only views ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self):
+        return self.state.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.state.mixed_precision
+
+    @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        return self.precision.scaler
+
+    @property
+    def native_amp(self) -> bool:
+        return self.precision.enabled
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin_kwargs["num_steps"] = self._accumulation_plugin(steps, None).num_steps
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 gradients overflowed)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> Optional[bool]:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    # -- prepare --------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Optional[Sequence[Optional[bool]]] = None) -> Any:
+        """Prepare models, optimizers, schedulers and dataloaders; returns them in the order given.
+
+        Models and dataloaders are prepared first, then optimizers (which may need the wrapped
+        model), then schedulers (which follow the prepared optimizers). Anything else is returned
+        unchanged. Preparing an already prepared object returns it as is.
+        """
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects; give one per object"
+            )
+        result = list(args)
+        passes = (
+            (nn.Module, self.prepare_model), (torch.utils.data.DataLoader, self.prepare_data_loader),
+            (torch.optim.Optimizer, self.prepare_optimizer), (_scheduler_types(), self.prepare_scheduler),
+        )
+        for kinds, prepare_one in passes:
+            for i, obj in enumerate(args):
+                if isinstance(obj, kinds):
+                    kw = {} if prepare_one is self.prepare_scheduler else {"device_placement": device_placement[i]}
+                    result[i] = prepare_one(obj, **kw)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _already(self, obj: Any) -> Any:
+        return self._prepared.get(id(obj))
+
+    def _remember(self, original: Any, prepared: Any) -> Any:
+        self._prepared[id(original)] = prepared
+        self._prepared[id(prepared)] = prepared
+        return prepared
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Move ``model`` to the device, add autocast for mixed precision, wrap it for the strategy."""
+        done = self._already(model)
+        if done is not None:
+            return done
+        wrapper = foreign_wrapper(model)
+        if wrapper is not None:
+            raise ValueError(
+                f"prepare() got a model already wrapped in {wrapper}; pass the plain nn.Module "
+                f"(e.g. model.module) and let hasten wrap it for {self.distributed_type}"
+            )
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement and not any(p.is_meta for p in model.parameters()):
+            model = model.to(self.device)
+        self.precision.wrap_forward(model)
+        prepared = model if evaluation_mode else self.strategy.wrap_model(model)
+        dynamo = self.state.dynamo_plugin
+        if dynamo is not None and not dynamo.disable:
+            prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
+        self._models.append(prepared)
+        return self._remember(model, prepared)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so it follows gradient-sync steps and the fp16 scaler."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        done = self._already(optimizer)
+        if done is not None:
+            return done
+        if device_placement is None:
+            device_placement = self.device_placement
+        inner = self.strategy.prepare_optimizer(optimizer)
+        prepared = AcceleratedOptimizer(inner, device_placement=device_placement, precision=self.precision)
+        self._optimizers.append(prepared)
+        return self._remember(optimizer, prepared)
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap an LR scheduler so it steps with its optimizer (see ``hasten.scheduler``)."""
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        done = self._already(scheduler)
+        if done is not None:
+            return done
+        target = getattr(scheduler, "optimizer", None)
+        owners = [o for o in self._optimizers if target is o or target is o.optimizer] or self._optimizers
+        prepared = AcceleratedScheduler(scheduler, owners, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                        split_batches=self.split_batches)
+        self._schedulers.append(prepared)
+        return self._remember(scheduler, prepared)
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: Optional[bool] = None,
+                            slice_fn_for_dispatch: Optional[Callable] = None) -> Any:
+        """Shard ``data_loader`` across processes and move its batches to the device."""
+        from .data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
+
+        if isinstance(data_loader, (DataLoaderShard, DataLoaderDispatcher)):
+            return data_loader
+        done = self._already(data_loader)
+        if done is not None:
+            return done
+        if device_placement is None:
+            device_placement = self.device_placement
+        cfg = self.dataloader_config
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
+            split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
+            data_seed=cfg.data_seed, non_blocking=cfg.non_blocking, use_stateful_dataloader=cfg.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return self._remember(data_loader, prepared)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A loader that starts after ``num_batches`` batches of ``dataloader`` (for resuming)."""
+        from .data_loader import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches=num_batches)
+
+    # -- the training step ----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` divided by the accumulation steps and scaled for fp16."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+
+    def _do_sync(self) -> None:
+        gs = self.gradient_state
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
+            self.step = 0
+            gs._set_sync_gradients(True)
+        else:
+            self.step += 1
+            gs._set_sync_gradients(self.step % gs.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accumulate gradients over micro-steps: no all-reduce until the N-th step (or the last batch)."""
+        self._do_sync()
+        skip_sync = not self.sync_gradients and not self.gradient_state.sync_each_batch
+        with contextlib.ExitStack() as stack:
+            if skip_sync:
+                for model in models:
+                    stack.enter_context(self.strategy.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip gradient synchronisation in backward passes run inside this block."""
+        with self.strategy.no_sync(model):
+            yield
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> None:
+        """Make the next backward synchronise gradients even inside ``no_sync``."""
+        self.strategy.trigger_sync_in_backward(model)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
+        """Let DDP models train on ranks that run out of batches at different times."""
+        if not self.use_distributed:
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        saved = self.even_batches
+        if even_batches is not None:
+            self.even_batches = even_batches
+            for dl in self._dataloaders:
+                if hasattr(dl, "set_even_batches"):
+                    dl.set_even_batches(even_batches)
+        try:
+            with Join(list(joinables)):
+                yield
+        finally:
+            self.even_batches = saved
+            for dl in self._dataloaders:
+                if even_batches is not None and hasattr(dl, "set_even_batches"):
+                    dl.set_even_batches(saved)
+
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None) -> contextlib.AbstractContextManager:
+        """Run the block under the configured mixed precision (e.g. a loss outside the model)."""
+        return self.precision.autocast(autocast_handler)
+
+    def unscale_gradients(self, optimizer: Optional[Union[AcceleratedOptimizer, Sequence[AcceleratedOptimizer]]] = None) -> None:
+        """Divide fp16 gradients by the loss scale (at most once per step; no-op otherwise)."""
+        if optimizer is None:
+            optimizers = self._optimizers
+        else:
+            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in optimizers:
+            self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def _clip_allowed(self, what: str) -> bool:
+        if self.sync_gradients:
+            return True
+        # Clipping a partial accumulation would change the result (and unscaling it would break
+        # fp16); Accelerate does both. We wait for the sync step.
+        warn_once(f"{what} called on a gradient-accumulation micro-step: skipped until the sync step "
+                  "(guard it with `if accelerator.sync_gradients:`)")
+        return False
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """Unscale (once) and clip gradients; returns the total norm before clipping.
+
+        On accumulation micro-steps nothing is clipped and ``None`` is returned.
+        """
+        if not self._clip_allowed("clip_grad_norm_"):
+            return None
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale (once) and clamp every gradient to ``[-clip_value, clip_value]``."""
+        if self._clip_allowed("clip_grad_value_"):
+            self.unscale_gradients()
+            self.strategy.clip_grad_value_(parameters, clip_value)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate (nested) tensors from all processes along the first dimension."""
+        from .utils.operations import gather
+
+        return gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation: exactly the dataset's samples, without the padding duplicates."""
+        from .data_loader import gather_for_metrics
+
+        return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce (nested) tensors over processes: "sum", "mean", "max" or "min"."""
+        from .utils.operations import reduce
+
+        return reduce(tensor, reduction=reduction, scale=scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad (nested) tensors to the largest size over processes along ``dim``."""
+        from .utils.operations import pad_across_processes
+
+        return pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process that ``check_trigger`` sees on every process."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called ``set_trigger`` (then the flag is reset)."""
+        from .utils.operations import reduce
+
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        fired = reduce(self.flag_tensor, reduction="sum")
+        if int(fired.item()) >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    # -- models and weights ---------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+        """The user's module inside the wrappers that ``prepare`` added."""
+        compiled = model if hasattr(model, "_orig_mod") else None
+        inner = model._orig_mod if compiled is not None else model
+        inner = self.strategy.unwrap_model(inner)
+        while foreign_wrapper(inner) in ("DistributedDataParallel", "DataParallel"):
+            inner = inner.module
+        if not keep_fp32_wrapper:
+            Precision.unwrap_forward(inner)
+        if compiled is not None and keep_torch_compile:
+            compiled._orig_mod = inner
+            return compiled
+        return inner
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict, as the strategy reassembles it."""
+        if unwrap:
+            return self.strategy.model_state_dict(self.unwrap_model(model, keep_torch_compile=False))
+        return model.state_dict()
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Write ``obj`` once (main process, or once per node with ``save_on_each_node``), atomically."""
+        from .saving import save
+
+        save(obj, f, save_on_each_node=self.project_configuration.save_on_each_node, safe_serialization=safe_serialization)
+
+    def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Union[int, str] = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Write the model's weights (safetensors by default, sharded with an index when large)."""
+        from .saving import save_model
+
+        state_dict = self.get_state_dict(model)
+        save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
+                   is_main_process=self.is_main_process)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Add objects (with ``state_dict``/``load_state_dict``) to what ``save_state`` will store."""
+        for i, obj in enumerate(objects):
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(
+                    f"register_for_checkpointing: object at position {i} ({type(obj).__name__}) has no "
+                    "state_dict()/load_state_dict(); wrap it in a class that provides both"
+                )
+        self._custom_objects.extend(objects)
+
+    # -- tracking (no trackers bundled yet) -----------------------------------------------------
+    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None) -> None:
+        """Start the trackers given in ``log_with`` (none are configured: nothing to do)."""
+
+    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        """Send ``values`` to the trackers (none are configured: nothing to do)."""
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        raise ValueError(f"no tracker named {name!r}: log_with was not set")
+
+    # -- ending ---------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop every reference this Accelerator holds (and to ``objects``) and empty device caches."""
+        from .utils.memory import release_memory
+
+        for tracker in self.trackers:
+            getattr(tracker, "finish", lambda: None)()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._prepared.clear()
+        self.step = 0
+        return release_memory(*objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Finish trackers, wait for every process and tear the process group down."""
+        for tracker in self.trackers:
+            getattr(tracker, "finish", lambda: None)()
+        self.wait_for_everyone()
+        self.state.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \
+               f"mixed_precision={self.mixed_precision!r})"
+
+
+def _scheduler_types() -> tuple[type, ...]:
+    kinds: list[type] = [torch.optim.lr_scheduler.LRScheduler]
+    plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
+    if plateau is not None and plateau not in kinds:
+        kinds.append(plateau)
+    return tuple(kinds)

@@ -1,0 +1,116 @@
+"""The prepared optimizer: steps and zeroes only on gradient-sync steps, reports fp16 skips."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .precision import Precision
+from .state import GradientState, PartialState
+
+
+def _move_state_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move optimizer state (e.g. Adam moments loaded on CPU) next to the parameters."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device and key != "step":
+                state[key] = value.to(device)
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim.Optimizer`` for gradient accumulation and mixed precision.
+
+    ``step()`` and ``zero_grad()`` do nothing on micro-steps that accumulate gradients (inside
+    ``accelerator.accumulate`` before the sync step), so the training loop stays unchanged. With
+    fp16, ``step()`` goes through the gradient scaler and ``step_was_skipped`` tells whether the
+    update was dropped because of inf/NaN gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = True,
+                 precision: Optional[Precision] = None) -> None:
+        # No super().__init__: every attribute the base class would set lives on the inner optimizer.
+        self.optimizer = optimizer
+        self.precision = precision
+        self.gradient_state = GradientState()
+        self.device_placement = device_placement
+        self._step_was_skipped = False
+        if device_placement:
+            _move_state_to(optimizer, PartialState().device)
+
+    # The inner optimizer's attributes, so schedulers and user code see the real thing.
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        if self.device_placement:
+            _move_state_to(self.optimizer, PartialState().device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            self._step_was_skipped = False
+            return
+        if self.precision is None:
+            self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            self._step_was_skipped = False
+        else:
+            self._step_was_skipped = self.precision.optimizer_step(self.optimizer, closure)
+
+    def train(self) -> None:
+        """For optimizers with train/eval modes (e.g. schedule-free ones)."""
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last sync step was skipped because fp16 gradients overflowed."""
+        return self._step_was_skipped
+
+    @property
+    def is_overflow(self) -> bool:  # Accelerate's older name
+        return self._step_was_skipped
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

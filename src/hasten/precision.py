@@ -1,0 +1,162 @@
+"""Mixed precision: which dtype autocast uses, and the gradient scaler fp16 needs.
+
+One object per Accelerator. It validates the request against the hardware up front (a precision
+the device cannot do is an error, never a silent fallback) and owns the unscale-once-per-step
+bookkeeping that clipping relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import MethodType
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .utils.dataclasses import AutocastKwargs, GradScalerKwargs
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_precision_supported(mode: str, device: torch.device) -> None:
+    """Raise if ``device`` cannot run ``mode``; the message says what to use instead."""
+    if mode == "fp8":
+        raise NotImplementedError(
+            "mixed_precision='fp8' needs an fp8 backend (TransformerEngine, torchao or MS-AMP), which hasten "
+            "does not ship yet; use mixed_precision='bf16' (or 'fp16')"
+        )
+    if mode == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(
+                f"mixed_precision='bf16' is not supported by {name} (needs compute capability 8.0+); "
+                "use mixed_precision='fp16' or 'no'"
+            )
+        if device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+            raise ValueError("mixed_precision='bf16' on MPS needs macOS 14 or newer; use 'fp16' or 'no'")
+    if mode == "fp16" and device.type not in ("cuda", "cpu", "xpu", "mps", "npu", "hpu", "mlu", "musa"):
+        raise ValueError(f"mixed_precision='fp16' is not supported on device {device}; use 'bf16' or 'no'")
+
+
+class Precision:
+    """Autocast settings and (for fp16) a ``torch.amp.GradScaler``.
+
+    Args:
+        mode: "no", "fp16", "bf16" or "fp8".
+        device: the device the model runs on.
+        scaler_kwargs: arguments for the gradient scaler (fp16 only).
+        autocast_kwargs: default arguments of ``autocast()``.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        device: torch.device,
+        scaler_kwargs: Optional[GradScalerKwargs] = None,
+        autocast_kwargs: Optional[AutocastKwargs] = None,
+    ) -> None:
+        check_precision_supported(mode, device)
+        self.mode = mode
+        self.device = device
+        self.dtype: Optional[torch.dtype] = _DTYPES.get(mode)
+        self.autocast_kwargs = autocast_kwargs or AutocastKwargs()
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if mode == "fp16":
+            # Accelerate ignores fp16 on CPU; we scale there too, so overflow handling is the same
+            # on every device.
+            kw = (scaler_kwargs or GradScalerKwargs()).to_dict()
+            self.scaler = torch.amp.GradScaler(device.type, **kw)
+        self._unscaled: set[int] = set()  # ids of optimizers already unscaled this step
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None) -> contextlib.AbstractContextManager:
+        """Context in which eligible ops run in the low-precision dtype (no-op without mixed precision)."""
+        handler = autocast_handler or self.autocast_kwargs
+        if not self.enabled or not handler.enabled:
+            return contextlib.nullcontext()
+        kw: dict[str, Any] = {"dtype": self.dtype}
+        if handler.cache_enabled is not None:
+            kw["cache_enabled"] = handler.cache_enabled
+        return torch.autocast(device_type=self.device.type, **kw)
+
+    def wrap_forward(self, model: torch.nn.Module) -> None:
+        """Make ``model.forward`` run under autocast and return fp32 outputs (idempotent)."""
+        if not self.enabled or hasattr(model, "_hasten_original_forward"):
+            return
+        from .utils.operations import convert_outputs_to_fp32
+
+        original = model.forward
+        inner = original.__func__ if isinstance(original, MethodType) else original
+        autocast = self.autocast
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast():
+                return inner(*args, **kwargs)
+
+        forward = convert_outputs_to_fp32(forward)
+        model._hasten_original_forward = original
+        model.forward = MethodType(forward, model) if isinstance(original, MethodType) else forward
+
+    @staticmethod
+    def unwrap_forward(model: torch.nn.Module) -> None:
+        original = model.__dict__.pop("_hasten_original_forward", None)
+        if original is not None:
+            if isinstance(original, MethodType) and original.__self__ is model:
+                model.__dict__.pop("forward", None)  # fall back to the class's forward
+            else:
+                model.forward = original
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients of ``optimizer`` once per step; later calls are no-ops."""
+        if self.scaler is None or id(optimizer) in self._unscaled:
+            return
+        self.scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Step ``optimizer`` through the scaler; returns True if the step was skipped (inf/NaN)."""
+        if self.scaler is None:
+            optimizer.step(closure) if closure is not None else optimizer.step()
+            return False
+        stepped = []
+        original = optimizer.step
+        patched_before = "step" in optimizer.__dict__  # e.g. an LR scheduler's step counter
+
+        @functools.wraps(original)
+        def recording_step(*args: Any, **kwargs: Any) -> Any:
+            stepped.append(True)
+            return original(*args, **kwargs)
+
+        optimizer.step = recording_step  # the scaler calls optimizer.step only for finite gradients
+        try:
+            self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
+        finally:
+            if patched_before:
+                optimizer.step = original
+            else:
+                del optimizer.step
+        self.scaler.update()
+        self._unscaled.discard(id(optimizer))
+        return not stepped
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Leave any surrounding autocast region (e.g. for a loss that must run in fp32)."""
+    with torch.autocast(device_type="cpu", enabled=False), torch.autocast(device_type="cuda", enabled=False):
+        yield

@@ -1,0 +1,578 @@
+"""Writing weights and objects safely: atomic files, ``save``, ``save_model`` and loading back.
+
+Every file goes to a temporary name in its own directory, is flushed and fsynced, then renamed over
+the destination (and the directory fsynced), so a crash leaves the old file or the new one, never a
+torn one. Weights use safetensors by default and transformers' file names, so a directory written
+by ``save_model`` loads with ``from_pretrained`` and a ``save_pretrained`` directory loads here.
+
+Torch, safetensors and the process state are imported inside the functions: ``atomic_write`` is
+also meant for light callers (the CLI writing configs) that must not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import tempfile
+import uuid
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Metadata keys (safetensors header and index "metadata"): dropped tied names -> the kept name, and
+# an id shared by the shards and the index of one save, to detect a mix left by an interrupted save.
+ALIASES_KEY = "hasten_aliases"
+SAVE_ID_KEY = "hasten_save_id"
+# Files a save_model call owns in its directory; anything else there (configs, ...) is left alone.
+_WEIGHT_FILE = re.compile(
+    r"model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin"
+    r"|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json"
+)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_LIST_LIMIT = 20
+
+
+# -- atomic files ---------------------------------------------------------------------------------
+@contextmanager
+def atomic_path(path: PathLike) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; when the block succeeds, it replaces ``path``.
+
+    For writers that want a file name (``torch.save``, safetensors' ``save_file``). The data is
+    fsynced before the rename and the directory after it. If the block raises, the temporary file
+    is removed and an existing ``path`` is untouched. Symbolic links are written through.
+    """
+    target = os.path.realpath(os.fspath(path))
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"cannot write {os.fspath(path)!r}: its directory {directory!r} does not exist; create it first"
+        )
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"cannot write {os.fspath(path)!r}: it is a directory; pass a file path")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        _copy_mode(tmp, target)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+@contextmanager
+def atomic_write(path: PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterator[IO]:
+    """Open ``path`` for writing so that it appears complete or not at all.
+
+    Yields a file object on a temporary file in the same directory; on success the data is flushed,
+    fsynced and renamed over ``path``. If the block raises, the temporary file is removed and the
+    previous ``path`` (if any) is unchanged. Text modes default to UTF-8.
+    """
+    if not mode.startswith("w") or any(c in mode for c in "ax+r"):
+        raise ValueError(f"atomic_write mode={mode!r} is not a write mode; use 'wb' or 'w' (appending cannot be atomic)")
+    if "b" not in mode:
+        open_kwargs.setdefault("encoding", "utf-8")
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, **open_kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_atomically(path: PathLike, writer: Callable[[str], Any]) -> None:
+    """Call ``writer(tmp_path)`` and atomically move what it wrote to ``path`` (see ``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        writer(tmp)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: str) -> None:
+    # Makes the rename itself durable; not possible on Windows, and some filesystems refuse it.
+    if os.name == "nt":
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _copy_mode(tmp: str, target: str) -> None:
+    # mkstemp makes 0600 files; give the result the permissions a plain open() would have.
+    try:
+        mode = os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+    except OSError:
+        pass
+
+
+_UMASK: list[int] = []
+
+
+def _umask() -> int:
+    if not _UMASK:
+        value = None
+        try:  # Linux: read it without changing it (os.umask is process-wide and racy)
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("Umask:"):
+                        value = int(line.split()[1], 8)
+        except (OSError, ValueError):
+            pass
+        if value is None:
+            value = os.umask(0o022)
+            os.umask(value)
+        _UMASK.append(value)
+    return _UMASK[0]
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes from an int or a string such as ``"10GB"``, ``"500MB"``, ``"1GiB"``, ``"200KB"``.
+
+    KB/MB/GB/TB are powers of 1000 (as in transformers), KiB/MiB/GiB/TiB powers of 1024.
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"max_shard_size={size!r} must be an int (bytes) or a string like '10GB' or '500MiB'")
+    if isinstance(size, int):
+        value = size
+    else:
+        match = _SIZE.fullmatch(size)
+        if not match:
+            raise ValueError(
+                f"max_shard_size={size!r} is not a size; write a number and a unit like '10GB', '500MB', "
+                "'1GiB' or '200KB' (KB/MB/GB/TB = 1000^n bytes, KiB/MiB/GiB/TiB = 1024^n)"
+            )
+        value = int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be more than 0 bytes, e.g. '10GB'")
+    return value
+
+
+# -- preparing tensors ----------------------------------------------------------------------------
+def _same_view(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset())
+
+
+def find_aliases(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: earlier name}`` for every entry that is the very same tensor view as an earlier one.
+
+    Tied weights (``lm_head.weight`` is ``embed.weight``) show up this way in ``state_dict()``.
+    """
+    import torch
+
+    groups: dict[Any, list[str]] = {}
+    aliases: dict[str, str] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        if value.device.type == "meta":  # no storage: only the same object is the same tensor
+            key: Any = ("id", id(value))
+        else:
+            key = (value.device, value.untyped_storage().data_ptr())
+        group = groups.setdefault(key, [])
+        twin = next((other for other in group if _same_view(state_dict[other], value)), None)
+        if twin is None:
+            group.append(name)
+        else:
+            aliases[name] = twin
+    return aliases
+
+
+def _prepare(state_dict: Mapping[str, Any], safe: bool, what: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Kept entries as compact contiguous CPU tensors (each with its own storage) and the aliases."""
+    import torch
+
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{what} needs a dict of tensors (a state dict), got a {type(state_dict).__name__}")
+    bad_keys = [k for k in state_dict if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"{what}: state dict keys must be strings, got {_listing(bad_keys)}")
+    non_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if safe and non_tensors:
+        raise TypeError(
+            f"{what}: safetensors stores only tensors, but {_listing(non_tensors)} are not tensors; "
+            "remove them or pass safe_serialization=False"
+        )
+    on_meta = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"{what}: {_listing(on_meta)} are on the meta device (no data); load or materialise the "
+            "weights (e.g. via the accelerator's get_state_dict) before saving"
+        )
+    aliases = find_aliases(state_dict)
+    owners: dict[Any, int] = {}
+    for name, value in state_dict.items():
+        if name not in aliases and isinstance(value, torch.Tensor) and value.numel():
+            key = (value.device, value.untyped_storage().data_ptr())
+            owners[key] = owners.get(key, 0) + 1
+    kept: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if name in aliases:
+            continue
+        if not isinstance(value, torch.Tensor):
+            kept[name] = value
+            continue
+        tensor = value.detach().to("cpu").contiguous()
+        shares = value.numel() and owners[(value.device, value.untyped_storage().data_ptr())] > 1
+        if tensor.untyped_storage().nbytes() != tensor.nbytes or (
+            shares and tensor.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+        ):
+            # A view into a bigger or shared storage: safetensors refuses shared storage and
+            # torch.save would write the whole storage, so give it its own compact copy.
+            tensor = tensor.clone()
+        kept[name] = tensor
+    return kept, aliases
+
+
+def _listing(names: list) -> str:
+    shown = ", ".join(repr(n) for n in names[:_LIST_LIMIT])
+    more = len(names) - _LIST_LIMIT
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+# -- save -----------------------------------------------------------------------------------------
+def _writes_here(save_on_each_node: bool) -> bool:
+    from .state import PartialState
+
+    state = PartialState()
+    return state.is_local_main_process if save_on_each_node else state.is_main_process
+
+
+def save(obj: Any, f: Union[PathLike, IO[bytes]], save_on_each_node: bool = False,
+         safe_serialization: bool = False) -> None:
+    """Save ``obj`` to ``f`` once: on the main process, or on each node's main process.
+
+    Uses ``torch.save``, or safetensors with ``safe_serialization`` (``obj`` must then be a dict of
+    tensors without shared storage). A path is written atomically; a file object is written as is.
+    No collective is involved, so it may be called on every process or on the main one only; call
+    ``wait_for_everyone()`` before other processes read the file.
+    """
+    path: Optional[str] = None
+    if isinstance(f, (str, os.PathLike)):
+        path = os.fspath(f)
+    elif not hasattr(f, "write"):
+        raise TypeError(f"save(f={f!r}) needs a file path or a binary file object opened for writing")
+    if not _writes_here(save_on_each_node):
+        return
+    if safe_serialization:
+        from safetensors.torch import save as safe_bytes
+        from safetensors.torch import save_file
+
+        tensors, aliases = _prepare(obj, safe=True, what="save(safe_serialization=True)")
+        if aliases:
+            pairs = [f"{a!r} is {c!r}" for a, c in aliases.items()]
+            raise ValueError(
+                f"save(safe_serialization=True): safetensors cannot store tensors that share memory ({_listing(pairs)}); "
+                "use save_model, which records the ties, or clone one of each pair"
+            )
+        metadata = {"format": "pt"}
+        if path is None:
+            f.write(safe_bytes(tensors, metadata=metadata))  # type: ignore[union-attr]
+        else:
+            write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        return
+    import torch
+
+    if path is None:
+        torch.save(obj, f)
+    else:
+        write_atomically(path, lambda tmp: torch.save(obj, tmp))
+
+
+# -- save_model -----------------------------------------------------------------------------------
+def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shard_size: Union[int, str] = "10GB",
+               safe_serialization: bool = True, is_main_process: Optional[bool] = None) -> None:
+    """Write a state dict to ``save_directory`` with transformers' file names.
+
+    ``model.safetensors`` (``pytorch_model.bin`` when not ``safe_serialization``), or when larger than
+    ``max_shard_size`` the shards ``model-00001-of-0000N.safetensors`` ... plus
+    ``model.safetensors.index.json``. Tied names (the same tensor under two keys) are stored once;
+    with safetensors the dropped names are recorded under ``"hasten_aliases"`` in the file and index
+    metadata so that ``load_checkpoint_in_model`` restores them (``from_pretrained`` re-ties them
+    itself). Every file is written atomically, the index last; weight files of an earlier save in
+    the directory that this save does not use are removed afterwards. Only the main process writes
+    (``is_main_process``, default: ``PartialState().is_main_process``); no collective is involved.
+    """
+    limit = parse_size(max_shard_size)
+    directory = os.fspath(save_directory)
+    if os.path.isfile(directory):
+        raise NotADirectoryError(
+            f"save_directory={directory!r} is an existing file; pass a directory path (it is created if missing)"
+        )
+    if is_main_process is None:
+        is_main_process = _writes_here(False)
+    if not is_main_process:
+        return
+    safe = bool(safe_serialization)
+    kept, aliases = _prepare(state_dict, safe=safe, what="save_model")
+    os.makedirs(directory, exist_ok=True)
+
+    # Greedy shards in state-dict order; a tensor bigger than the limit gets a shard of its own.
+    shard_of: dict[str, int] = {}
+    sizes = [0]
+    for name, value in kept.items():
+        nbytes = getattr(value, "nbytes", 0)
+        if sizes[-1] and sizes[-1] + nbytes > limit:
+            sizes.append(0)
+        sizes[-1] += nbytes
+        shard_of[name] = len(sizes) - 1
+    count = len(sizes)
+    stem, ext = ("model", ".safetensors") if safe else ("pytorch_model", ".bin")
+    files = [stem + ext] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}{ext}" for i in range(1, count + 1)]
+    save_id = uuid.uuid4().hex
+
+    for index, filename in enumerate(files):
+        names = [n for n in state_dict if shard_of.get(n, shard_of.get(aliases.get(n, ""), -1)) == index]
+        target = os.path.join(directory, filename)
+        if safe:
+            from safetensors.torch import save_file
+
+            shard = {n: kept[n] for n in names if n in kept}
+            metadata = {"format": "pt"}
+            mine = {a: c for a, c in aliases.items() if c in shard}
+            if mine:
+                metadata[ALIASES_KEY] = json.dumps(mine, sort_keys=True)
+            if count > 1:
+                metadata[SAVE_ID_KEY] = save_id
+            write_atomically(target, lambda tmp, s=shard, m=metadata: save_file(s, tmp, metadata=m))
+        else:
+            import torch
+
+            # torch.save keeps one copy of a storage used under several names, so ties stay as keys.
+            shard = {n: kept[aliases.get(n, n)] for n in names}
+            write_atomically(target, lambda tmp, s=shard: torch.save(s, tmp))
+
+    keep = set(files)
+    if count > 1:
+        weight_map = {n: files[shard_of[aliases.get(n, n)]] for n in state_dict if not safe or n in kept}
+        index_meta: dict[str, Any] = {"total_size": sum(getattr(v, "nbytes", 0) for v in kept.values())}
+        if safe:
+            index_meta[SAVE_ID_KEY] = save_id
+            if aliases:
+                index_meta[ALIASES_KEY] = dict(aliases)
+        index_name = SAFE_WEIGHTS_INDEX_NAME if safe else WEIGHTS_INDEX_NAME
+        with atomic_write(os.path.join(directory, index_name), "w") as f:
+            f.write(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+        keep.add(index_name)
+    _remove_stale(directory, keep)
+
+
+def _remove_stale(directory: str, keep: set[str]) -> None:
+    """Remove weight files (our naming pattern only) left by an earlier save, once the new ones exist.
+
+    Both formats go: a loader prefers ``model.safetensors`` to ``pytorch_model.bin``, so a stale file
+    of the other format would shadow this save.
+    """
+    removed = False
+    for filename in os.listdir(directory):
+        full = os.path.join(directory, filename)
+        if filename not in keep and _WEIGHT_FILE.fullmatch(filename) and os.path.isfile(full):
+            try:
+                os.remove(full)
+                removed = True
+            except FileNotFoundError:
+                pass
+    if removed:
+        _fsync_dir(directory)
+
+
+# -- loading --------------------------------------------------------------------------------------
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint does not fit the model (missing or unexpected keys, other shapes)."""
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class _Source(NamedTuple):
+    path: str
+    safe: bool
+    shapes: dict[str, Optional[tuple]]  # name -> shape (None: not a tensor)
+    data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
+
+
+def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str]]:
+    """Names and shapes of one weights file, plus its recorded aliases and save id."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            metadata = f.metadata() or {}
+        aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
+        return _Source(path, True, shapes, None), aliases, metadata.get(SAVE_ID_KEY)
+    import torch
+
+    try:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # saved without the zip format: cannot be memory-mapped
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(
+            f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
+            f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
+            f"and call model.load_state_dict. Details: {e}"
+        ) from e
+    if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):
+        inner = [k for k, v in data.items() if isinstance(v, Mapping)] if isinstance(data, Mapping) else []
+        raise ValueError(
+            f"{path!r} is not a state dict (name -> tensor)"
+            + (f": {_listing(inner)} hold nested dicts; pass e.g. torch.load(...)[{inner[0]!r}] to "
+               "model.load_state_dict instead" if inner else f" but a {type(data).__name__}")
+        )
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in data.items()}
+    return _Source(path, False, shapes, dict(data)), {}, None
+
+
+def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, str]]:
+    path = os.fspath(checkpoint)
+    if os.path.isdir(path):
+        candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+        found = next((os.path.join(path, c) for c in candidates if os.path.isfile(os.path.join(path, c))), None)
+        if found is None:
+            raise FileNotFoundError(
+                f"checkpoint directory {path!r} holds none of {', '.join(candidates)}; pass the directory "
+                "given to save_model / save_pretrained, or the weights file itself"
+            )
+        path = found
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
+    if not path.endswith(".index.json"):
+        source, aliases, _ = _read_source(path)
+        return [source], aliases
+    with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise ValueError(f"index {path!r} has no 'weight_map'; it is not a sharded checkpoint index")
+    metadata = index.get("metadata") or {}
+    aliases = dict(metadata.get(ALIASES_KEY) or {})
+    save_id = metadata.get(SAVE_ID_KEY)
+    directory = os.path.dirname(path)
+    sources = []
+    for filename in dict.fromkeys(index["weight_map"].values()):
+        shard = os.path.join(directory, filename)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"index {path!r} lists shard {filename!r}, which is missing; the checkpoint is incomplete")
+        source, shard_aliases, shard_id = _read_source(shard)
+        if save_id is not None and shard_id is not None and shard_id != save_id:
+            raise RuntimeError(
+                f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
+                "save?); the checkpoint mixes two saves, save it again"
+            )
+        absent = [n for n, fn in index["weight_map"].items() if fn == filename and n not in source.shapes]
+        if absent:
+            raise ValueError(f"index {path!r} says {_listing(absent)} are in {filename!r}, but that file lacks them")
+        aliases.update(shard_aliases)
+        sources.append(source)
+    return sources, aliases
+
+
+def _unwrap(model: Any) -> Any:
+    import torch
+
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def load_checkpoint_in_model(model: "torch.nn.Module", checkpoint: PathLike, strict: bool = True) -> LoadResult:
+    """Load weights from a file (``.safetensors``, or ``.bin``/``.pt`` with ``weights_only=True``) or a
+    directory (single file or sharded index) into ``model``, in place.
+
+    Tied names dropped at save time are restored; a name the model ties to one that the checkpoint
+    has counts as present. Everything is checked before the model changes: missing or unexpected
+    keys (with ``strict``) and any shape difference raise one ``CheckpointMismatchError`` listing
+    them. Returns the missing and unexpected keys (non-empty only when ``strict=False``).
+    """
+    import torch
+
+    model = _unwrap(model)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_checkpoint_in_model needs a torch.nn.Module, got a {type(model).__name__}")
+    sources, aliases = _checkpoint_sources(checkpoint)
+    shapes: dict[str, Optional[tuple]] = {}
+    for source in sources:
+        for name, shape in source.shapes.items():
+            shapes.setdefault(name, shape)
+    restored = {a: c for a, c in aliases.items() if c in shapes and a not in shapes}
+    for alias, canonical in restored.items():
+        shapes[alias] = shapes[canonical]
+
+    expected = model.state_dict(keep_vars=True)
+    ties: dict[str, set[str]] = {}
+    for name, twin in find_aliases(expected).items():
+        group = ties.setdefault(twin, {twin}) | {name}
+        for member in group:
+            ties[member] = group
+    missing = [k for k in expected if k not in shapes and not (ties.get(k, set()) & shapes.keys())]
+    unexpected = [k for k in shapes if k not in expected]
+    mismatched = [
+        f"{k}: checkpoint {list(shapes[k])} vs model {list(expected[k].shape)}"
+        for k in shapes
+        if k in expected and shapes[k] is not None and isinstance(expected[k], torch.Tensor)
+        and tuple(expected[k].shape) != shapes[k]
+    ]
+    problems = []
+    if mismatched:
+        problems.append(f"shapes differ for {_listing(mismatched)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    if problems:
+        hint = "" if mismatched else "; pass strict=False to load the keys that match"
+        raise CheckpointMismatchError(
+            f"checkpoint {os.fspath(checkpoint)!r} does not fit {type(model).__name__} (model unchanged): "
+            + "; ".join(problems) + hint
+        )
+
+    for source in sources:
+        if source.safe:
+            from safetensors.torch import load_file
+
+            data = load_file(source.path, device="cpu")
+        else:
+            data = source.data or {}
+        part = {k: v for k, v in data.items() if k in expected}
+        part.update({a: data[c] for a, c in restored.items() if c in data and a in expected})
+        with torch.no_grad():
+            model.load_state_dict(part, strict=False)
+    return LoadResult(missing, unexpected)

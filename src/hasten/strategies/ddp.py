@@ -1,0 +1,45 @@
+"""Data parallelism with ``torch.nn.parallel.DistributedDataParallel`` (CPU/gloo and GPU/NCCL)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..utils.dataclasses import DistributedDataParallelKwargs
+from .base import Strategy
+
+
+class DDPStrategy(Strategy):
+    """Replicate the model on every process and all-reduce gradients in backward.
+
+    Options: ``ddp_kwargs`` (a ``DistributedDataParallelKwargs``).
+    """
+
+    def __init__(self, state: Any, ddp_kwargs: Optional[DistributedDataParallelKwargs] = None, **options: Any) -> None:
+        super().__init__(state, **options)
+        self.distributed_type = state.distributed_type
+        self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # DDP refuses frozen models; nothing to synchronise anyway (e.g. eval-only)
+        device = self.state.device
+        device_ids = [device.index] if device.type in ("cuda", "xpu") else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
+                                      **self.ddp_kwargs.to_kwargs_for_ddp())
+        self.ddp_kwargs.register_comm_hook(ddp)
+        return ddp
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module):
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> None:
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = True
+            model.require_forward_param_sync = True
+            model.reducer.prepare_for_backward([])

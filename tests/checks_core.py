@@ -1,0 +1,328 @@
+"""Training-core checks, run inside every rank (1 and 2 processes, gloo). See distributed.py.
+
+Each equivalence check computes its reference with plain PyTorch inside the same process, on the
+whole global batch, so "2 processes x batch B" is compared with "1 process x batch 2B" directly.
+"""
+
+import copy
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hasten import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
+from hasten.state import PartialState
+
+
+def make_data(n=64, d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = (x @ torch.randn(d, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_model(seed=1, d=6):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def loss_fn(model, x, y):
+    return nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+
+def reference_training(dataset, global_batch, steps, lr=0.1, accumulate=1):
+    """Plain PyTorch: ``steps`` SGD updates, each on ``accumulate`` consecutive global batches."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = dataset.tensors
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            start = (step * accumulate + micro) * global_batch
+            loss = loss_fn(model, x[start:start + global_batch], y[start:start + global_batch]) / accumulate
+            loss.backward()
+        opt.step()
+    return model
+
+
+def max_param_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _train(accelerator, dataset, loader_batch, steps, accumulate=False, lr=0.1):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    dl = DataLoader(dataset, batch_size=loader_batch, shuffle=False)
+    model, opt, dl = accelerator.prepare(model, opt, dl)
+    updates = 0
+    for x, y in dl:
+        if accumulate:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model, x, y))
+                opt.step()
+                opt.zero_grad()
+                updates += int(accelerator.sync_gradients)
+        else:
+            accelerator.backward(loss_fn(model, x, y))
+            opt.step()
+            opt.zero_grad()
+            updates += 1
+        if updates == steps and accelerator.sync_gradients:
+            break
+    return accelerator.unwrap_model(model), updates
+
+
+def check_ddp_matches_single_process_big_batch():
+    acc = Accelerator(cpu=True)
+    world, B, steps = acc.num_processes, 4, 5
+    data = make_data(n=B * world * steps)
+    trained, updates = _train(acc, data, B, steps)
+    ref = reference_training(data, B * world, steps)
+    diff = max_param_diff(trained, ref)
+    assert updates == steps and diff < 1e-6, (updates, diff)
+    return diff
+
+
+def check_split_batches_matches_single_process():
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    world, B, steps = acc.num_processes, 4, 5
+    data = make_data(n=B * world * steps)
+    trained, _ = _train(acc, data, B * world, steps)  # loader batch is the global batch
+    diff = max_param_diff(trained, reference_training(data, B * world, steps))
+    assert diff < 1e-6, diff
+    return diff
+
+
+def check_accumulation_matches_big_batch():
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    world, B, steps = acc.num_processes, 2, 3
+    data = make_data(n=B * world * 4 * steps)
+    trained, updates = _train(acc, data, B, steps, accumulate=True)
+    ref = reference_training(data, B * world * 4, steps)
+    diff = max_param_diff(trained, ref)
+    assert updates == steps and diff < 1e-5, (updates, diff)
+    return diff
+
+
+def check_accumulation_skips_allreduce_until_sync():
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = acc.prepare(model, opt)
+    rank = acc.process_index
+    x = torch.full((2, 6), float(rank + 1))
+    y = torch.zeros(2)
+    seen = []
+    for _ in range(2):
+        with acc.accumulate(model):
+            acc.backward(loss_fn(model, x, y))
+            grad = acc.unwrap_model(model)[0].weight.grad.clone()
+            seen.append((acc.sync_gradients, acc.gather(grad.unsqueeze(0))))
+            opt.step()
+            opt.zero_grad()
+    (sync0, g0), (sync1, g1) = seen
+    assert sync0 is False and sync1 is True
+    if acc.num_processes == 2:
+        assert not torch.allclose(g0[0], g0[1]), "micro-step gradients were all-reduced"
+        assert torch.allclose(g1[0], g1[1]), "sync-step gradients differ across ranks"
+    return [sync0, sync1]
+
+
+def check_accumulation_syncs_at_end_of_dataloader():
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    dl = DataLoader(make_data(n=6 * acc.num_processes), batch_size=1)
+    model, opt, dl = acc.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), dl)
+    flags = []
+    for x, y in dl:
+        with acc.accumulate(model):
+            acc.backward(loss_fn(model, x, y))
+            flags.append(acc.sync_gradients)
+    assert flags == [False, False, False, True, False, True], flags
+    return flags
+
+
+def check_optimizer_and_scheduler_follow_sync_steps():
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    x, y = torch.ones(2, 6), torch.zeros(2)
+    lrs = []
+    for _ in range(4):
+        with acc.accumulate(model):
+            acc.backward(loss_fn(model, x, y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+    # Two optimizer steps; each advances the schedule once per process (Accelerate's rule).
+    n = acc.num_processes
+    expected = [1.0, 0.5 ** n, 0.5 ** n, 0.5 ** (2 * n)]
+    assert lrs == expected, (lrs, expected)
+    return lrs
+
+
+def check_fp16_overflow_skips_step_and_scheduler():
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    x = torch.ones(2, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale_before = acc.scaler.get_scale()
+    loss = model(x).sum() * (float("inf") if acc.is_main_process else 1.0)
+    acc.backward(loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    assert acc.optimizer_step_was_skipped, "overflow did not skip the step"
+    after = [p.detach() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "parameters changed on an overflow step"
+    assert sched.get_last_lr() == [0.1], sched.get_last_lr()
+    assert acc.scaler.get_scale() < scale_before
+    # A finite step afterwards goes through.
+    acc.backward(model(x).sum())
+    opt.step()
+    sched.step()
+    assert not acc.optimizer_step_was_skipped
+    assert not all(torch.equal(a, b) for a, b in zip(before, [p.detach() for p in model.parameters()]))
+    return acc.scaler.get_scale()
+
+
+def check_bf16_on_cpu_trains():
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    data = make_data(n=128)
+    model = make_model()
+    model, opt, dl = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                 DataLoader(data, batch_size=16, shuffle=True))
+    losses = []
+    for _ in range(8):
+        total = 0.0
+        for x, y in dl:
+            out = model(x)
+            assert out.dtype == torch.float32, out.dtype  # outputs come back in fp32
+            loss = nn.functional.mse_loss(out.squeeze(-1), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            total += loss.item()
+        losses.append(total)
+    with acc.autocast():
+        inner = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert inner.dtype == torch.bfloat16
+    assert losses[-1] < 0.5 * losses[0], losses
+    return losses
+
+
+def check_fp16_on_cpu_scales():
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    assert acc.scaler is not None and acc.scaler.is_enabled()
+    model, opt = acc.prepare(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
+    out = model(torch.ones(2, 4))
+    assert out.dtype == torch.float32
+    with acc.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+    return acc.scaler.get_scale()
+
+
+def check_clip_grad_norm_unscales_once():
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    model = nn.Linear(4, 1)
+    ref = copy.deepcopy(model)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.arange(8.0).view(2, 4)
+    acc.backward(model(x).sum())
+    (ref(x).sum()).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)  # true norm, no clipping
+    norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+    again = acc.clip_grad_norm_(model.parameters(), 1.0)  # no second unscale, no error
+    assert math.isclose(norm.item(), expected.item(), rel_tol=1e-3), (norm.item(), expected.item())
+    assert again.item() <= 1.0 + 1e-4
+    acc.clip_grad_value_(model.parameters(), 0.01)
+    assert all(p.grad.abs().max() <= 0.01 + 1e-7 for p in model.parameters())
+    opt.step()
+    assert not acc.optimizer_step_was_skipped
+    return norm.item()
+
+
+def check_clip_skipped_on_micro_steps():
+    import warnings
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            with acc.accumulate(model):
+                acc.backward(model(torch.ones(2, 4)).sum())
+                results.append(acc.clip_grad_norm_(model.parameters(), 1.0))
+    assert results[0] is None and isinstance(results[1], torch.Tensor)
+    return True
+
+
+def check_prepare_is_idempotent_and_ordered():
+    acc = Accelerator(cpu=True)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    dl = DataLoader(make_data(n=8), batch_size=2)
+    thing = {"not": "prepared"}
+    p_dl, p_model, p_thing, p_opt, p_sched = acc.prepare(dl, model, thing, opt, sched)
+    assert p_thing is thing
+    assert acc.prepare(p_model) is p_model and acc.prepare(model) is p_model
+    assert acc.prepare(p_opt) is p_opt and acc.prepare(opt) is p_opt
+    assert acc.prepare(p_sched) is p_sched and acc.prepare(p_dl) is p_dl
+    assert len(acc._models) == 1 and len(acc._optimizers) == 1
+    assert isinstance(p_opt, torch.optim.Optimizer)
+    wrapped = type(p_model).__name__
+    expected = "DistributedDataParallel" if acc.num_processes > 1 else "Sequential"
+    assert wrapped == expected, wrapped
+    assert acc.unwrap_model(p_model) is model
+    return wrapped
+
+
+def check_triggers():
+    acc = Accelerator(cpu=True)
+    assert acc.check_trigger() is False
+    if acc.is_last_process:
+        acc.set_trigger()
+    assert acc.check_trigger() is True
+    assert acc.check_trigger() is False
+    return True
+
+
+def check_properties():
+    acc = Accelerator(cpu=True)
+    s = PartialState()
+    assert acc.device == torch.device("cpu")
+    assert acc.num_processes == s.num_processes
+    assert acc.process_index == s.process_index
+    assert acc.mixed_precision == "no" and acc.gradient_accumulation_steps == 1
+    assert acc.sync_gradients is True and acc.optimizer_step_was_skipped is False
+    expected = "MULTI_CPU" if s.num_processes > 1 else "NO"
+    assert str(acc.distributed_type) == expected
+    calls = []
+    acc.on_main_process(lambda: calls.append("main"))()
+    acc.on_last_process(lambda: calls.append("last"))()
+    acc.on_process(lambda: calls.append("p1"), process_index=1)()
+    return calls
+
+
+def check_save_model_from_ddp():
+    import os
+
+    from hasten.saving import load_checkpoint_in_model
+
+    acc = Accelerator(cpu=True)
+    model, = [acc.prepare(make_model())]
+    path = os.path.join(os.environ["HASTEN_TEST_TMP"], f"saved-{acc.num_processes}")
+    acc.save_model(model, path)
+    acc.wait_for_everyone()
+    fresh = make_model(seed=7)
+    load_checkpoint_in_model(fresh, path)
+    assert max_param_diff(fresh, acc.unwrap_model(model)) == 0
+    return sorted(os.listdir(path))

@@ -1,0 +1,25 @@
+"""Process state on 1 and 2 real processes."""
+
+import pytest
+
+from distributed import check_names, run_checks
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_checks("checks_state", world_size=2)
+
+
+@pytest.mark.parametrize("name", check_names("checks_state"))
+def test_state_two_processes(two_ranks, name):
+    two_ranks.assert_passed(name)
+
+
+def test_identity_and_split(two_ranks):
+    ids = two_ranks.assert_passed("check_identity")
+    assert ids == [{"rank": r, "world": 2, "type": "MULTI_CPU", "backend": "gloo"} for r in (0, 1)]
+    split = two_ranks.assert_passed("check_split_between_processes")
+    assert [s["plain"] for s in split] == [[0, 1, 2], [3, 4]]
+    assert [s["padded"] for s in split] == [[0, 1, 2], [3, 4, 4]]
+    assert [s["dict"] for s in split] == [{"a": [1, 2], "b": ["x", "y"]}, {"a": [3], "b": ["z"]}]
+    assert [s["tensor"] for s in split] == [[0, 1], [2, 2]]
