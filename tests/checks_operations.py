@@ -268,3 +268,31 @@ def check_debug_matching_calls_work():
         objects = gather_object([r])
     return {"gathered": gathered, "summed": summed, "padded": padded, "sent": sent, "objects": objects,
             "object_collectives": counter.calls}
+
+
+# -- logging ----------------------------------------------------------------------------------------
+def check_logger_in_order():
+    """in_order=True: rank 0 logs first even when it is the slower one."""
+    import logging
+    import os
+    import time
+
+    from hasten.logging import get_logger
+
+    r, w = _rank_world()
+    path = os.path.join(os.environ["HASTEN_TEST_TMP"], "in_order.log")
+    handler = logging.FileHandler(path)
+    logger = get_logger("hasten.tests.in_order", log_level="INFO")
+    logger.logger.addHandler(handler)
+    try:
+        if r == 0:
+            time.sleep(0.3)  # without in_order, rank 1 would write first
+        logger.info("ordered", in_order=True)
+        logger.info("main only")
+        logger.info("everyone", main_process_only=False)
+    finally:
+        logger.logger.removeHandler(handler)
+        handler.close()
+    PartialState().wait_for_everyone()
+    with open(path) as f:
+        return f.read().splitlines()

@@ -182,3 +182,13 @@ def test_debug_matching_calls_work(debug):
     assert rank0["sent"] == rank1["sent"] == [1]
     assert rank0["objects"] == rank1["objects"] == [0, 1]
     assert rank0["object_collectives"] == rank1["object_collectives"] == 6  # 5 checks + gather_object's own
+
+
+def test_logger_in_order_and_main_process_only(two):
+    lines = two.assert_passed("check_logger_in_order")[0]
+    assert lines[:2] == ["[RANK 0] ordered", "[RANK 1] ordered"]
+    assert sorted(lines[2:]) == ["[RANK 0] everyone", "[RANK 0] main only", "[RANK 1] everyone"]
+
+
+def test_logger_single_process_has_no_rank_prefix(one):
+    assert one.assert_passed("check_logger_in_order") == [["ordered", "main only", "everyone"]]

@@ -548,7 +548,8 @@ class Accelerator(ProcessControlMixin):
 
         state_dict = self.get_state_dict(model)
         save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
-                   is_main_process=self.is_main_process)
+                   is_main_process=self.is_local_main_process if self.project_configuration.save_on_each_node
+                   else self.is_main_process)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Add objects (with ``state_dict``/``load_state_dict``) to what ``save_state`` will store."""

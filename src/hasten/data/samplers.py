@@ -1,0 +1,426 @@
+"""Samplers that shard data across processes and record which samples are padding.
+
+Every sharding object here yields, per process, the batches of one *step* (the N batches that the N
+processes consume at the same time). While it does so it records an :class:`EpochPlan`: for each
+step, how many samples every process got and how many of them are real (not duplicates added to
+keep processes in step). Each process computes the plan for all processes itself (they all walk
+the same index stream), so ``gather_for_metrics`` can drop padding without asking anyone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+
+
+# -- the plan -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepRecord:
+    """What every process holds at one step.
+
+    sizes[q]: samples in process q's batch (0: q has no batch at this step; None: unknown, e.g. an
+    iterable dataset that yields whole batches). real[q]: how many of them, from the start of the
+    batch, are real (None: all of them); padding always sits at the end of a batch.
+    """
+
+    sizes: tuple
+    real: tuple
+
+    @property
+    def regular(self) -> bool:
+        """Every process has a batch of the same known size and none holds padding."""
+        first = self.sizes[0]
+        return all(s == first and s != 0 for s in self.sizes) and all(
+            r is None or r == s for r, s in zip(self.real, self.sizes)
+        )
+
+
+@dataclass
+class EpochPlan:
+    """The steps of one pass over the data, recorded as the sharding object produces them."""
+
+    num_processes: int
+    records: dict = field(default_factory=dict)
+    num_steps: int = 0
+    finished: bool = False
+    last_present: list = field(default_factory=list)  # per process: last step with a batch (-1: none)
+
+    def __post_init__(self) -> None:
+        self.last_present = [-1] * self.num_processes
+
+    def add(self, sizes: Sequence, real: Sequence) -> None:
+        step = self.num_steps
+        self.records[step] = StepRecord(tuple(sizes), tuple(real))
+        for q, size in enumerate(sizes):
+            if size != 0:
+                self.last_present[q] = step
+        self.num_steps += 1
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def get(self, step: int) -> Optional[StepRecord]:
+        return self.records.get(step)
+
+    def forget_before(self, step: int) -> None:
+        """Drop records that no process can ask about any more (keeps memory flat)."""
+        for old in [s for s in self.records if s < step]:
+            del self.records[old]
+
+    @property
+    def uneven(self) -> bool:
+        """Processes got different numbers of batches (known once finished)."""
+        return self.finished and len(set(self.last_present)) > 1
+
+    @property
+    def first_last_step(self) -> int:
+        """The earliest step at which some process runs out of batches."""
+        return min(self.last_present)
+
+
+# -- shuffling ------------------------------------------------------------------------------------
+class SeedableRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose order is a function of ``initial_seed + epoch`` only.
+
+    Every process that builds it with the same seed walks the same permutation, and a new epoch
+    (``set_epoch``, or each completed pass) gives a new one, reproducibly.
+
+    Args:
+        data_source, replacement, num_samples, generator: as ``torch.utils.data.RandomSampler``.
+        data_seed: the seed; default: ``generator.initial_seed()`` when a generator is given, else
+            ``torch.initial_seed()`` (``prepare_data_loader`` makes it agree across processes).
+    """
+
+    def __init__(self, data_source: Any, replacement: bool = False, num_samples: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, data_seed: Optional[int] = None) -> None:
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples, generator=generator)
+        if data_seed is not None:
+            self.initial_seed = int(data_seed)
+        elif generator is not None:
+            self.initial_seed = int(generator.initial_seed())
+        else:
+            self.initial_seed = int(torch.initial_seed())
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.epoch
+        generator = torch.Generator()
+        generator.manual_seed(self.initial_seed + epoch)
+        self.generator = generator  # RandomSampler's own algorithm then draws from it
+        yield from super().__iter__()
+        self.epoch = epoch + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch`` from the next iteration on."""
+        self.epoch = int(epoch)
+
+
+# -- batch-sampler sharding -------------------------------------------------------------------------
+def _cycle_take(source: list, start: int, count: int) -> list:
+    """``count`` items of ``source`` repeated end to end, starting at position ``start``."""
+    if count <= 0:
+        return []
+    if not source:
+        raise ValueError("cannot pad a batch from an empty first batch")
+    return [source[(start + i) % len(source)] for i in range(count)]
+
+
+class BatchSamplerShard(BatchSampler):
+    """One process's share of the batches of ``batch_sampler``.
+
+    Without ``split_batches``, batch ``i`` goes to process ``i % num_processes``; with it, every
+    batch is cut into ``num_processes`` equal slices (the batch size must divide). With
+    ``even_batches`` every process gets the same number of equally sized batches: the end is
+    completed with indices from the start of the epoch (the padding). Without it the last batches
+    are handed out as they are, so some processes may get one batch fewer or a shorter one. When the
+    batch sampler drops its last incomplete batch, a final incomplete group of batches is dropped
+    too. With one process the batches pass through unchanged.
+
+    Batches are produced lazily, as the wrapped sampler yields them; the sampler's ``sampler``
+    (e.g. a custom or seedable sampler) is left in place.
+    """
+
+    def __init__(self, batch_sampler: Iterable, num_processes: int = 1, process_index: int = 0,
+                 split_batches: bool = False, even_batches: bool = True) -> None:
+        if num_processes < 1 or not 0 <= process_index < num_processes:
+            raise ValueError(
+                f"process_index={process_index} is not in [0, num_processes={num_processes}); "
+                "pass the rank of this process and the number of processes"
+            )
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        self.skip_batches = 0
+        self.current_plan: Optional[EpochPlan] = None
+        self._skip_next = 0  # one-shot skip for the next iteration (checkpoint resume)
+        if split_batches:
+            if self.batch_size is None:
+                raise ValueError(
+                    f"split_batches=True needs a batch size to split, but {type(batch_sampler).__name__} has no "
+                    "`batch_size` attribute; give the batch sampler one or use split_batches=False"
+                )
+            if self.batch_size % num_processes != 0:
+                raise ValueError(
+                    f"split_batches=True cuts each batch into {num_processes} equal parts, but batch_size="
+                    f"{self.batch_size} is not a multiple of {num_processes}; use a batch size that is "
+                    f"(e.g. {max(1, self.batch_size // num_processes) * num_processes}) or split_batches=False"
+                )
+
+    # The sampler inside is what users (and set_epoch) look for.
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:
+        self.batch_sampler.sampler = value
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.batch_sampler, self.sampler):
+            if obj is not None and hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return max(0, self._steps_for(self.process_index) - self.skip_batches)
+
+    def _steps_for(self, rank: int) -> int:
+        total, n = len(self.batch_sampler), self.num_processes
+        if n == 1:
+            return total
+        if self.split_batches:
+            if self.even_batches or self.drop_last:
+                return total
+            last = self._last_batch_length()
+            return total - 1 if last is not None and 0 < last <= rank * (self.batch_size // n) else total
+        full, extra = divmod(total, n)
+        if extra == 0 or self.drop_last:
+            return full
+        if self.even_batches:
+            return full + 1
+        return full + 1 if rank < extra else full
+
+    def _last_batch_length(self) -> Optional[int]:
+        try:
+            count = len(self.batch_sampler.sampler)
+        except (AttributeError, TypeError):
+            return None
+        return count - (len(self.batch_sampler) - 1) * self.batch_size
+
+    def __iter__(self) -> Iterator[list]:
+        plan = EpochPlan(self.num_processes)
+        self.current_plan = plan
+        skip = self.skip_batches + self._skip_next
+        self._skip_next = 0
+        return self._iterate(plan, skip)
+
+    def _iterate(self, plan: EpochPlan, skip: int) -> Iterator[list]:
+        steps = self._split_steps() if self.split_batches else self._group_steps()
+        for step, (batches, real) in enumerate(steps):
+            if step < skip:
+                continue
+            plan.add([len(b) if b is not None else 0 for b in batches], real)
+            mine = batches[self.process_index]
+            if mine is not None:
+                yield mine
+        plan.finish()
+
+    # Each generator below yields (per-process batches, per-process real counts) for one step.
+    def _group_steps(self) -> Iterator[tuple[list, list]]:
+        n, size = self.num_processes, self.batch_size
+        pad = n > 1 and not self.drop_last and self.even_batches
+        head: list = []  # the first n batches: the padding source
+        group: list = []
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            if pad and len(head) < n:
+                head.append(batch)
+            if len(group) == n:  # a complete group held back because its last batch was short
+                yield group, [len(b) for b in group]
+                group = []
+            group.append(batch)
+            if len(group) == n and (size is None or len(batch) == size):
+                yield group, [len(b) for b in group]
+                group = []
+        if not group:
+            return
+        real = [len(b) for b in group] + [0] * (n - len(group))
+        if n == 1 or (len(group) == n and not (self.even_batches and not self.drop_last)):
+            yield group, real[:n]
+        elif self.drop_last:
+            return
+        elif not self.even_batches:
+            yield group + [None] * (n - len(group)), real
+        else:
+            yield self._complete_group(group, head), real
+
+    def _complete_group(self, group: list, head: list) -> list:
+        n, size = self.num_processes, self.batch_size
+        if size is None:  # batches of any length: pad with whole batches from the start
+            return group + [list(head[i % len(head)]) for i in range(n - len(group))]
+        flat = [i for b in head for i in b]
+        used = 0
+        out = list(group)
+        if len(out[-1]) < size:
+            need = size - len(out[-1])
+            out[-1] = out[-1] + _cycle_take(flat, 0, need)
+            used = need
+        while len(out) < n:
+            out.append(_cycle_take(flat, used, size))
+            used += size
+        return out
+
+    def _split_steps(self) -> Iterator[tuple[list, list]]:
+        n, size = self.num_processes, self.batch_size
+        part = size // n
+        head: Optional[list] = None
+        held: Optional[list] = None  # a short batch: we learn whether it is the last one later
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            if head is None:
+                head = batch
+            if held is not None:
+                yield self._cut(held, head, last=False)
+                held = None
+            if len(batch) == size:
+                yield self._cut(batch, head, last=False)
+            else:
+                held = batch
+        if held is not None:
+            if self.drop_last and n > 1:
+                return
+            yield self._cut(held, head, last=True)
+
+    def _cut(self, batch: list, head: list, last: bool) -> tuple[list, list]:
+        n, size = self.num_processes, self.batch_size
+        part = size // n
+        count = len(batch)
+        if count < size and n > 1 and (self.even_batches or not last):
+            batch = batch + _cycle_take(head, 0, size - count)
+        pieces = [batch[q * part:(q + 1) * part] for q in range(n)]
+        real = [max(0, min(part, count - q * part)) for q in range(n)]
+        return [p if p else None for p in pieces], real
+
+
+class SkipBatchSampler(BatchSampler):
+    """The batches of ``batch_sampler`` after the first ``skip_batches`` (indices only: no data read)."""
+
+    def __init__(self, batch_sampler: Iterable, skip_batches: int = 0) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip_batches = skip_batches
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.drop_last = getattr(batch_sampler, "drop_last", False)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[list]:
+        return itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip_batches)
+
+
+# -- iterable datasets ------------------------------------------------------------------------------
+class IterableDatasetShard(IterableDataset):
+    """One process's share of an iterable dataset.
+
+    Every process reads the whole stream, cuts it into groups of ``batch_size * num_processes``
+    samples (``batch_size`` with ``split_batches``) and keeps its slice of each group, so no sample
+    is seen twice. Unless ``drop_last``, the final incomplete group is completed with the first
+    samples of the stream so every process gets full batches. ``batch_size=None`` (a dataset that
+    yields whole batches) shards those items one per process.
+    """
+
+    def __init__(self, dataset: Any, batch_size: Optional[int] = 1, drop_last: bool = False,
+                 num_processes: int = 1, process_index: int = 0, split_batches: bool = False) -> None:
+        if split_batches and (batch_size is None or batch_size % num_processes != 0):
+            raise ValueError(
+                f"split_batches=True cuts each batch into {num_processes} equal parts, but batch_size="
+                f"{batch_size} is not a multiple of {num_processes}; use a batch size that is or split_batches=False"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.epoch = 0
+        self._tagged = False  # set by prepare_data_loader: yield (sample, real count of its group)
+
+    @property
+    def _sizes(self) -> tuple[int, int]:
+        """(samples per group, samples per process in a group)."""
+        unit = self.batch_size or 1
+        if self.split_batches:
+            return unit, unit // self.num_processes
+        return unit * self.num_processes, unit
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.dataset)
+
+    def __len__(self) -> int:
+        group, part = self._sizes
+        groups = len(self.dataset) // group if self.drop_last else -(-len(self.dataset) // group)
+        return groups * part
+
+    def __iter__(self) -> Iterator[Any]:
+        generator = getattr(self.dataset, "generator", None)
+        if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
+            generator.manual_seed(self.epoch)  # a shuffling stream: same order on every process
+        group, part = self._sizes
+        lo, hi = self.process_index * part, (self.process_index + 1) * part
+        first: Optional[list] = None
+        current: list = []
+        for item in self.dataset:
+            current.append(item)
+            if len(current) == group:
+                yield from self._emit(current[lo:hi], group)
+                if first is None:
+                    first = current
+                current = []
+        if current and not self.drop_last:
+            count = len(current)
+            if self.num_processes > 1:
+                current = current + _cycle_take(first or list(current), 0, group - count)
+            yield from self._emit(current[lo:hi], count)
+
+    def _emit(self, items: list, group_real: int) -> Iterator[Any]:
+        if self._tagged:
+            for item in items:
+                yield item, group_real
+        else:
+            yield from items
+
+
+def iterable_step_record(group_real: int, batch_size: Optional[int], num_processes: int,
+                         split_batches: bool) -> StepRecord:
+    """The step record of a batch from a tagged :class:`IterableDatasetShard` group."""
+    if batch_size is None:  # each process got one whole item; items past the real ones are padding
+        return StepRecord((None,) * num_processes,
+                          tuple(None if q < group_real else 0 for q in range(num_processes)))
+    part = batch_size // num_processes if split_batches else batch_size
+    return StepRecord((part,) * num_processes,
+                      tuple(max(0, min(part, group_real - q * part)) for q in range(num_processes)))
