@@ -252,6 +252,8 @@ def check_debug_other_mismatches():
         "structure": _expect_error(DistributedOperationException, reduce, {"a" if r == 0 else "b": torch.ones(2)}),
         "dtype": _expect_error(DistributedOperationException, broadcast,
                                torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)),
+        "pad_ndim": _expect_error(DistributedOperationException, pad_across_processes,
+                                  torch.ones(2) if r == 0 else torch.ones(2, 2)),
         "object_vs_tensor": _expect_error(DistributedOperationException, gather_object, [r])
         if r == 0 else _expect_error(DistributedOperationException, gather, torch.ones(1)),
     }
@@ -264,10 +266,12 @@ def check_debug_matching_calls_work():
         gathered = gather({"x": torch.tensor([r])})["x"].tolist()
         summed = reduce(torch.tensor([1.0 + r]), reduction="sum").tolist()
         padded = pad_across_processes(torch.ones(1 + r, 2), pad_index=0).tolist()  # sizes may differ here
+        # along dim 1; the 1-d tensor has no dim 1, so it is left alone whatever its length
+        by_col = [t.tolist() for t in pad_across_processes([torch.ones(1, 1 + r), torch.ones(3 + r)], dim=1)]
         sent = broadcast(torch.tensor([r]), from_process=1).tolist()
         objects = gather_object([r])
     return {"gathered": gathered, "summed": summed, "padded": padded, "sent": sent, "objects": objects,
-            "object_collectives": counter.calls}
+            "by_col": by_col, "object_collectives": counter.calls}
 
 
 # -- logging ----------------------------------------------------------------------------------------

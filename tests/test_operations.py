@@ -171,6 +171,8 @@ def test_debug_other_mismatches(debug):
         assert "from_process=0" in value["broadcast_source"] and "from_process=1" in value["broadcast_source"]
         assert "{'a': float32[2] on cpu}" in value["structure"] and "{'b': float32[2] on cpu}" in value["structure"]
         assert "float32[2]" in value["dtype"] and "float64[2]" in value["dtype"]
+        assert "process 0: pad_across_processes(float32[2] on cpu, dim=0)" in value["pad_ndim"]
+        assert "process 1: pad_across_processes(float32[2, 2] on cpu, dim=0)" in value["pad_ndim"]
         assert "gather_object()" in value["object_vs_tensor"] and "gather(float32[1] on cpu)" in value["object_vs_tensor"]
 
 
@@ -181,7 +183,8 @@ def test_debug_matching_calls_work(debug):
     assert rank0["padded"] == [[1.0, 1.0], [0.0, 0.0]] and rank1["padded"] == [[1.0, 1.0]] * 2
     assert rank0["sent"] == rank1["sent"] == [1]
     assert rank0["objects"] == rank1["objects"] == [0, 1]
-    assert rank0["object_collectives"] == rank1["object_collectives"] == 6  # 5 checks + gather_object's own
+    assert rank0["by_col"] == [[[1.0, 0.0]], [1.0] * 3] and rank1["by_col"] == [[[1.0, 1.0]], [1.0] * 4]
+    assert rank0["object_collectives"] == rank1["object_collectives"] == 7  # 6 checks + gather_object's own
 
 
 def test_logger_in_order_and_main_process_only(two):

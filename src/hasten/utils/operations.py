@@ -135,8 +135,8 @@ _FIXES = {
               "reduction.",
     "broadcast": "Every process must pass tensors of the source process's structure, shape and dtype (on the "
                  "receiving processes, e.g. torch.empty of that shape) and the same from_process.",
-    "pad_across_processes": "Every process must pass the same structure of tensors, with the same number of "
-                            "dimensions and dtype, and the same dim.",
+    "pad_across_processes": "Every process must pass the same structure of tensors, with the same dtype, number "
+                            "of dimensions and sizes outside the padded dim, and the same dim.",
     "broadcast_object_list": "Every process must pass a list of the same length and the same from_process.",
 }
 
@@ -153,8 +153,11 @@ def _describe(data: Any, mask_dim: Optional[int] = None) -> Any:
         if getattr(data, "is_nested", False):
             return f"nested {dtype} on {data.device.type}"
         shape: list[Any] = list(data.shape)
-        if mask_dim is not None and -len(shape) <= mask_dim < len(shape):
-            shape[mask_dim] = "*"
+        if mask_dim is not None:  # pad_across_processes: sizes along its dim may differ
+            if -len(shape) <= mask_dim < len(shape):
+                shape[mask_dim] = "*"
+            else:  # a tensor without that dim is left alone: only its number of dims matters
+                shape = ["*"] * len(shape)
         return f"{dtype}[{', '.join(map(str, shape))}] on {data.device.type}"
     return f"<{_type_name(data)}>"
 

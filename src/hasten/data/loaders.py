@@ -1,0 +1,552 @@
+"""Prepared dataloaders: each process iterates its shard, batches land on the device.
+
+``DataLoaderShard`` wraps a sharded batch sampler (map-style datasets) or a sharded iterable
+dataset; ``DataLoaderDispatcher`` (in ``dispatch.py``) has process 0 read the data and send each
+process its part. Both iterate one batch ahead so that ``end_of_dataloader`` is already True while
+the last batch is being processed, register with ``GradientState`` while they run, and keep the
+:class:`EpochPlan` that ``gather_for_metrics`` uses to drop padding.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+
+from ..state import GradientState, PartialState
+from ..utils.operations import broadcast_object_list, send_to_device
+from .samplers import (
+    BatchSamplerShard,
+    EpochPlan,
+    IterableDatasetShard,
+    SeedableRandomSampler,
+    SkipBatchSampler,
+    iterable_step_record,
+)
+
+# DataLoader settings carried from the user's loader to the prepared one (the sampling ones are
+# rebuilt by the sharding).
+LOADER_SETTINGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                   "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def loader_settings(dataloader: DataLoader) -> dict:
+    """The user's DataLoader settings that prepared loaders keep."""
+    return {key: getattr(dataloader, key) for key in LOADER_SETTINGS if hasattr(dataloader, key)}
+
+
+def _sync_rng(rng_types: Optional[list], generator: Optional[torch.Generator]) -> None:
+    if rng_types:
+        from ..utils.random import synchronize_rng_states
+
+        synchronize_rng_states(rng_types, generator)
+
+
+class PreparedLoaderMixin:
+    """Epoch, resume and ``gather_for_metrics`` bookkeeping shared by the prepared loaders.
+
+    Attributes read by ``gather_for_metrics``: ``_plan`` (the current :class:`EpochPlan`),
+    ``_step`` (the plan step of the batch being processed), ``_gfm_calls`` (calls made for it),
+    ``_plan_rank``, and ``end_of_dataloader``.
+    """
+
+    end_of_dataloader = False
+    remainder = -1
+
+    def _init_bookkeeping(self, rng_types: Optional[list], synchronized_generator: Optional[torch.Generator],
+                          iteration: int = 0) -> None:
+        self.rng_types = list(rng_types) if rng_types else None
+        self.synchronized_generator = synchronized_generator
+        self.iteration = iteration  # the epoch of the next (or current) pass
+        self._epoch = iteration
+        self._position = 0  # batches of the current epoch behind us (skipped on resume included)
+        self._resume_skip = 0
+        self._in_iteration = False
+        self._plan: Optional[EpochPlan] = None
+        self._plan_rank = 0
+        self._step: Optional[int] = None
+        self._gfm_calls = 0
+
+    @property
+    def gradient_state(self) -> GradientState:
+        return GradientState()
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def _begin(self) -> tuple[int, int]:
+        """Start a pass: sync RNGs, pick the epoch, register; returns (epoch, batches to skip)."""
+        _sync_rng(self.rng_types, self.synchronized_generator)
+        epoch, skip = self.iteration, self._resume_skip
+        self._resume_skip = 0
+        self._epoch, self._position, self._in_iteration = epoch, skip, True
+        self._step, self._gfm_calls = None, 0
+        self.reset()
+        try:
+            if not self._drop_last:
+                self.remainder = self.total_dataset_length % self.total_batch_size
+        except (TypeError, AttributeError, ZeroDivisionError, NotImplementedError):
+            pass
+        self._apply_epoch(epoch)
+        self.gradient_state._add_dataloader(self)
+        return epoch, skip
+
+    def _end(self, epoch: int) -> None:
+        self.gradient_state._remove_dataloader(self)
+        self._in_iteration = False
+        self._step = None
+        if self.iteration == epoch:  # a set_epoch() during the pass wins
+            self.iteration = epoch + 1
+
+    def _at_step(self, step: int, last: bool) -> None:
+        """Bookkeeping just before a batch is handed to the user."""
+        if last:
+            self.end_of_dataloader = True
+        if self._plan is not None:
+            self._plan.forget_before(step)
+        self._step, self._gfm_calls = step, 0
+        self._position += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch`` (shuffle order, dataset epoch) from the next pass on."""
+        self.iteration = int(epoch)
+        self._apply_epoch(int(epoch))
+
+    def _epoch_targets(self) -> list:
+        holders = [self.batch_sampler, self.__dict__.get("sampler")]
+        return holders + [getattr(h, "sampler", None) for h in holders] + [self.dataset]
+
+    def _apply_epoch(self, epoch: int) -> None:
+        seen: list = []
+        for target in self._epoch_targets():
+            if target is not None and hasattr(target, "set_epoch") and not any(target is s for s in seen):
+                seen.append(target)
+                target.set_epoch(epoch)
+
+    # -- checkpoint seam: where in which epoch we are ------------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"epoch", "batches_yielded"}``: where the next pass should start (exact resume)."""
+        if self._in_iteration and not self.end_of_dataloader:
+            return {"epoch": self._epoch, "batches_yielded": self._position}
+        if self._in_iteration:
+            return {"epoch": self._epoch + 1, "batches_yielded": 0}
+        return {"epoch": self.iteration, "batches_yielded": 0}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
+        self.iteration = int(state_dict.get("epoch", 0))
+        self._resume_skip = int(state_dict.get("batches_yielded", 0))
+
+    def set_even_batches(self, even_batches: bool) -> None:
+        """Switch even_batches for the next pass (``Accelerator.join_uneven_inputs``)."""
+        shard = self.batch_sampler if isinstance(self.batch_sampler, BatchSamplerShard) else self.sampler
+        if isinstance(shard, BatchSamplerShard):
+            shard.even_batches = even_batches
+        if hasattr(self, "even_batches"):
+            self.even_batches = even_batches
+
+    @property
+    def total_dataset_length(self) -> int:
+        return getattr(self.dataset, "total_length", None) or len(self.dataset)
+
+    def get_sampler(self) -> Any:
+        return get_sampler(self)
+
+    def set_sampler(self, sampler: Any) -> None:
+        holder = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        holder.sampler = sampler
+        if getattr(self, "_public_sampler", False):
+            object.__setattr__(self, "sampler", sampler)
+
+
+class _TaggedCollate:
+    """Collates samples of a tagged ``IterableDatasetShard`` and passes the group's real count on."""
+
+    def __init__(self, collate_fn: Callable, auto_collation: bool) -> None:
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+
+    def __call__(self, items: Any) -> tuple:
+        if self.auto_collation:
+            return self.collate_fn([item for item, _ in items]), items[0][1]
+        item, group_real = items
+        return self.collate_fn(item), group_real
+
+
+class DataLoaderShard(PreparedLoaderMixin, DataLoader):
+    """A DataLoader over one process's shard, moving each batch to ``device``.
+
+    Args:
+        dataset: the dataset (an :class:`IterableDatasetShard` for sharded iterable datasets).
+        device: where batches go (``send_to_device``); None leaves them where the collate put them.
+        rng_types: RNGs copied from process 0 at the start of each pass ("torch", "cuda", "xpu",
+            "generator": ``synchronized_generator``).
+        skip_batches: batches to skip at the start of every pass.
+        **kwargs: ``torch.utils.data.DataLoader`` arguments (``batch_sampler`` a
+            :class:`BatchSamplerShard` for map-style datasets).
+
+    Attributes: ``end_of_dataloader`` (True while the last batch is processed), ``remainder``,
+    ``total_batch_size``, ``total_dataset_length``, ``batch_size`` (per process), ``iteration``
+    (the epoch of the next pass).
+    """
+
+    def __init__(self, dataset: Any, device: Optional[torch.device] = None, rng_types: Optional[list] = None,
+                 synchronized_generator: Optional[torch.Generator] = None, skip_batches: int = 0,
+                 use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
+                 iteration: int = 0, **kwargs: Any) -> None:
+        self._tagged = isinstance(dataset, IterableDatasetShard) and dataset._tagged
+        if self._tagged:
+            auto = kwargs.get("batch_size", 1) is not None
+            collate = kwargs.get("collate_fn")
+            if collate is None:
+                from torch.utils.data._utils.collate import default_collate, default_convert
+
+                collate = default_collate if auto else default_convert
+            if not isinstance(collate, _TaggedCollate):
+                kwargs["collate_fn"] = _TaggedCollate(collate, auto)
+        super().__init__(dataset, **kwargs)
+        self.device = device
+        self.skip_batches = skip_batches
+        self.use_stateful_dataloader = use_stateful_dataloader
+        self._drop_last = _drop_last
+        self._non_blocking = _non_blocking
+        self._init_bookkeeping(rng_types, synchronized_generator, iteration)
+        # Make the public attributes describe the sharded loader rather than torch's placeholders.
+        shard = self._shard
+        if shard is not None and self.batch_sampler is shard:
+            object.__setattr__(self, "sampler", shard.sampler)
+            self._public_sampler = True
+        if shard is not None:
+            size = shard.batch_size
+            object.__setattr__(self, "batch_size", size // shard.num_processes if size and shard.split_batches else size)
+
+    @property
+    def _shard(self) -> Optional[BatchSamplerShard]:
+        for candidate in (self.batch_sampler, self.__dict__.get("sampler")):
+            if isinstance(candidate, BatchSamplerShard):
+                return candidate
+        return None
+
+    @property
+    def collate_fn_user(self) -> Callable:
+        """The collate function the user gave (prepared iterable loaders wrap it)."""
+        return getattr(self.collate_fn, "collate_fn", self.collate_fn)
+
+    @property
+    def total_batch_size(self) -> int:
+        shard = self._shard
+        if shard is not None:
+            return shard.batch_size if shard.split_batches else shard.batch_size * shard.num_processes
+        ds = self.dataset
+        if isinstance(ds, IterableDatasetShard) and ds.batch_size is not None:
+            return ds.batch_size if ds.split_batches else ds.batch_size * ds.num_processes
+        return self.batch_size
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip_batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        epoch, skip = self._begin()
+        try:
+            shard = self._shard
+            if shard is not None:  # map-style: skip indices, never data
+                shard._skip_next = max(0, skip - shard.skip_batches)
+                skip_here = 0
+                self._position = max(skip, shard.skip_batches)
+            else:
+                skip_here = max(skip, self.skip_batches)
+                self._position = skip_here
+            iterator = super().__iter__()
+            if shard is not None:
+                self._plan, self._plan_rank = shard.current_plan, shard.process_index
+            elif self._tagged:
+                self._plan, self._plan_rank = EpochPlan(self.dataset.num_processes), self.dataset.process_index
+            else:
+                self._plan = None
+            yield from self._run(iterator, skip_here)
+        finally:
+            self._end(epoch)
+
+    def _unwrap(self, batch: Any) -> Any:
+        if not self._tagged:
+            return batch
+        batch, group_real = batch
+        ds = self.dataset
+        record = iterable_step_record(int(group_real), ds.batch_size, ds.num_processes, ds.split_batches)
+        self._plan.add(record.sizes, record.real)
+        return batch
+
+    def _run(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+        try:
+            current = next(iterator)
+        except StopIteration:
+            self._finish_plan()
+            return
+        step = 0
+        while True:
+            current = self._unwrap(current)
+            if self.device is not None and step >= skip:
+                current = send_to_device(current, self.device, non_blocking=self._non_blocking)
+            try:
+                upcoming, last = next(iterator), False
+            except StopIteration:
+                upcoming, last = None, True
+                self._finish_plan()
+            if step >= skip:
+                self._at_step(step, last)
+                yield current
+            if last:
+                return
+            current, step = upcoming, step + 1
+
+    def _finish_plan(self) -> None:
+        if self._tagged and self._plan is not None:
+            self._plan.finish()
+
+
+class SkipDataLoader(PreparedLoaderMixin, DataLoader):
+    """A DataLoader that skips its first ``skip_batches`` batches (by reading them)."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = skip_batches
+        self._drop_last = kwargs.get("drop_last", False)
+        self._init_bookkeeping(None, None)
+
+    @property
+    def total_batch_size(self) -> int:
+        return self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, _ = self._begin()
+        try:
+            for index, batch in enumerate(super().__iter__()):
+                if index >= self.skip_batches:
+                    self._position += 1
+                    yield batch
+        finally:
+            self._end(epoch)
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip_batches)
+
+
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The index sampler inside ``dataloader`` (inside its batch sampler), or None."""
+    for holder in (dataloader.batch_sampler, dataloader.__dict__.get("sampler")):
+        if isinstance(holder, BatchSampler) or isinstance(holder, BatchSamplerShard):
+            return getattr(holder, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
+# -- prepare ----------------------------------------------------------------------------------------
+def _agreed_seed(data_seed: Optional[int], generator: Optional[torch.Generator], state: PartialState) -> int:
+    """The shuffle seed every process uses: data_seed, the user's generator, else process 0's."""
+    if data_seed is not None:
+        return int(data_seed)
+    if generator is not None:
+        return int(generator.initial_seed())
+    seed = [int(torch.initial_seed())]
+    if state.use_distributed:
+        broadcast_object_list(seed, from_process=0)
+    return seed[0]
+
+
+def _seedable(batch_sampler: Any, data_seed: Optional[int], state: PartialState) -> tuple[Any, bool]:
+    """A copy of ``batch_sampler`` whose RandomSampler is replaced by a SeedableRandomSampler."""
+    inner = getattr(batch_sampler, "sampler", None)
+    if not isinstance(inner, RandomSampler) or isinstance(inner, SeedableRandomSampler):
+        return batch_sampler, False
+    seed = _agreed_seed(data_seed, inner.generator, state)
+    sampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement, num_samples=inner._num_samples,
+                                    generator=inner.generator, data_seed=seed)
+    new = copy.copy(batch_sampler)
+    new.sampler = sampler
+    return new, True
+
+
+def _check_split(dataloader: DataLoader, num_processes: int) -> None:
+    size = dataloader.batch_size
+    if size is None:
+        size = getattr(dataloader.batch_sampler, "batch_size", None) or getattr(dataloader.sampler, "batch_size", None)
+    if size is None:
+        raise ValueError(
+            "split_batches=True needs the global batch size to split, but the DataLoader has batch_size=None and "
+            "its batch sampler has no `batch_size` attribute; give it one or use split_batches=False"
+        )
+    if size % num_processes != 0:
+        raise ValueError(
+            f"split_batches=True cuts each batch of {size} samples into {num_processes} equal parts, but {size} is "
+            f"not a multiple of {num_processes}; use a batch size that is a multiple of the number of processes "
+            "or split_batches=False"
+        )
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: Optional[torch.device] = None,
+    num_processes: Optional[int] = None,
+    process_index: Optional[int] = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: Optional[list] = None,
+    dispatch_batches: Optional[bool] = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Optional[Callable] = None,
+    use_seedable_sampler: bool = True,
+    data_seed: Optional[int] = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+) -> DataLoader:
+    """Shard ``dataloader`` across processes; returns a ``DataLoaderShard`` or ``DataLoaderDispatcher``.
+
+    Map-style datasets: batch ``i`` goes to process ``i % num_processes`` (``split_batches``: every
+    batch is cut into equal parts). ``even_batches`` completes the end with samples from the start
+    so that every process gets as many batches, all full; ``gather_for_metrics`` drops those
+    duplicates again. Iterable datasets: every process reads the stream and keeps its slice of each
+    group of ``num_processes`` batches (the last group completed from the start unless
+    ``drop_last``); with ``dispatch_batches`` (default: iterable dataset and ``put_on_device``)
+    process 0 reads the data and sends each process its part instead.
+
+    A ``RandomSampler`` is replaced by a :class:`SeedableRandomSampler` so that every process
+    shuffles identically: the seed is ``data_seed``, else the seed of the sampler's generator, else
+    process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a new order. Custom
+    samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
+    settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
+    made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have
+    ``state_dict``/``load_state_dict``.
+    """
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else int(num_processes)
+    process_index = state.process_index if process_index is None else int(process_index)
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index={process_index} is not in [0, num_processes={num_processes})")
+    dataset = dataloader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = bool(put_on_device and iterable)
+    if dispatch_batches and not put_on_device:
+        raise ValueError("dispatch_batches=True sends batches to the device: pass put_on_device=True as well "
+                         "(or dispatch_batches=False)")
+    if split_batches:
+        _check_split(dataloader, num_processes)
+    rng_types = list(rng_types) if rng_types else []
+    settings = loader_settings(dataloader)
+    synchronized_generator = None
+
+    sampler_is_batch_sampler = not iterable and isinstance(dataloader.sampler, BatchSampler)
+    batch_sampler = None
+    if not iterable:
+        batch_sampler = dataloader.sampler if sampler_is_batch_sampler else dataloader.batch_sampler
+        if batch_sampler is None:
+            raise ValueError(
+                "prepare_data_loader cannot shard a map-style DataLoader built with batch_size=None and a plain "
+                "sampler (it yields single samples); give it a batch_size, or a batch sampler as `sampler`"
+            )
+        batch_sampler, replaced = _seedable(batch_sampler, data_seed, state)
+        if not replaced:
+            synchronized_generator = getattr(getattr(batch_sampler, "sampler", None), "generator", None)
+    else:
+        synchronized_generator = getattr(dataset, "generator", None)
+    if not isinstance(synchronized_generator, torch.Generator):
+        synchronized_generator = None
+    if synchronized_generator is None and "generator" in rng_types:
+        rng_types.remove("generator")
+
+    if dispatch_batches:
+        from .dispatch import DataLoaderDispatcher
+
+        if (num_processes, process_index) != (state.num_processes, state.process_index):
+            raise ValueError(
+                f"dispatch_batches=True sends data between the real processes ({state.num_processes}); "
+                f"num_processes={num_processes}/process_index={process_index} do not match them"
+            )
+        settings.pop("generator", None) if iterable else None
+        kwargs: dict[str, Any] = dict(settings)
+        if iterable:
+            kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        elif sampler_is_batch_sampler:
+            kwargs.update(sampler=batch_sampler, batch_size=None)
+        else:
+            kwargs.update(batch_sampler=batch_sampler)
+        return DataLoaderDispatcher(
+            dataset, split_batches=split_batches, even_batches=even_batches, _drop_last=dataloader.drop_last,
+            _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch, device=device,
+            use_stateful_dataloader=use_stateful_dataloader, rng_types=rng_types,
+            synchronized_generator=synchronized_generator, **kwargs)
+
+    kwargs = dict(settings)
+    if iterable:
+        size = dataloader.batch_size
+        if num_processes > 1:
+            dataset = IterableDatasetShard(dataset, batch_size=size, drop_last=dataloader.drop_last,
+                                           num_processes=num_processes, process_index=process_index,
+                                           split_batches=split_batches)
+            dataset._tagged = True
+        if split_batches and size is not None:
+            size //= num_processes
+        kwargs.update(batch_size=size, drop_last=dataloader.drop_last)
+    else:
+        shard = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
+                                  split_batches=split_batches, even_batches=even_batches)
+        if sampler_is_batch_sampler:
+            kwargs.update(sampler=shard, batch_size=None)
+        else:
+            kwargs.update(batch_sampler=shard)
+    return DataLoaderShard(
+        dataset, device=device if put_on_device else None, rng_types=rng_types,
+        synchronized_generator=synchronized_generator, use_stateful_dataloader=use_stateful_dataloader,
+        _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader like ``dataloader`` whose passes start after its first ``num_batches`` batches.
+
+    Map-style loaders skip at the batch-sampler level (indices only: no sample is read); iterable
+    ones have to read and drop the skipped batches. A prepared loader gives a prepared loader of
+    the same kind, with the same epoch.
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches={num_batches} must be >= 0")
+    from .dispatch import DataLoaderDispatcher
+
+    if isinstance(dataloader, DataLoaderDispatcher):
+        return dataloader._with_skip(num_batches)
+    settings = loader_settings(dataloader)
+    if isinstance(dataloader, DataLoaderShard):
+        kwargs: dict[str, Any] = dict(settings)
+        shard = dataloader._shard
+        common = dict(device=dataloader.device, rng_types=dataloader.rng_types,
+                      synchronized_generator=dataloader.synchronized_generator,
+                      use_stateful_dataloader=dataloader.use_stateful_dataloader, _drop_last=dataloader._drop_last,
+                      _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+        if shard is not None:
+            new_shard = copy.copy(shard)
+            new_shard.skip_batches = shard.skip_batches + num_batches
+            new_shard._skip_next, new_shard.current_plan = 0, None
+            if dataloader.batch_sampler is shard:
+                kwargs.update(batch_sampler=new_shard)
+            else:
+                kwargs.update(sampler=new_shard, batch_size=None)
+            return DataLoaderShard(dataloader.dataset, **common, **kwargs)
+        kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        if isinstance(kwargs.get("collate_fn"), _TaggedCollate):
+            kwargs["collate_fn"] = kwargs["collate_fn"].collate_fn
+        return DataLoaderShard(dataloader.dataset, skip_batches=dataloader.skip_batches + num_batches,
+                               **common, **kwargs)
+    if isinstance(dataloader.dataset, IterableDataset):
+        return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
+                              drop_last=dataloader.drop_last, **settings)
+    if isinstance(dataloader.sampler, BatchSampler):
+        return DataLoader(dataloader.dataset, sampler=SkipBatchSampler(dataloader.sampler, num_batches),
+                          batch_size=None, **settings)
+    return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
+                      **settings)
