@@ -142,7 +142,7 @@ class PreparedLoaderMixin:
 
     def set_even_batches(self, even_batches: bool) -> None:
         """Switch even_batches for the next pass (``Accelerator.join_uneven_inputs``)."""
-        shard = self.batch_sampler if isinstance(self.batch_sampler, BatchSamplerShard) else self.sampler
+        shard = getattr(self, "_shard", None)
         if isinstance(shard, BatchSamplerShard):
             shard.even_batches = even_batches
         if hasattr(self, "even_batches"):
@@ -469,7 +469,6 @@ def prepare_data_loader(
                 f"dispatch_batches=True sends data between the real processes ({state.num_processes}); "
                 f"num_processes={num_processes}/process_index={process_index} do not match them"
             )
-        settings.pop("generator", None) if iterable else None
         kwargs: dict[str, Any] = dict(settings)
         if iterable:
             kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)

@@ -52,13 +52,16 @@ class EpochPlan:
     def __post_init__(self) -> None:
         self.last_present = [-1] * self.num_processes
 
-    def add(self, sizes: Sequence, real: Sequence) -> None:
+    def add(self, sizes: Sequence, real: Sequence, final: bool = False) -> None:
+        """Record the next step; ``final``: it is known to be the last one."""
         step = self.num_steps
         self.records[step] = StepRecord(tuple(sizes), tuple(real))
         for q, size in enumerate(sizes):
             if size != 0:
                 self.last_present[q] = step
         self.num_steps += 1
+        if final:
+            self.finished = True
 
     def finish(self) -> None:
         self.finished = True
@@ -120,6 +123,29 @@ class SeedableRandomSampler(RandomSampler):
 
 
 # -- batch-sampler sharding -------------------------------------------------------------------------
+def count_steps(total: int, num_processes: int, rank: int, split_batches: bool, even_batches: bool,
+                drop_last: bool, batch_size: Optional[int], last_batch_length: Any = None) -> int:
+    """How many batches process ``rank`` gets out of ``total`` batches (see BatchSamplerShard).
+
+    ``last_batch_length`` (a callable, only called when needed) gives the length of the last
+    batch, which decides, with split_batches and uneven batches, whether a process gets a piece.
+    """
+    n = num_processes
+    if n == 1:
+        return total
+    if split_batches:
+        if even_batches or drop_last or total <= 1:  # a lone step is never left empty (see below)
+            return total
+        last = last_batch_length() if callable(last_batch_length) else last_batch_length
+        return total - 1 if last is not None and 0 < last <= rank * (batch_size // n) else total
+    full, extra = divmod(total, n)
+    if extra == 0 or drop_last:
+        return full
+    if even_batches or full == 0:
+        return full + 1
+    return full + 1 if rank < extra else full
+
+
 def _cycle_take(source: list, start: int, count: int) -> list:
     """``count`` items of ``source`` repeated end to end, starting at position ``start``."""
     if count <= 0:
@@ -136,9 +162,11 @@ class BatchSamplerShard(BatchSampler):
     batch is cut into ``num_processes`` equal slices (the batch size must divide). With
     ``even_batches`` every process gets the same number of equally sized batches: the end is
     completed with indices from the start of the epoch (the padding). Without it the last batches
-    are handed out as they are, so some processes may get one batch fewer or a shorter one. When the
-    batch sampler drops its last incomplete batch, a final incomplete group of batches is dropped
-    too. With one process the batches pass through unchanged.
+    are handed out as they are, so some processes may get one batch fewer or a shorter one, with one
+    exception: a process that would get no batch at all gets one batch of padding, so that it can
+    take part in the collectives of the loop (``gather_for_metrics`` drops it). When the batch
+    sampler drops its last incomplete batch, a final incomplete group of batches is dropped too.
+    With one process the batches pass through unchanged.
 
     Batches are produced lazily, as the wrapped sampler yields them; the sampler's ``sampler``
     (e.g. a custom or seedable sampler) is left in place.
@@ -196,20 +224,8 @@ class BatchSamplerShard(BatchSampler):
         return max(0, self._steps_for(self.process_index) - self.skip_batches)
 
     def _steps_for(self, rank: int) -> int:
-        total, n = len(self.batch_sampler), self.num_processes
-        if n == 1:
-            return total
-        if self.split_batches:
-            if self.even_batches or self.drop_last:
-                return total
-            last = self._last_batch_length()
-            return total - 1 if last is not None and 0 < last <= rank * (self.batch_size // n) else total
-        full, extra = divmod(total, n)
-        if extra == 0 or self.drop_last:
-            return full
-        if self.even_batches:
-            return full + 1
-        return full + 1 if rank < extra else full
+        return count_steps(len(self.batch_sampler), self.num_processes, rank, self.split_batches, self.even_batches,
+                           self.drop_last, self.batch_size, self._last_batch_length)
 
     def _last_batch_length(self) -> Optional[int]:
         try:
@@ -226,53 +242,56 @@ class BatchSamplerShard(BatchSampler):
         return self._iterate(plan, skip)
 
     def _iterate(self, plan: EpochPlan, skip: int) -> Iterator[list]:
-        steps = self._split_steps() if self.split_batches else self._group_steps()
-        for step, (batches, real) in enumerate(steps):
+        steps = self._split_steps(skip) if self.split_batches else self._group_steps(skip)
+        for step, (batches, real, final) in enumerate(steps):
             if step < skip:
                 continue
-            plan.add([len(b) if b is not None else 0 for b in batches], real)
+            # Marking the last step as such when it is recorded (before it is yielded) lets every
+            # process know, while processing its last batch, whether batches ran out unevenly.
+            plan.add([len(b) if b is not None else 0 for b in batches], real, final)
             mine = batches[self.process_index]
             if mine is not None:
                 yield mine
         plan.finish()
 
-    # Each generator below yields (per-process batches, per-process real counts) for one step.
-    def _group_steps(self) -> Iterator[tuple[list, list]]:
+    # Each generator below yields (per-process batches, per-process real counts, is-final) per step.
+    def _group_steps(self, skip: int) -> Iterator[tuple[list, list]]:
         n, size = self.num_processes, self.batch_size
-        pad = n > 1 and not self.drop_last and self.even_batches
+        keep_head = n > 1 and not self.drop_last
         head: list = []  # the first n batches: the padding source
         group: list = []
+        emitted = 0
         for batch in self.batch_sampler:
             batch = list(batch)
-            if pad and len(head) < n:
+            if keep_head and len(head) < n:
                 head.append(batch)
             if len(group) == n:  # a complete group held back because its last batch was short
-                yield group, [len(b) for b in group]
-                group = []
+                yield group, [len(b) for b in group], False
+                group, emitted = [], emitted + 1
             group.append(batch)
             if len(group) == n and (size is None or len(batch) == size):
-                yield group, [len(b) for b in group]
-                group = []
+                yield group, [len(b) for b in group], False
+                group, emitted = [], emitted + 1
         if not group:
             return
         real = [len(b) for b in group] + [0] * (n - len(group))
         if n == 1 or (len(group) == n and not (self.even_batches and not self.drop_last)):
-            yield group, real[:n]
+            yield group, real[:n], True
         elif self.drop_last:
             return
-        elif not self.even_batches:
-            yield group + [None] * (n - len(group)), real
-        else:
-            yield self._complete_group(group, head), real
+        elif not self.even_batches and emitted != skip:
+            yield group + [None] * (n - len(group)), real, True
+        else:  # even batches, or a lone step that would leave some process without any batch
+            yield self._complete_group(group, head, short_too=self.even_batches), real, True
 
-    def _complete_group(self, group: list, head: list) -> list:
+    def _complete_group(self, group: list, head: list, short_too: bool = True) -> list:
         n, size = self.num_processes, self.batch_size
         if size is None:  # batches of any length: pad with whole batches from the start
             return group + [list(head[i % len(head)]) for i in range(n - len(group))]
         flat = [i for b in head for i in b]
         used = 0
         out = list(group)
-        if len(out[-1]) < size:
+        if short_too and len(out[-1]) < size:
             need = size - len(out[-1])
             out[-1] = out[-1] + _cycle_take(flat, 0, need)
             used = need
@@ -281,34 +300,37 @@ class BatchSamplerShard(BatchSampler):
             used += size
         return out
 
-    def _split_steps(self) -> Iterator[tuple[list, list]]:
+    def _split_steps(self, skip: int) -> Iterator[tuple[list, list]]:
         n, size = self.num_processes, self.batch_size
-        part = size // n
         head: Optional[list] = None
         held: Optional[list] = None  # a short batch: we learn whether it is the last one later
+        emitted = 0
         for batch in self.batch_sampler:
             batch = list(batch)
             if head is None:
                 head = batch
             if held is not None:
-                yield self._cut(held, head, last=False)
-                held = None
+                yield (*self._cut(held, head, last=False), False)
+                held, emitted = None, emitted + 1
             if len(batch) == size:
-                yield self._cut(batch, head, last=False)
+                yield (*self._cut(batch, head, last=False), False)
+                emitted += 1
             else:
                 held = batch
         if held is not None:
             if self.drop_last and n > 1:
                 return
-            yield self._cut(held, head, last=True)
+            yield (*self._cut(held, head, last=True, lone=emitted == skip), True)
 
-    def _cut(self, batch: list, head: list, last: bool) -> tuple[list, list]:
+    def _cut(self, batch: list, head: list, last: bool, lone: bool = False) -> tuple[list, list]:
         n, size = self.num_processes, self.batch_size
         part = size // n
         count = len(batch)
         if count < size and n > 1 and (self.even_batches or not last):
             batch = batch + _cycle_take(head, 0, size - count)
         pieces = [batch[q * part:(q + 1) * part] for q in range(n)]
+        if lone and n > 1:  # nobody may be left without a batch: pad the empty pieces
+            pieces = [p if p else _cycle_take(head, 0, part) for p in pieces]
         real = [max(0, min(part, count - q * part)) for q in range(n)]
         return [p if p else None for p in pieces], real
 

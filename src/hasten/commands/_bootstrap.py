@@ -1,0 +1,138 @@
+"""Runs in every process that ``hasten launch`` starts, around the user's script or module.
+
+``python -u _bootstrap.py [-m] target args...`` behaves like ``python target args`` (or ``-m``),
+and in addition: when the script fails it writes a record (time, rank, host, traceback, whether
+the error only echoes another rank's failure) to the file torch's elastic agent names in
+``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; and it asks
+the kernel to stop this process if the launcher dies (no orphans). Standard library only, and it
+must not import the ``hasten`` package either: the script's imports start from a clean slate.
+"""
+
+import os
+import sys
+
+# Run as a file, Python put this file's folder first on sys.path; the script must see its own
+# folder instead (set in main), never hasten/commands/ (a user's `import config` would find ours).
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
+import json  # noqa: E402
+import re  # noqa: E402
+import runpy  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+# An error whose message means "a peer went away": a consequence of another rank's failure.
+_PEER_GONE = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|remote worker|remote process|"
+    r"communicator was aborted|watchdog|socket timeout|timed out|connection refused|recvBytes|sendBytes",
+    re.IGNORECASE,
+)
+_DIST_ERRORS = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for errors that collectives raise when another process died or hung."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _DIST_ERRORS:
+        return True
+    return isinstance(exc, RuntimeError) and bool(_PEER_GONE.search(str(exc)))
+
+
+def _skip_runner_frames(tb):
+    """Drop this file's and runpy's frames so the traceback starts in the user's code."""
+    mine = {os.path.abspath(__file__), runpy.__file__}
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name in mine or os.path.abspath(name) in mine or name.startswith("<frozen runpy"):
+            tb = tb.tb_next
+        else:
+            break
+    return tb
+
+
+def write_record(kind: str, summary: str, text: str = "", consequence: bool = False, exit_code: int = 1) -> None:
+    """Leave the failure where the agent looks for it (torch's error-file format plus ours)."""
+    now = time.time()
+    data = {
+        "message": {"message": summary, "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}},
+        "hasten": {
+            "time": now, "kind": kind, "summary": summary, "traceback": text, "consequence": consequence,
+            "exit_code": exit_code, "pid": os.getpid(), "host": socket.gethostname(),
+            "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
+            "node": os.environ.get("GROUP_RANK"), "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        },
+    }
+    # The agent's error file (torch's format) and our own folder, where the launcher finds every
+    # rank's record even when the agent only reports one failed process.
+    paths = [os.environ.get("TORCHELASTIC_ERROR_FILE")]
+    folder = os.environ.get("HASTEN_FAILURE_DIR")
+    if folder:
+        paths.append(os.path.join(folder, f"rank{os.environ.get('RANK', os.getpid())}.json"))
+    for path in filter(None, paths):
+        try:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # reporting must never hide the original error
+
+
+def _die_with_launcher() -> None:
+    """Linux: get SIGTERM when the launcher process goes away, even if it was SIGKILLed."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get("HASTEN_LAUNCHER_PID")
+    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+        os._exit(1)  # the launcher died before the request took effect
+
+
+def main(argv: list) -> None:
+    module = bool(argv) and argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: _bootstrap.py [-m] script-or-module [args...]")
+    target, args = argv[0], argv[1:]
+    _die_with_launcher()
+    sys.argv = [target, *args]
+    if module:
+        sys.path.insert(0, os.getcwd())
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code not in (None, 0):
+            status = code if isinstance(code, int) else 1
+            summary = f"exited with status {code}" if isinstance(code, int) else str(code)
+            write_record("exit", summary, "", False, status)
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - report, then fail like Python does
+        tb = _skip_runner_frames(exc.__traceback__)
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+        write_record("exception", summary, text, is_peer_failure(exc), 1)
+        exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
+        sys.excepthook(type(exc), exc, tb)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

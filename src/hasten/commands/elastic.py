@@ -1,0 +1,101 @@
+"""Start a planned job with torch's elastic agent and turn its outcome into an exit status.
+
+The only module of the CLI that imports torch, and only when processes are really started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from typing import TYPE_CHECKING, Optional
+
+from . import failures as failure_report
+from .launch import BOOTSTRAP
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .launch import Plan
+
+# Seconds between SIGTERM and SIGKILL when the agent stops the other processes after a failure.
+SHUTDOWN_GRACE_S = 5
+
+
+def worker_command(plan: "Plan") -> tuple[str, list[str]]:
+    """The command each process runs: python scripts and modules go through the bootstrap."""
+    if plan.entrypoint == sys.executable:
+        return sys.executable, ["-u", BOOTSTRAP, *plan.args]
+    return plan.entrypoint, list(plan.args)
+
+
+def _quiet_torch_logs(debug: bool, quiet: bool) -> None:
+    """The agent's own failure messages repeat what our report says better; keep them out."""
+    level = logging.INFO if debug else (logging.ERROR if quiet else logging.WARNING)
+    logging.getLogger("torch.distributed.elastic").setLevel(level)
+    if not debug:
+        for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                     "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.launcher.api"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def run_elastic(plan: "Plan") -> int:
+    debug = bool(plan.res["debug"])
+    _quiet_torch_logs(debug, plan.quiet)
+    os.environ["HASTEN_LAUNCHER_PID"] = str(os.getpid())
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    tee, log_dir = plan.res["tee"], plan.res["log_dir"]
+    logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.from_str(tee) if tee else Std.NONE)
+    grace: Optional[int] = None if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else SHUTDOWN_GRACE_S
+    config = LaunchConfig(
+        min_nodes=plan.num_machines, max_nodes=plan.num_machines, nproc_per_node=plan.nproc_per_node,
+        run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=f"{plan.main_ip}:{plan.main_port}",
+        rdzv_configs=dict(plan.rdzv_configs), max_restarts=plan.res["max_restarts"],
+        monitor_interval=plan.res["monitor_interval"], logs_specs=logs, start_method="spawn", shutdown_timeout=grace,
+    )
+    entrypoint, args = worker_command(plan)
+    node = plan.machine_rank if plan.rdzv_backend == "static" else None
+    records = tempfile.mkdtemp(prefix="hasten-failures-")
+    os.environ["HASTEN_FAILURE_DIR"] = records
+    try:
+        return _run_agent(plan, config, entrypoint, args, node, records, logs)
+    finally:
+        shutil.rmtree(records, ignore_errors=True)
+
+
+def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional[int], records: str, logs) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import launch_agent
+
+    debug = bool(plan.res["debug"])
+    try:
+        launch_agent(config, entrypoint, args)
+    except ChildFailedError as err:
+        found = failure_report.from_agent(err.failures, node=node, host=socket.gethostname(), records_dir=records)
+        if not found:
+            print(f"hasten: error: a process failed: {err}", file=sys.stderr)
+            return 1
+        print(failure_report.report(found, quiet=plan.quiet), file=sys.stderr)
+        return failure_report.exit_status(failure_report.first_failure(found))
+    except SignalException as exc:
+        sig = getattr(exc, "sigval", signal.SIGTERM)
+        print(f"hasten: stopped by {signal.Signals(sig).name}; the processes were stopped too", file=sys.stderr)
+        return 128 + int(sig)
+    except KeyboardInterrupt:
+        print("hasten: interrupted; the processes were stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # rendezvous and store errors: one line, no traceback unless --debug
+        if debug:
+            raise
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"hasten: error: the launch failed ({type(exc).__name__}: {text}); rerun with --debug for details",
+              file=sys.stderr)
+        return 1
+    if (plan.res["log_dir"] or plan.res["tee"]) and not plan.quiet:
+        print(f"hasten: logs in {logs.root_log_dir}", file=sys.stderr)
+    return 0

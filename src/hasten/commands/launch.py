@@ -1,0 +1,356 @@
+"""``hasten launch``: work out the settings (torch-free), then start the processes.
+
+One process with no distributed settings is simply ``exec``-ed. Anything else goes through torch's
+elastic agent (``torch.distributed.launcher.api``), imported only at that moment, with each child
+wrapped by ``_bootstrap.py`` so that a failure can be traced to the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ..topology import DEFAULT_PORT
+from .config_schema import default_config_path, read_config
+from .errors import HastenCLIError
+from .hardware import cpu_count, cuda_device_count
+from .launch_settings import CONFIG, DEFAULT, ENV, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
+
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
+_TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
+_SHARDED_TYPES = ("XLA", "MEGATRON_LM")
+_OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu", "MULTI_MUSA": "musa", "MULTI_HPU": "hpu"}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "launch", help="Start a training script on every process (torch's elastic agent).",
+        description="Start SCRIPT on the configured processes. Each setting comes from its flag, else the "
+                    "environment, else the config file, else its default (see --dry_run).",
+        usage="hasten launch [flags] script.py [script args]  (or -m module, --no_python program)",
+    )
+    add_launch_arguments(p)
+    p.set_defaults(func=launch_command)
+
+
+@dataclass
+class Plan:
+    """Everything needed to start the job, decided before torch is imported."""
+
+    res: Resolved
+    device: str
+    distributed_type: str
+    num_processes: int
+    nproc_per_node: int
+    num_machines: int
+    machine_rank: int
+    main_ip: str
+    main_port: int
+    rdzv_backend: str
+    rdzv_configs: dict[str, Any]
+    run_id: str
+    entrypoint: str
+    args: list[str]
+    child_env: dict[str, str]
+    direct: bool
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def quiet(self) -> bool:
+        return bool(self.res.values.get("quiet") and self.res["quiet"])
+
+
+def _config(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Optional[str], dict, str]:
+    explicit = getattr(args, "config_file", None)
+    path = os.path.expanduser(explicit) if explicit else default_config_path(environ)
+    if explicit or os.path.isfile(path):
+        return path, read_config(path), f"config file {path}"
+    return None, {}, "config file"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
+
+
+def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None, need_script: bool = True) -> Plan:
+    """Resolve and check every setting; raise ``HastenCLIError`` (one line) on bad input."""
+    env = os.environ if environ is None else environ
+    config_path, cfg, label = _config(args, env)
+    res = resolve(args, env, cfg, label)
+    res.config_path = config_path
+    res.set("quiet", bool(getattr(args, "quiet", False)), "command line (-q)" if getattr(args, "quiet", False) else "default", FLAG)
+    pick_winner(res, "use_cpu", "multi_gpu", "drop one (--cpu runs on CPU, --multi_gpu on every GPU)")
+    pick_winner(res, "use_fsdp", "use_deepspeed", "choose one of FSDP and DeepSpeed")
+    notes: dict[str, str] = {}
+
+    dtype_cfg = cfg.get("distributed_type", "NO")
+    overridden = any(res.values[n].rank > CONFIG and res[n] for n in ("use_cpu", "multi_gpu"))
+    if dtype_cfg in _SHARDED_TYPES and not overridden:
+        raise HastenCLIError(
+            f"{label}: distributed_type: {dtype_cfg} is not supported by hasten launch yet; pass --cpu or --multi_gpu, "
+            "or set distributed_type to MULTI_GPU / MULTI_CPU"
+        )
+    gpus = cuda_device_count(env)
+    if res["use_cpu"]:
+        device = "cpu"
+    elif res["multi_gpu"]:
+        device = "cuda"
+        if gpus == 0:
+            raise HastenCLIError(
+                f"{res.values['multi_gpu'].source} asks for GPUs but this machine shows none (no NVIDIA driver, or "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); add --cpu to run on CPU"
+            )
+    elif dtype_cfg in _OTHER_ACCELERATORS:
+        device = _OTHER_ACCELERATORS[dtype_cfg]
+    else:
+        device = "cuda" if gpus else "cpu"
+
+    machines, machine_rank = res["num_machines"], res["machine_rank"]
+    if machine_rank >= machines:
+        raise HastenCLIError(
+            f"machine_rank {machine_rank} ({res.values['machine_rank'].source}) must be below num_machines {machines} "
+            f"({res.values['num_machines'].source}); machines are numbered from 0"
+        )
+    gpu_ids = res["gpu_ids"]
+    if device != "cuda":
+        if res.values["gpu_ids"].rank == FLAG and gpu_ids != "all":
+            raise HastenCLIError(f"--gpu_ids {gpu_ids} conflicts with running on {device.upper()}; drop --gpu_ids or --cpu")
+        gpu_ids = None
+    elif gpu_ids not in (None, "all"):
+        bad = [i for i in gpu_ids.split(",") if int(i) >= max(gpus, 1)]
+        if bad and env.get("CUDA_VISIBLE_DEVICES") is None:
+            raise HastenCLIError(
+                f"gpu_ids {gpu_ids} ({res.values['gpu_ids'].source}) names GPU {bad[0]} but this machine has {gpus} "
+                f"(ids 0 to {gpus - 1})"
+            )
+    # Processes: total over all machines, like Accelerate.
+    procs = res["num_processes"]
+    if procs is None:
+        per = len(gpu_ids.split(",")) if gpu_ids not in (None, "all") else (gpus if device == "cuda" else 1)
+        procs = max(1, per) * machines
+        why = "one per GPU" if device == "cuda" else "one per machine"
+        res.set("num_processes", procs, f"default ({why})", DEFAULT)
+    if procs % machines:
+        raise HastenCLIError(
+            f"num_processes {procs} ({res.values['num_processes'].source}) counts the processes of all machines and must "
+            f"be a multiple of num_machines {machines}"
+        )
+    per_node = procs // machines
+    if gpu_ids not in (None, "all") and len(gpu_ids.split(",")) != per_node:
+        raise HastenCLIError(
+            f"num_processes {procs} ({res.values['num_processes'].source}) gives {per_node} process(es) per machine but "
+            f"gpu_ids {gpu_ids} ({res.values['gpu_ids'].source}) lists {len(gpu_ids.split(','))} GPU(s); make them agree"
+        )
+    if device == "cuda" and gpu_ids in (None, "all") and per_node > gpus:
+        raise HastenCLIError(
+            f"num_processes {procs} ({res.values['num_processes'].source}) gives {per_node} process(es) per machine but "
+            f"only {gpus} GPU(s) are visible; use at most {gpus} per machine, or --cpu"
+        )
+
+    # Rendezvous.
+    restarts = res["max_restarts"]
+    backend = res["rdzv_backend"]
+    if res.values["rdzv_backend"].rank == DEFAULT and restarts > 0 and machines == 1:
+        backend = "c10d"  # static rendezvous reuses a stale store on restart with gloo (pytorch#135712)
+        res.set("rdzv_backend", backend, "default with --max_restarts on one machine (static restarts break gloo)", DEFAULT)
+    ip = res["main_process_ip"]
+    if ip is None:
+        if machines > 1:
+            raise HastenCLIError(
+                f"{machines} machines need the address of machine 0: pass --main_process_ip (or set main_process_ip "
+                "in the config file, or MASTER_ADDR)"
+            )
+        ip = "127.0.0.1"
+        res.set("main_process_ip", ip, "default (one machine)", DEFAULT)
+    port = res["main_process_port"]
+    if machines > 1 and port == 0:
+        raise HastenCLIError("--main_process_port 0 (pick a free port) works on one machine only; every machine "
+                             f"must be given the same port, e.g. --main_process_port {DEFAULT_PORT}")
+    if port is None or port == 0:
+        if machines == 1:
+            port = free_port()
+            res.set("main_process_port", port, f"free port picked now ({res.values['main_process_port'].source})",
+                    res.values["main_process_port"].rank)
+        else:
+            port = DEFAULT_PORT
+            res.set("main_process_port", port, "default", DEFAULT)
+    elif (machines == 1 or (machine_rank == 0 and backend == "static")) and procs > 1 and _port_in_use(port):
+        raise HastenCLIError(
+            f"port {port} ({res.values['main_process_port'].source}) is already in use on this machine (another job?); "
+            "pass --main_process_port 0 to pick a free port, or another number"
+        )
+    rdzv_configs: dict[str, Any] = {}
+    if res["rdzv_conf"]:
+        for item in res["rdzv_conf"].split(","):
+            k, eq, v = item.partition("=")
+            if not eq or not k.strip():
+                raise HastenCLIError(f"--rdzv_conf {res['rdzv_conf']!r}: {item!r} is not key=value; e.g. --rdzv_conf timeout=600")
+            rdzv_configs[k.strip()] = v.strip()
+    if backend == "static":
+        rdzv_configs["rank"] = machine_rank
+    elif machines > 1 and res.values["machine_rank"].rank > DEFAULT:
+        notes["machine_rank"] = f"ignored: {backend} rendezvous numbers the machines itself"
+    run_id = env.get("SLURM_JOB_ID") or f"hasten-{port}"
+
+    tee, log_dir = res["tee"], res["log_dir"]
+    if tee is not None and not _TEE.match(tee):
+        raise HastenCLIError(f"--tee {tee!r} is not 0-3 or a rank:value list; e.g. --tee 3 (stdout and stderr) or --tee 0:3,1:1")
+    if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise HastenCLIError(f"--log_dir {log_dir} is a file; give a folder")
+    for name in ("deepspeed_config_file",):
+        path = res[name]
+        if res["use_deepspeed"] and path and not os.path.isfile(path):
+            raise HastenCLIError(f"{name} {path} ({res.values[name].source}) does not exist; give the path of a DeepSpeed JSON file")
+
+    entrypoint, cmd_args = _command(args, need_script)
+    direct = procs == 1 and restarts == 0 and tee is None and log_dir is None and machines == 1
+
+    distributed_type = "NO"
+    if res["use_deepspeed"]:
+        distributed_type = "DEEPSPEED"
+    elif res["use_fsdp"]:
+        distributed_type = "FSDP"
+    elif procs > 1:
+        distributed_type = {"cpu": "MULTI_CPU", "cuda": "MULTI_GPU"}.get(device, f"MULTI_{device.upper()}")
+
+    child_env = _child_env(res, device, per_node, gpu_ids, direct)
+    if backend == "c10d" and restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return Plan(res, device, distributed_type, procs, per_node, machines, machine_rank, ip, port, backend, rdzv_configs,
+                run_id, entrypoint, cmd_args, child_env, direct, notes)
+
+
+def _command(args: argparse.Namespace, need_script: bool) -> tuple[str, list[str]]:
+    script = getattr(args, "training_script", None)
+    rest = list(getattr(args, "training_script_args", None) or [])
+    module, no_python = getattr(args, "module", False), getattr(args, "no_python", False)
+    if module and no_python:
+        raise HastenCLIError("-m/--module and --no_python conflict: a module needs python; drop one")
+    if not script:
+        if need_script:
+            raise HastenCLIError("hasten launch needs a script: hasten launch [flags] script.py [script args]")
+        return "", []
+    if no_python:
+        if not (os.path.isfile(script) or shutil.which(script)):
+            raise HastenCLIError(f"program {script!r} not found (not a file, not on PATH); check the name after the flags")
+        return script, rest
+    if module:
+        top = script.split(".")[0]
+        if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()] + sys.path) is None and top not in sys.builtin_module_names:
+            raise HastenCLIError(f"no module named {top!r} (looked in {os.getcwd()} and sys.path); check the name after -m")
+        return sys.executable, ["-m", script, *rest]
+    if not os.path.isfile(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        hint = " (a flag before it may have taken a value it should not)" if not script.endswith(".py") else ""
+        raise HastenCLIError(f"script {script!r} not found in {os.getcwd()}{hint}; give the path of a Python file, or use -m for a module")
+    return sys.executable, [script, *rest]
+
+
+def _child_env(res: Resolved, device: str, per_node: int, gpu_ids: Optional[str], direct: bool) -> dict[str, str]:
+    env: dict[str, str] = {}
+    fsdp, deepspeed = res["use_fsdp"], res["use_deepspeed"]
+    for name, setting in SETTINGS.items():
+        if not setting.child_env or name == "num_cpu_threads_per_process":
+            continue
+        if setting.group.startswith("FSDP") and not fsdp or setting.group.startswith("DeepSpeed") and not deepspeed:
+            continue
+        if name.startswith("dynamo_") and name != "dynamo_backend" and res["dynamo_backend"] in (None, "NO"):
+            continue
+        value = res[name]
+        if value is None:
+            continue
+        if name == "dynamo_backend":
+            value = str(value).lower()
+        env[setting.child_env] = _fmt(value)
+    threads = res.values["num_cpu_threads_per_process"]
+    if threads.value is not None:
+        env["OMP_NUM_THREADS"] = str(threads.value)
+    elif not direct:
+        value = max(1, cpu_count() // per_node) if device == "cpu" else 1
+        res.set("num_cpu_threads_per_process", value, "default (CPU cores / processes)" if device == "cpu" else "default (1 with GPUs)", DEFAULT)
+        env["OMP_NUM_THREADS"] = str(value)
+    if device == "cuda" and gpu_ids not in (None, "all"):
+        env["CUDA_VISIBLE_DEVICES"] = gpu_ids
+    return env
+
+
+def explain(plan: Plan) -> str:
+    """Each effective setting and its source, then the command and the processes' environment."""
+    res = plan.res
+    lines = ["hasten launch settings (command line > environment > config file > default):"]
+    cfg = res.config_path or f"{default_config_path()} (not found; defaults used)"
+    lines.append(f"  {'config_file':<34} {cfg}")
+    shown = [n for n, s in SETTINGS.items()
+             if not (s.group.startswith("FSDP") and not res["use_fsdp"] and n != "use_fsdp")
+             and not (s.group.startswith("DeepSpeed") and not res["use_deepspeed"] and n != "use_deepspeed")
+             and not s.hidden]
+    for name in shown:
+        v = res.values[name]
+        value = _fmt(v.value) or "-"
+        note = f"  [{plan.notes[name]}]" if name in plan.notes else ""
+        lines.append(f"  {name:<34} {value:<20} {v.source}{note}")
+    lines.append(f"  {'distributed_type':<34} {plan.distributed_type:<20} derived ({plan.device}, {plan.num_processes} process(es))")
+    if plan.direct:
+        lines.append("runs directly (one process, no agent):")
+    else:
+        lines.append(f"starts {plan.nproc_per_node} process(es) on machine {plan.machine_rank} of {plan.num_machines} "
+                     f"with torch's elastic agent, {plan.rdzv_backend} rendezvous at {plan.main_ip}:{plan.main_port}:")
+    lines.append("  " + " ".join(_display_command(plan)))
+    lines.append("environment of each process:")
+    lines.extend(f"  {k}={v}" for k, v in sorted(plan.child_env.items()))
+    return "\n".join(lines)
+
+
+def _display_command(plan: Plan) -> list[str]:
+    if not plan.entrypoint:
+        return ["(no script given)"]
+    return [plan.entrypoint, *plan.args]
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    if getattr(args, "dry_run", False):
+        print(explain(plan))
+        return 0
+    return run_plan(plan, exec_ok=getattr(args, "_exec_ok", False))
+
+
+def run_plan(plan: Plan, exec_ok: bool = False) -> int:
+    """Start the job; returns the exit status (exec-s the script when one plain process is enough)."""
+    os.environ.update(plan.child_env)
+    if plan.direct:
+        argv = [plan.entrypoint, *plan.args]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if exec_ok:
+            os.execvp(argv[0], argv)
+        import subprocess
+
+        return subprocess.call(argv)
+    from .elastic import run_elastic
+
+    return run_elastic(plan)

@@ -1,0 +1,19 @@
+"""Dataloader sharding, device placement and exact ``gather_for_metrics`` (see ``hasten.data_loader``)."""
+
+from .dispatch import DataLoaderDispatcher
+from .loaders import DataLoaderShard, SkipDataLoader, get_sampler, prepare_data_loader, skip_first_batches
+from .metrics import gather_for_metrics
+from .samplers import (
+    BatchSamplerShard,
+    EpochPlan,
+    IterableDatasetShard,
+    SeedableRandomSampler,
+    SkipBatchSampler,
+    StepRecord,
+)
+
+__all__ = [
+    "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "EpochPlan", "IterableDatasetShard",
+    "SeedableRandomSampler", "SkipBatchSampler", "SkipDataLoader", "StepRecord", "gather_for_metrics",
+    "get_sampler", "prepare_data_loader", "skip_first_batches",
+]

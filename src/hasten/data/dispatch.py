@@ -1,0 +1,413 @@
+"""``DataLoaderDispatcher``: process 0 reads the data and sends every process its part.
+
+Process 0 groups the batches of the real loader exactly as the sharded path would (without
+``split_batches``: N consecutive batches, one per process; with it: one batch cut into N parts),
+completes the last group with rows from the first one when ``even_batches``, and broadcasts, for
+every step, an outline (structure, shapes, dtypes, non-tensor values, per-process sizes and real
+counts) followed by the tensors. The other processes never touch the dataset. The exchange of step
+``t + 1`` happens before step ``t`` is handed to the user, so every process knows, while
+processing a batch, whether it is its last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from ..state import PartialState
+from ..utils.operations import broadcast, broadcast_object_list, honor_type, send_to_device
+from .loaders import PreparedLoaderMixin
+from .samplers import EpochPlan, count_steps
+
+
+# -- rows of nested batches -------------------------------------------------------------------------
+def _is_row_list(data: Any) -> bool:
+    """A list of plain values (e.g. strings collated by default_collate): one value per sample."""
+    return isinstance(data, (list, tuple)) and not any(
+        isinstance(x, (list, tuple, Mapping, torch.Tensor)) for x in data)
+
+
+def count_rows(data: Any) -> Optional[int]:
+    """Samples in a batch: dim 0 of its first tensor (or length of its first list of values)."""
+    if isinstance(data, torch.Tensor):
+        return data.shape[0] if data.ndim else None
+    if _is_row_list(data):
+        return len(data)
+    values = data.values() if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else ()
+    for value in values:
+        rows = count_rows(value)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _map_rows(data: Any, tensor_fn: Callable, list_fn: Callable) -> Any:
+    if isinstance(data, torch.Tensor):
+        return tensor_fn(data) if data.ndim else data
+    if _is_row_list(data):
+        return list_fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _map_rows(v, tensor_fn, list_fn) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return honor_type(data, [_map_rows(v, tensor_fn, list_fn) for v in data])
+    return data
+
+
+def slice_rows(data: Any, start: int, stop: int) -> Any:
+    return _map_rows(data, lambda t: t[start:stop], lambda seq: type(seq)(seq[start:stop]))
+
+
+def cycle_rows(data: Any, start: int, count: int) -> Any:
+    """``count`` rows of ``data`` repeated end to end, from row ``start``."""
+    rows = count_rows(data)
+    if not rows:
+        raise ValueError("cannot pad with rows of a batch that has none")
+    index = [(start + i) % rows for i in range(count)]
+    return _map_rows(data, lambda t: t[torch.tensor(index, device=t.device)],
+                     lambda seq: type(seq)(seq[i] for i in index))
+
+
+def cat_rows(batches: list) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches) if first.ndim else first
+    if _is_row_list(first):
+        return type(first)(x for b in batches for x in b)
+    if isinstance(first, Mapping):
+        return type(first)({k: cat_rows([b[k] for b in batches]) for k in first})
+    if isinstance(first, (list, tuple)):
+        return honor_type(first, [cat_rows([b[i] for b in batches]) for i in range(len(first))])
+    return first
+
+
+# -- broadcasting a nested structure ----------------------------------------------------------------
+class _Spec:
+    """Stands for a tensor in the outline sent ahead of the data."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+def _outline(data: Any, tensors: list) -> Any:
+    if isinstance(data, torch.Tensor):
+        tensors.append(data)
+        return _Spec(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _outline(v, tensors) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return honor_type(data, [_outline(v, tensors) for v in data])
+    return data
+
+
+def _fill(outline: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    if isinstance(outline, _Spec):
+        return next(tensors)
+    if isinstance(outline, Mapping):
+        return type(outline)({k: _fill(v, tensors) for k, v in outline.items()})
+    if isinstance(outline, (list, tuple)):
+        return honor_type(outline, [_fill(v, tensors) for v in outline])
+    return outline
+
+
+def _specs(outline: Any, out: list) -> list:
+    if isinstance(outline, _Spec):
+        out.append(outline)
+    elif isinstance(outline, Mapping):
+        for v in outline.values():
+            _specs(v, out)
+    elif isinstance(outline, (list, tuple)):
+        for v in outline:
+            _specs(v, out)
+    return out
+
+
+class _HeadSkipBatchSampler(BatchSampler):
+    """Yields the first ``head`` batches, then those from ``skip`` on: O(1) skipping, exact padding."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        self.head = 0
+        self.skip = 0
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:
+        self.batch_sampler.sampler = value
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.batch_sampler, self.sampler):
+            if obj is not None and hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        head, skip = self.head, self.skip
+        for index, batch in enumerate(self.batch_sampler):
+            if index < head or index >= skip:
+                yield batch
+
+
+class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
+    """A DataLoader iterated by process 0 only, which sends every process its part of each step.
+
+    Args:
+        dataset: the user's dataset (read on process 0 only).
+        split_batches: cut each batch of the loader into ``num_processes`` parts (else each process
+            gets whole batches: N consecutive batches make a step).
+        even_batches: complete the last step with rows from the first one so that every process
+            gets a full batch; without it the last step is handed out as it is.
+        slice_fn: ``slice_fn(batch, slice, process_index=, num_processes=)`` cuts a batch in
+            split mode (default: rows of every tensor and list of values).
+        device: where each process's batches go.
+        **kwargs: ``torch.utils.data.DataLoader`` arguments of the real loader.
+    """
+
+    def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
+                 use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
+                 slice_fn: Optional[Callable] = None, even_batches: bool = True,
+                 device: Optional[torch.device] = None, rng_types: Optional[list] = None,
+                 synchronized_generator: Optional[torch.Generator] = None, iteration: int = 0,
+                 **kwargs: Any) -> None:
+        self._init_kwargs = dict(kwargs)
+        iterable = isinstance(dataset, IterableDataset)
+        inner = None
+        if not iterable:
+            key = "batch_sampler" if kwargs.get("batch_sampler") is not None else "sampler"
+            inner = kwargs[key]
+            if not isinstance(inner, _HeadSkipBatchSampler):
+                kwargs[key] = _HeadSkipBatchSampler(inner)
+        super().__init__(dataset, **kwargs)
+        state = PartialState()
+        self.num_processes, self.process_index = state.num_processes, state.process_index
+        self.split_batches, self.even_batches = split_batches, even_batches
+        self.skip_batches = skip_batches
+        self.slice_fn = slice_fn
+        self.device = device
+        self.use_stateful_dataloader = use_stateful_dataloader
+        self._drop_last, self._non_blocking = _drop_last, _non_blocking
+        self._iterable = iterable
+        self._init_bookkeeping(rng_types, synchronized_generator, iteration)
+        self._base_batch_size = kwargs.get("batch_size") if iterable else getattr(self._wrapper, "batch_size", None)
+        if split_batches and self._base_batch_size is not None and self._base_batch_size % self.num_processes:
+            raise ValueError(
+                f"split_batches=True cuts each batch of {self._base_batch_size} samples into {self.num_processes} "
+                "equal parts; use a batch size that is a multiple of the number of processes"
+            )
+
+    @property
+    def _wrapper(self) -> Optional[_HeadSkipBatchSampler]:
+        for holder in (self.batch_sampler, self.__dict__.get("sampler")):
+            if isinstance(holder, _HeadSkipBatchSampler):
+                return holder
+        return None
+
+    @property
+    def total_batch_size(self) -> int:
+        size = self._base_batch_size
+        return size if self.split_batches else size * self.num_processes
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
+
+    def __len__(self) -> int:
+        total = len(self._wrapper) if self._wrapper is not None else super().__len__()
+        n, size = self.num_processes, self._base_batch_size
+
+        def last_length() -> Optional[int]:
+            try:
+                return len(self.dataset) - (total - 1) * size
+            except TypeError:
+                return None
+
+        steps = count_steps(total, n, self.process_index, self.split_batches, self.even_batches, self._drop_last,
+                            size, last_length)
+        return max(0, steps - self.skip_batches)
+
+    def _with_skip(self, num_batches: int) -> "DataLoaderDispatcher":
+        kwargs = dict(self._init_kwargs)
+        return DataLoaderDispatcher(
+            self.dataset, split_batches=self.split_batches, skip_batches=self.skip_batches + num_batches,
+            use_stateful_dataloader=self.use_stateful_dataloader, _drop_last=self._drop_last,
+            _non_blocking=self._non_blocking, slice_fn=self.slice_fn, even_batches=self.even_batches,
+            device=self.device, rng_types=self.rng_types, synchronized_generator=self.synchronized_generator,
+            iteration=self.iteration, **kwargs)
+
+    # -- iteration ----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        epoch, resume = self._begin()
+        try:
+            skip_steps = max(resume, self.skip_batches)
+            self._position = skip_steps
+            yield from self._run(skip_steps)
+        finally:
+            self._end(epoch)
+
+    def _padding_possible(self) -> bool:
+        return self.num_processes > 1 and self.even_batches and not self._drop_last
+
+    def _run(self, skip_steps: int) -> Iterator[Any]:
+        n, rank = self.num_processes, self.process_index
+        per_step = 1 if self.split_batches else n
+        # The first batches are kept to pad the end (even batches, or a lone last step).
+        head = (1 if self.split_batches else n) if n > 1 and not self._drop_last else 0
+        skip = skip_steps * per_step
+        source = None
+        if rank == 0:
+            wrapper = self._wrapper
+            if wrapper is not None:  # map-style: skip indices; the head is kept for padding
+                wrapper.head, wrapper.skip = head, skip
+                head_only = min(head, skip)
+            else:  # iterable: the skipped batches have to be read
+                head_only = skip
+            source = self._groups(super().__iter__(), head, head_only)
+        plan = EpochPlan(n)
+        self._plan, self._plan_rank = plan, rank
+        current = self._exchange(source, plan)
+        step = 0
+        while current is not None:
+            upcoming = None if plan.finished else self._exchange(source, plan)
+            mine = current[rank]
+            if mine is None:  # only happens at the last step, with uneven batches
+                return
+            last = upcoming is None or upcoming[rank] is None
+            if self.device is not None:
+                mine = send_to_device(mine, self.device, non_blocking=self._non_blocking)
+            self._at_step(step, last)
+            yield mine
+            current, step = upcoming, step + 1
+
+    def _exchange(self, source: Optional[Iterator], plan: EpochPlan) -> Optional[list]:
+        """One step: process 0 sends the outline, then the tensors; returns the per-process pieces."""
+        state = PartialState()
+        tensors: list = []
+        header: Any = None
+        if source is not None:
+            item = next(source, None)
+            if item is not None:
+                pieces, real, final = item
+                sizes = [0 if p is None else count_rows(p) for p in pieces]
+                header = (_outline(pieces, tensors), sizes, real, final)
+        box = [header]
+        broadcast_object_list(box, from_process=0)
+        header = box[0]
+        if header is None:
+            plan.finish()
+            return None
+        outline, sizes, real, final = header
+        if state.use_distributed:
+            comm = torch.device("cpu") if state.backend == "gloo" else state.device
+            if source is not None:
+                tensors = [t.to(comm) for t in tensors]
+            else:
+                tensors = [torch.empty(s.shape, dtype=s.dtype, device=comm) for s in _specs(outline, [])]
+            if tensors:
+                broadcast(tensors, from_process=0)
+        pieces = _fill(outline, iter(tensors))
+        plan.add(sizes, real, final)
+        return pieces
+
+    # -- process 0: group the real loader's batches into steps ---------------------------------------
+    def _groups(self, iterator: Iterator[Any], head_count: int, head_only: int) -> Iterator[tuple]:
+        """Yields (per-process pieces, per-process real counts, is-final) for every step."""
+        head: list = []
+        stream = self._after_head(iterator, head, head_count, head_only)
+        if self.split_batches:
+            yield from self._split_groups(stream, head)
+        else:
+            yield from self._whole_groups(stream, head)
+
+    @staticmethod
+    def _after_head(iterator: Iterator[Any], head: list, head_count: int, head_only: int) -> Iterator[Any]:
+        for index, batch in enumerate(iterator):
+            if index < head_count:
+                head.append(batch)
+            if index >= head_only:
+                yield batch
+
+    def _whole_groups(self, stream: Iterator[Any], head: list) -> Iterator[tuple]:
+        n, size = self.num_processes, self._base_batch_size
+        group: list = []
+        emitted = 0
+        for batch in stream:
+            if len(group) == n:  # held back for its short last batch; more data came, so it is not the end
+                yield group, [count_rows(b) for b in group], False
+                group, emitted = [], emitted + 1
+            group.append(batch)
+            if len(group) == n and (size is None or count_rows(batch) == size):
+                yield group, [count_rows(b) for b in group], False
+                group, emitted = [], emitted + 1
+        if not group:
+            return
+        real = [count_rows(b) for b in group] + [0] * (n - len(group))
+        if n == 1 or (len(group) == n and not self._padding_possible()):
+            yield group, real[:n], True
+        elif self._drop_last:
+            return
+        elif not self.even_batches and emitted:
+            yield group + [None] * (n - len(group)), real, True
+        else:  # even batches, or a lone step that would leave some process without any batch
+            yield self._complete(group, head, short_too=self.even_batches), real, True
+
+    def _complete(self, group: list, head: list, short_too: bool = True) -> list:
+        n, size = self.num_processes, self._base_batch_size
+        if size is None:
+            return group + [head[i % len(head)] for i in range(n - len(group))]
+        flat = cat_rows(head)
+        out, used = list(group), 0
+        short = count_rows(out[-1]) or 0
+        if short_too and short < size:
+            out[-1] = cat_rows([out[-1], cycle_rows(flat, 0, size - short)])
+            used = size - short
+        while len(out) < n:
+            out.append(cycle_rows(flat, used, size))
+            used += size
+        return out
+
+    def _split_groups(self, stream: Iterator[Any], head: list) -> Iterator[tuple]:
+        size = self._base_batch_size
+        held = None
+        emitted = 0
+        for batch in stream:
+            if held is not None:
+                yield self._cut(held, head, last=False)
+                held, emitted = None, emitted + 1
+            if size is None or count_rows(batch) == size:
+                yield self._cut(batch, head, last=False)
+                emitted += 1
+            else:
+                held = batch
+        if held is not None and not (self._drop_last and self.num_processes > 1):
+            yield self._cut(held, head, last=True, lone=not emitted)
+
+    def _cut(self, batch: Any, head: list, last: bool, lone: bool = False) -> tuple:
+        n = self.num_processes
+        count = count_rows(batch) or 0
+        size = self._base_batch_size or count
+        part = size // n
+        if count < size and n > 1 and (self.even_batches or not last) and head:
+            batch = cat_rows([batch, cycle_rows(head[0], 0, size - count)])
+        pieces = []
+        for q in range(n):
+            if self.slice_fn is not None:
+                piece = self.slice_fn(batch, slice(q * part, (q + 1) * part), process_index=q, num_processes=n)
+            else:
+                piece = slice_rows(batch, q * part, (q + 1) * part)
+            if count_rows(piece) == 0:
+                piece = cycle_rows(head[0], 0, part) if lone and head else None
+            pieces.append(piece)
+        real = [max(0, min(part, count - q * part)) for q in range(n)]
+        return pieces, real, last

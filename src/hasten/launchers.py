@@ -1,0 +1,249 @@
+"""Start processes from a running interpreter: ``notebook_launcher`` and ``debug_launcher``.
+
+Both fork the current process through torch's elastic agent, so the function (defined in a
+notebook, a test, ...) needs no pickling and no re-import; each child gets torchrun's variables
+and builds its process group as a script started by ``hasten launch`` would. On CPU,
+``num_processes=2`` really gives two ranks.
+
+Forking is refused once CUDA is initialised in the parent (a forked child cannot use it); to say
+*which* call did it, importing this module records where CUDA gets initialised from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .commands import failures as failure_report
+from .commands.config_schema import MIXED_PRECISION
+from .commands.hardware import cpu_count, cuda_device_count
+from .topology import DEFAULT_PORT
+
+__all__ = ["notebook_launcher", "debug_launcher", "LaunchError"]
+
+
+class LaunchError(RuntimeError):
+    """A launched process failed; the message names the rank that failed first and its traceback."""
+
+    def __init__(self, message: str, rank: int, exitcode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+# -- where was CUDA initialised? ----------------------------------------------------------------
+_cuda_init_stack: Optional[list] = None
+
+
+def _track_cuda_init() -> None:
+    """Wrap ``torch.cuda._lazy_init`` to remember the stack of the call that initialises CUDA."""
+    cuda = torch.cuda
+    if getattr(cuda, "_hasten_tracks_init", False) or cuda.is_initialized():
+        return
+    original = cuda._lazy_init
+
+    def _lazy_init(*args: Any, **kwargs: Any) -> Any:
+        global _cuda_init_stack
+        if _cuda_init_stack is None and not cuda.is_initialized():
+            _cuda_init_stack = traceback.extract_stack()[:-1]
+        return original(*args, **kwargs)
+
+    cuda._lazy_init = _lazy_init
+    cuda._hasten_tracks_init = True
+
+
+_track_cuda_init()
+
+
+def _user_frame(stack: list) -> Optional[traceback.FrameSummary]:
+    """The innermost frame outside torch and hasten: the user's call that touched CUDA."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(stack):
+        path = os.path.abspath(frame.filename) if not frame.filename.startswith("<") else frame.filename
+        if not path.startswith(skip):
+            return frame
+    return stack[-1] if stack else None
+
+
+def cuda_initialised_message(stack: Optional[list] = None) -> str:
+    """Why forking is refused, which call initialised CUDA (when known), and the fix."""
+    stack = _cuda_init_stack if stack is None else stack
+    fix = ("Restart the kernel/interpreter and call notebook_launcher before anything touches the GPU: build the "
+           "model and move it to the GPU inside the launched function.")
+    head = "CUDA is already initialised in this process, and processes forked from it cannot use CUDA. "
+    frame = _user_frame(stack) if stack else None
+    if frame is None:
+        return (head + "It was initialised before hasten.launchers was imported (e.g. by .cuda(), .to('cuda'), "
+                "torch.cuda.* calls or a library import), so the call is unknown. " + fix)
+    code = f": `{frame.line.strip()}`" if frame.line else ""
+    return head + f"It was initialised by {frame.filename}, line {frame.lineno}, in {frame.name}{code}. " + fix
+
+
+# -- launching ----------------------------------------------------------------------------------
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (OpenMP pools, CUDA...); -1 if unknown."""
+    try:
+        tasks = {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return -1
+    python = {t.native_id for t in threading.enumerate()}
+    return len(tasks - python)
+
+
+@contextmanager
+def _patched_env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _reset_hasten_state() -> None:
+    """A forked child inherits the parent's singletons; it must build its own."""
+    state = sys.modules.get("hasten.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
+def _forked(function: Callable, threads: int) -> Callable:
+    def run(*args: Any) -> Any:
+        from .commands._bootstrap import is_peer_failure, write_record
+
+        _reset_hasten_state()
+        torch.set_num_threads(threads)
+        try:
+            return function(*args)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - report it, then end this process like Python would
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # skip this frame
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
+            summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+            write_record("exception", summary, text, is_peer_failure(exc), 1)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+
+    run.__name__ = getattr(function, "__name__", "function")
+    return run
+
+
+def _port(use_port: Any, master_addr: str, num_nodes: int, node_rank: int) -> int:
+    from .commands.launch import _port_in_use, free_port
+
+    try:
+        port = int(use_port)
+    except (TypeError, ValueError):
+        raise ValueError(f"use_port={use_port!r} is not a port number; pass e.g. use_port='29500' (or '0' for a free one)") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"use_port={use_port!r} is out of range; use 1-65535 (or 0 for a free port)")
+    if port == 0:
+        if num_nodes > 1:
+            raise ValueError("use_port=0 (pick a free port) works on one machine only; give every node the same port")
+        return free_port(master_addr if master_addr in ("127.0.0.1", "localhost") else "")
+    if node_rank == 0 and _port_in_use(port):
+        raise ValueError(f"port {port} is already in use on this machine; pass another use_port, or use_port='0' for a free one")
+    return port
+
+
+def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, str], master_addr: str, port: int,
+                 num_nodes: int = 1, node_rank: int = 0, rdzv_backend: str = "static", rdzv_endpoint: str = "",
+                 rdzv_conf: Optional[dict] = None, rdzv_id: str = "none", max_restarts: int = 0,
+                 monitor_interval: float = 0.1, log_line_prefix_template: Optional[str] = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .commands.elastic import _quiet_torch_logs
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(cuda_initialised_message())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process; start the launcher "
+                           "before init_process_group (or anything that creates one)")
+    # Children of a process whose OpenMP pool already runs hang in their first parallel op unless
+    # they stay single-threaded.
+    threads = max(1, cpu_count() // nprocs) if _native_threads() == 0 else 1
+    _quiet_torch_logs(debug=False, quiet=False)
+    configs = dict(rdzv_conf or {})
+    if rdzv_backend == "static":
+        configs["rank"] = node_rank
+    config = LaunchConfig(
+        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nprocs, run_id=rdzv_id, rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{port}", rdzv_configs=configs, max_restarts=max_restarts,
+        monitor_interval=monitor_interval, start_method="fork", log_line_prefix_template=log_line_prefix_template,
+        shutdown_timeout=5,
+    )
+    records = tempfile.mkdtemp(prefix="hasten-failures-")
+    child_env = dict(env, HASTEN_FORK_LAUNCHED="1", OMP_NUM_THREADS=str(threads), HASTEN_FAILURE_DIR=records,
+                     # keep torch.cuda.is_available() (called by the agent) from initialising CUDA here
+                     PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    try:
+        with _patched_env(**child_env):
+            elastic_launch(config, _forked(function, threads))(*args)
+    except ChildFailedError as err:
+        found = failure_report.from_agent(err.failures, node=node_rank, records_dir=records)
+        first = failure_report.first_failure(found)
+        raise LaunchError(failure_report.report(found), first.rank, first.exitcode) from None
+    finally:
+        shutil.rmtree(records, ignore_errors=True)
+
+
+def notebook_launcher(function: Callable, args: tuple = (), num_processes: Optional[int] = None,
+                      mixed_precision: str = "no", use_port: str = str(DEFAULT_PORT), master_addr: str = "127.0.0.1",
+                      node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
+                      rdzv_conf: Optional[dict] = None, rdzv_id: str = "none", max_restarts: int = 0,
+                      monitor_interval: float = 0.1, log_line_prefix_template: Optional[str] = None) -> None:
+    """Run ``function(*args)`` on ``num_processes`` processes forked from this interpreter.
+
+    Args:
+        function: what each process runs (it creates its ``Accelerator`` itself).
+        args: positional arguments for ``function``.
+        num_processes: processes on this machine; default: one per visible GPU, else 1.
+        mixed_precision: "no", "fp16", "bf16" or "fp8" (read by the ``Accelerator`` of each process).
+        use_port: rendezvous port on machine 0; "0" picks a free one (one machine only).
+        master_addr, node_rank, num_nodes: where machine 0 is, which machine this is, how many take part.
+        rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts, monitor_interval,
+        log_line_prefix_template: passed to torch's elastic agent.
+
+    Raises:
+        LaunchError: a process failed (the message has the first failing rank's traceback).
+        RuntimeError: CUDA was already initialised in this process (the message says where).
+    """
+    mixed_precision = str(mixed_precision).lower()
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}")
+    if num_processes is None:
+        num_processes = max(1, cuda_device_count())
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r} must be a positive whole number")
+    env = {"HASTEN_MIXED_PRECISION": mixed_precision}
+    if num_processes == 1 and num_nodes == 1:
+        with _patched_env(**env):
+            function(*args)
+        return
+    port = _port(use_port, master_addr, num_nodes, node_rank) if not rdzv_endpoint else 0
+    _fork_launch(function, tuple(args), num_processes, env, master_addr, port, num_nodes, node_rank, rdzv_backend,
+                 rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts, monitor_interval, log_line_prefix_template)
+
+
+def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
+    """Run ``function(*args)`` on ``num_processes`` CPU processes (gloo), to debug distributed code."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r} must be a positive whole number")
+    port = _port(0, "127.0.0.1", 1, 0)
+    _fork_launch(function, tuple(args), num_processes, {"HASTEN_USE_CPU": "true"}, "127.0.0.1", port)
