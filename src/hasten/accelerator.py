@@ -282,7 +282,7 @@ class Accelerator(ProcessControlMixin):
         for kinds, prepare_one in passes:
             for i, obj in enumerate(args):
                 if isinstance(obj, kinds):
-                    kw = {} if prepare_one is self.prepare_scheduler else {"device_placement": device_placement[i]}
+                    kw = {} if prepare_one == self.prepare_scheduler else {"device_placement": device_placement[i]}
                     result[i] = prepare_one(obj, **kw)
         return result[0] if len(result) == 1 else tuple(result)
 

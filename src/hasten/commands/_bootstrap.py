@@ -80,6 +80,24 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
+def _finish() -> None:
+    """The script succeeded: tear the process group down now (leaving it to interpreter exit
+    sometimes aborts in native code) and tell the launcher that this rank's work is complete."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the script's work is done either way
+        pass
+    folder = os.environ.get("HASTEN_FAILURE_DIR")
+    if folder:
+        try:
+            with open(os.path.join(folder, f"done{os.environ.get('RANK', os.getpid())}"), "w") as f:
+                f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        except OSError:
+            pass
+
+
 def _die_with_launcher() -> None:
     """Linux: get SIGTERM when the launcher process goes away, even if it was SIGKILLed."""
     if not sys.platform.startswith("linux"):
@@ -117,7 +135,9 @@ def main(argv: list) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-        if code not in (None, 0):
+        if code in (None, 0):
+            _finish()
+        else:
             status = code if isinstance(code, int) else 1
             summary = f"exited with status {code}" if isinstance(code, int) else str(code)
             write_record("exit", summary, "", False, status)
@@ -132,6 +152,7 @@ def main(argv: list) -> None:
         exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
         sys.excepthook(type(exc), exc, tb)
         sys.exit(1)
+    _finish()
 
 
 if __name__ == "__main__":

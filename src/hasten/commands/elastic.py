@@ -77,6 +77,11 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
         launch_agent(config, entrypoint, args)
     except ChildFailedError as err:
         found = failure_report.from_agent(err.failures, node=node, host=socket.gethostname(), records_dir=records)
+        if failure_report.only_teardown_crashes(found, failure_report.finished_ranks(records)):
+            names = ", ".join(f"rank {f.rank} ({f.signal_name})" for f in found)
+            print(f"hasten: warning: {names} crashed while exiting, after the script had finished; "
+                  "the job's work is complete (a native teardown crash in torch, not in your script)", file=sys.stderr)
+            return 0
         if not found:
             print(f"hasten: error: a process failed: {err}", file=sys.stderr)
             return 1

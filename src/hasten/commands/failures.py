@@ -117,6 +117,29 @@ def from_agent(failures: Mapping[int, Any], node: Optional[int] = None, host: Op
     return out
 
 
+def finished_ranks(folder: Optional[str]) -> set[int]:
+    """Ranks whose script ran to the end (latest restart attempt), from their ``done`` markers."""
+    if not folder or not os.path.isdir(folder):
+        return set()
+    marks: dict[int, int] = {}
+    for name in os.listdir(folder):
+        if name.startswith("done") and name[4:].isdigit():
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    marks[int(name[4:])] = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                continue
+    if not marks:
+        return set()
+    last = max(marks.values())
+    return {rank for rank, attempt in marks.items() if attempt == last}
+
+
+def only_teardown_crashes(failures: list[Failure], finished: set[int]) -> bool:
+    """Every failed process had finished its script and then died in native teardown code."""
+    return bool(failures) and all(f.exitcode < 0 and not f.traceback and f.rank in finished for f in failures)
+
+
 def first_failure(failures: list[Failure]) -> Failure:
     """The earliest failure that is not an echo of another one (else simply the earliest)."""
     return min(failures, key=lambda f: (f.consequence, f.time, f.rank))

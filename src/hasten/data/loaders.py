@@ -478,7 +478,8 @@ def prepare_data_loader(
             kwargs.update(batch_sampler=batch_sampler)
         return DataLoaderDispatcher(
             dataset, split_batches=split_batches, even_batches=even_batches, _drop_last=dataloader.drop_last,
-            _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch, device=device,
+            _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch,
+            device=device if device is not None else state.device,
             use_stateful_dataloader=use_stateful_dataloader, rng_types=rng_types,
             synchronized_generator=synchronized_generator, **kwargs)
 
