@@ -9,20 +9,19 @@ Accelerate's public names.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .optimizer import AcceleratedOptimizer
+from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
 from .precision import Precision
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
 from .strategies import foreign_wrapper, select_strategy
 from .utils.dataclasses import (
-    KWARGS_HANDLERS,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -32,18 +31,7 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .utils.environment import get_env, parse_flag, parse_int
-
-_LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
-
-
-def _dynamo_from_env() -> Optional[TorchDynamoPlugin]:
-    backend = (get_env("DYNAMO_BACKEND") or "no").lower()
-    if backend == "no":
-        return None
-    return TorchDynamoPlugin(backend=backend, mode=get_env("DYNAMO_MODE"),
-                             fullgraph=parse_flag("DYNAMO_USE_FULLGRAPH"),
-                             dynamic=parse_flag("DYNAMO_USE_DYNAMIC") if get_env("DYNAMO_USE_DYNAMIC") else None)
+from .utils.environment import parse_flag
 
 
 class Accelerator(ProcessControlMixin):
@@ -88,11 +76,11 @@ class Accelerator(ProcessControlMixin):
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
         **legacy: Any,
     ) -> None:
-        handlers = self._collect_handlers(kwargs_handlers)
-        dataloader_config = self._merge_legacy_data_kwargs(dataloader_config, legacy)
-        plugin = self._accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+        handlers = collect_handlers(kwargs_handlers)
+        dataloader_config = merge_legacy_data_kwargs(dataloader_config, legacy)
+        plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         if dynamo_plugin is None:
-            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend) if dynamo_backend else _dynamo_from_env()
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend) if dynamo_backend else dynamo_from_env()
         if dynamo_plugin is not None and dynamo_plugin.backend == "no":
             dynamo_plugin = None
         if fsdp_plugin is None and parse_flag("USE_FSDP"):
@@ -114,7 +102,7 @@ class Accelerator(ProcessControlMixin):
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        self.log_with = self._check_trackers(log_with)
+        self.log_with = check_trackers(log_with)
         self.trackers: list[Any] = []
         self.step = 0  # micro-steps inside the current accumulation window
         # What prepare() handed out; a checkpoint saves exactly these (in order).
@@ -127,61 +115,6 @@ class Accelerator(ProcessControlMixin):
         self.flag_tensor: Optional[torch.Tensor] = None
 
     # -- construction helpers -------------------------------------------------------------------
-    @staticmethod
-    def _collect_handlers(kwargs_handlers: Optional[Sequence[Any]]) -> dict[type, Any]:
-        found: dict[type, Any] = {}
-        for handler in kwargs_handlers or ():
-            kind = next((k for k in KWARGS_HANDLERS if isinstance(handler, k)), None)
-            if kind is None:
-                names = ", ".join(k.__name__ for k in KWARGS_HANDLERS)
-                raise TypeError(f"kwargs_handlers got {handler!r}, which is not one of {names}")
-            if kind in found:
-                raise ValueError(f"kwargs_handlers holds two {kind.__name__} objects; pass one and merge the settings")
-            found[kind] = handler
-        return found
-
-    @staticmethod
-    def _merge_legacy_data_kwargs(config: Optional[DataLoaderConfiguration], legacy: dict[str, Any]) -> DataLoaderConfiguration:
-        unknown = set(legacy) - set(_LEGACY_DATA_KWARGS)
-        if unknown:
-            raise TypeError(f"Accelerator() got unexpected keyword argument(s) {sorted(unknown)}")
-        config = config or DataLoaderConfiguration()
-        for key, value in legacy.items():
-            warnings.warn(f"Accelerator({key}=...) is deprecated; pass dataloader_config=DataLoaderConfiguration({key}=...)",
-                          FutureWarning, stacklevel=3)
-            setattr(config, key, value)
-        return config
-
-    @staticmethod
-    def _accumulation_plugin(steps: Any, plugin: Optional[GradientAccumulationPlugin]) -> GradientAccumulationPlugin:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={steps!r} is invalid; use a whole number >= 1 (1 = no accumulation)"
-            )
-        if plugin is not None:
-            if steps != 1:
-                raise ValueError(
-                    "both gradient_accumulation_steps and gradient_accumulation_plugin were given; "
-                    "set num_steps in the plugin only"
-                )
-            if plugin.num_steps is None or plugin.num_steps < 1:
-                raise ValueError(f"GradientAccumulationPlugin(num_steps={plugin.num_steps!r}) needs a whole number >= 1")
-            return plugin
-        if steps == 1:
-            steps = parse_int("GRADIENT_ACCUMULATION_STEPS", 1)
-            if steps < 1:
-                raise ValueError(f"HASTEN_GRADIENT_ACCUMULATION_STEPS={steps} is invalid; use a whole number >= 1")
-        return GradientAccumulationPlugin(num_steps=steps)
-
-    @staticmethod
-    def _check_trackers(log_with: Any) -> list[Any]:
-        if log_with in (None, [], ()):
-            return []
-        raise NotImplementedError(
-            f"log_with={log_with!r}: experiment trackers are not bundled with hasten yet; "
-            "remove log_with (or log from your script on accelerator.is_main_process)"
-        )
-
     # -- read-only views ------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -217,7 +150,7 @@ class Accelerator(ProcessControlMixin):
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
-        self.gradient_state.plugin_kwargs["num_steps"] = self._accumulation_plugin(steps, None).num_steps
+        self.gradient_state.plugin_kwargs["num_steps"] = accumulation_plugin(steps, None).num_steps
 
     @property
     def optimizer_step_was_skipped(self) -> bool:

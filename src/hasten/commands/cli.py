@@ -41,7 +41,7 @@ def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
     """argparse's complaint, rewritten as one line that names the flag and the fix."""
     prog = parser.prog
     cmd = prog.split(" ", 1)[1] + " " if " " in prog else ""
-    options = [o for a in parser._actions for o in a.option_strings]
+    options = _all_options(parser)
     m = re.match(r"unrecognized arguments: (\S+)", message)
     if m:
         token = m.group(1)
@@ -70,6 +70,18 @@ def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
             return f"{prog} needs a script: {prog} [flags] script.py [script args]"
         return f"{prog}: {message}"
     return f"{prog}: {message}"
+
+
+def _all_options(parser: argparse.ArgumentParser) -> list[str]:
+    """Option strings of a parser and its subcommands (argparse reports a subcommand's unknown
+    flags from the top-level parser)."""
+    options = []
+    for action in parser._actions:
+        options.extend(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options.extend(_all_options(sub))
+    return options
 
 
 def _example(flag: str) -> str:

@@ -328,7 +328,12 @@ def explain(plan: Plan) -> str:
 def _display_command(plan: Plan) -> list[str]:
     if not plan.entrypoint:
         return ["(no script given)"]
-    return [plan.entrypoint, *plan.args]
+    if plan.direct:
+        return [plan.entrypoint, *plan.args]
+    from .elastic import worker_command
+
+    entrypoint, args = worker_command(plan)
+    return [entrypoint, *args]
 
 
 def launch_command(args: argparse.Namespace) -> int:
