@@ -327,3 +327,52 @@ def check_save_model_from_ddp():
     load_checkpoint_in_model(fresh, path)
     assert max_param_diff(fresh, acc.unwrap_model(model)) == 0
     return sorted(os.listdir(path))
+
+
+def check_ddp_kwargs_and_eval_gather():
+    from hasten import DistributedDataParallelKwargs
+
+    acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    model = acc.prepare(make_model())
+    if acc.num_processes > 1:
+        assert model.find_unused_parameters is True
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(7.0)), batch_size=2))
+    seen = []
+    for (x,) in dl:
+        seen += acc.gather_for_metrics(x).tolist()
+    assert sorted(seen) == list(range(7)), seen
+    return seen
+
+
+def check_print_and_local_main_first():
+    import io
+    from contextlib import redirect_stdout
+
+    acc = Accelerator(cpu=True)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        acc.print("hello from", acc.process_index)
+    with acc.local_main_process_first():
+        pass
+    expected = "hello from 0\n" if acc.is_local_main_process else ""
+    assert buf.getvalue() == expected, buf.getvalue()
+    return buf.getvalue()
+
+
+def check_free_memory_drops_references():
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
+    acc.free_memory()
+    assert acc._models == [] and acc._optimizers == [] and acc.step == 0
+    return True
+
+
+def check_zz_end_training_tears_down():
+    # Runs last in its launch (checks run in file order): it destroys the process group.
+    import torch.distributed as dist
+
+    acc = Accelerator(cpu=True)
+    acc.end_training()
+    assert not (dist.is_available() and dist.is_initialized())
+    acc.end_training()  # idempotent
+    return True

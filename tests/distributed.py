@@ -121,7 +121,7 @@ def _worker(module_name: str, out: str, rank: int, only: list[str]) -> None:
                 item["value"] = repr(item.get("value"))
             f.write(json.dumps(item) + "\n")
             f.flush()
-            if state.use_distributed:
+            if state.use_distributed and dist.is_initialized():
                 dist.barrier()
     state.destroy_process_group()
 

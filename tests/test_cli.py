@@ -220,7 +220,7 @@ BAD_ARGS = [
     (["launch", "--main_process_port", "70000", "train.py"], "between 0 and 65535"),
     (["launch", "--main_process_port", "http", "train.py"], "--main_process_port: 'http'"),
     (["launch"], "needs a script"),
-    (["launch", "--num_processes", "2"], "script '2' not found"),
+    (["launch", "--num_processes", "2"], "needs a script"),
     (["launch", "missing.py"], "script 'missing.py' not found"),
     (["launch", "--num_processes", "3", "--num_machines", "2", "--main_process_ip", "1.2.3.4", "train.py"],
      "multiple of num_machines"),

@@ -522,8 +522,9 @@ class Accelerator(ProcessControlMixin):
         """Finish trackers, wait for every process and tear the process group down."""
         for tracker in self.trackers:
             getattr(tracker, "finish", lambda: None)()
-        self.wait_for_everyone()
-        self.state.destroy_process_group()
+        if self.use_distributed and torch.distributed.is_initialized():  # idempotent
+            self.wait_for_everyone()
+            self.state.destroy_process_group()
 
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \

@@ -47,7 +47,8 @@ def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
         token = m.group(1)
         if token.startswith("-"):
             name = token.split("=")[0]
-            hint = did_you_mean(name, [o for o in options if o.startswith("--")], prefix="")
+            canonical = [o for o in options if o.startswith("--") and "-" not in o[2:]]
+            hint = did_you_mean(name, canonical, prefix="")
             return f"unknown flag {name}{hint or f'; see {prog} --help'}"
         return f"unexpected argument {token!r}; see {prog} --help"
     m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message)
