@@ -162,7 +162,8 @@ def test_single_process_runs_directly_and_restarts_use_c10d():
     assert not r.direct and r.rdzv_backend == "c10d"
     assert r.child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "static restarts" in r.res.values["rdzv_backend"].source
-    assert plan_for("--num_processes", "2", "--max_restarts", "2", "--rdzv_backend", "static", "train.py").rdzv_backend == "static"
+    explicit = plan_for("--num_processes", "2", "--max_restarts", "2", "--rdzv_backend", "static", "train.py")
+    assert explicit.rdzv_backend == "static"
 
 
 def test_port_zero_and_default_pick_free_port_on_one_machine():
@@ -207,6 +208,17 @@ def test_mpi_gives_nodes_and_rank(variables):
     p = plan_for("--num_processes", "6", "train.py", env=env)
     assert (p.num_machines, p.machine_rank, p.main_ip, p.nproc_per_node) == (3, 2, "10.9.8.7", 2)
     assert p.res.values["machine_rank"].source.endswith("RANK)")
+
+
+def test_scheduler_precedence_open_mpi_then_slurm_then_pmi():
+    # srun --mpi=pmi2 adds PMI variables to SLURM's: SLURM's node list gives the address.
+    env = dict(os.environ, PMI_SIZE="2", PMI_RANK="1", **SLURM)
+    p = plan_for("--num_processes", "4", "train.py", env=env)
+    assert p.main_ip == "gpu07" and p.res.values["num_machines"].source.startswith("SLURM")
+    # mpirun inside a SLURM allocation: Open MPI's own variables describe the launchers.
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_LOCAL_SIZE="1", **SLURM)
+    p = plan_for("--num_processes", "4", "train.py", env=env)
+    assert (p.machine_rank, p.main_ip) == (0, "gpu07") and p.res.values["machine_rank"].source.startswith("Open MPI")
 
 
 # -- bad input: one line, exit status 2 -------------------------------------------------------

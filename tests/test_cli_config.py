@@ -224,3 +224,45 @@ def test_yaml_written_by_hasten_has_accelerate_layout(tmp_path):
     data = to_yaml_dict(validate(yaml.safe_load(SEED_YAML)))
     assert data["downcast_bf16"] == "no" and data["gpu_ids"] == "all" and data["mixed_precision"] == "fp16"
     assert "gradient_accumulation_steps" not in data  # hasten's own keys only when not default
+
+
+ACCELERATE_FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: [LlamaDecoderLayer, MLP]
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_accelerate_fsdp_config_reaches_the_processes(tmp_path, capsys):
+    cfg = tmp_path / "fsdp.yaml"
+    cfg.write_text(ACCELERATE_FSDP_YAML)
+    (tmp_path / "train.py").write_text("")
+    assert main(["launch", "--config_file", str(cfg), "--cpu", "--dry_run", "train.py"]) == 0
+    out = capsys.readouterr().out
+    for line in ("HASTEN_USE_FSDP=true", "FSDP_VERSION=2", "FSDP_RESHARD_AFTER_FORWARD=true",
+                 "FSDP_TRANSFORMER_CLS_TO_WRAP=LlamaDecoderLayer,MLP", "FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT",
+                 "HASTEN_MIXED_PRECISION=bf16"):
+        assert line in out, line
+    assert "config file" in out and "(distributed_type: FSDP)" in out

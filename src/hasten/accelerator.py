@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .checkpointing import CheckpointMixin
 from .optimizer import AcceleratedOptimizer
 from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
 from .precision import Precision
@@ -34,7 +35,7 @@ from .utils.dataclasses import (
 from .utils.environment import parse_flag
 
 
-class Accelerator(ProcessControlMixin):
+class Accelerator(CheckpointMixin, ProcessControlMixin):
     """Adapts a plain PyTorch training loop to the current hardware and number of processes.
 
     The arguments keep Accelerate's names and defaults. Settings left at their default are read
@@ -74,6 +75,7 @@ class Accelerator(ProcessControlMixin):
         kwargs_handlers: Optional[Sequence[Any]] = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+        resume: Any = None,
         **legacy: Any,
     ) -> None:
         handlers = collect_handlers(kwargs_handlers)
@@ -113,6 +115,7 @@ class Accelerator(ProcessControlMixin):
         self._custom_objects: list[Any] = []
         self._prepared: dict[int, Any] = {}  # id(input or output) -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
+        self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
 
     # -- construction helpers -------------------------------------------------------------------
     # -- read-only views ------------------------------------------------------------------------

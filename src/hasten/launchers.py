@@ -149,7 +149,8 @@ def _port(use_port: Any, master_addr: str, num_nodes: int, node_rank: int) -> in
     try:
         port = int(use_port)
     except (TypeError, ValueError):
-        raise ValueError(f"use_port={use_port!r} is not a port number; pass e.g. use_port='29500' (or '0' for a free one)") from None
+        raise ValueError(f"use_port={use_port!r} is not a port number; pass e.g. use_port='29500' "
+                         "(or '0' for a free one)") from None
     if not 0 <= port <= 65535:
         raise ValueError(f"use_port={use_port!r} is out of range; use 1-65535 (or 0 for a free port)")
     if port == 0:
@@ -157,7 +158,8 @@ def _port(use_port: Any, master_addr: str, num_nodes: int, node_rank: int) -> in
             raise ValueError("use_port=0 (pick a free port) works on one machine only; give every node the same port")
         return free_port(master_addr if master_addr in ("127.0.0.1", "localhost") else "")
     if node_rank == 0 and _port_in_use(port):
-        raise ValueError(f"port {port} is already in use on this machine; pass another use_port, or use_port='0' for a free one")
+        raise ValueError(f"port {port} is already in use on this machine; pass another use_port, "
+                         "or use_port='0' for a free one")
     return port
 
 
@@ -182,18 +184,18 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
     configs = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         configs["rank"] = node_rank
-    config = LaunchConfig(
-        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nprocs, run_id=rdzv_id, rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{port}", rdzv_configs=configs, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, start_method="fork", log_line_prefix_template=log_line_prefix_template,
-        shutdown_timeout=5,
-    )
     records = tempfile.mkdtemp(prefix="hasten-failures-")
     child_env = dict(env, HASTEN_FORK_LAUNCHED="1", OMP_NUM_THREADS=str(threads), HASTEN_FAILURE_DIR=records,
-                     # keep torch.cuda.is_available() (called by the agent) from initialising CUDA here
+                     # torch.cuda.is_available() (the agent calls it) must not initialise CUDA here
                      PYTORCH_NVML_BASED_CUDA_CHECK="1")
     try:
         with _patched_env(**child_env):
+            config = LaunchConfig(
+                min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nprocs, run_id=rdzv_id,
+                rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{port}",
+                rdzv_configs=configs, max_restarts=max_restarts, monitor_interval=monitor_interval,
+                start_method="fork", log_line_prefix_template=log_line_prefix_template, shutdown_timeout=5,
+            )
             elastic_launch(config, _forked(function, threads))(*args)
     except ChildFailedError as err:
         found = failure_report.from_agent(err.failures, node=node_rank, records_dir=records)

@@ -115,6 +115,12 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before the request took effect
 
 
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
 def main(argv: list) -> None:
     module = bool(argv) and argv[0] == "-m"
     if module:
@@ -126,8 +132,9 @@ def main(argv: list) -> None:
     sys.argv = [target, *args]
     if module:
         sys.path.insert(0, os.getcwd())
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    elif os.path.isfile(target) and not _is_zip(target):
+        # Like python itself: the script's folder, symbolic links resolved.
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -108,7 +108,11 @@ def coerce(key: Key, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise BadValue(f"{value!r} is not a list")
         return list(value)
-    if isinstance(value, (dict, list)):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        return ",".join(str(v) for v in value)  # e.g. layer class names given as a YAML list
+    if isinstance(value, (dict, list, tuple)):
         raise BadValue(f"{value!r} is not a single value")
     return str(value)
 
@@ -256,6 +260,11 @@ def validate(raw: Any, where: str = "config") -> dict[str, Any]:
         raise HastenCLIError(f"{where}: the file must hold a mapping of keys to values, not {type(raw).__name__}")
     data = dict(raw)
     out: dict[str, Any] = {}
+    if str(data.get("compute_environment", "")).upper() == "AMAZON_SAGEMAKER":
+        raise HastenCLIError(
+            f"{where}: compute_environment: AMAZON_SAGEMAKER is not supported by hasten; "
+            "use LOCAL_MACHINE (and launch inside the SageMaker job with hasten launch)"
+        )
     # Legacy keys first, so that the new key wins when both are present.
     if "fp16" in data:
         fp16 = _coerce_at(Key("fp16", "bool"), data.pop("fp16"), where, "fp16")
@@ -286,11 +295,6 @@ def validate(raw: Any, where: str = "config") -> dict[str, Any]:
             out[name] = value
     if out.get("distributed_type") == "TPU":
         out["distributed_type"] = "XLA"
-    if out.get("compute_environment") == "AMAZON_SAGEMAKER":
-        raise HastenCLIError(
-            f"{where}: compute_environment: AMAZON_SAGEMAKER is not supported by hasten; "
-            "use LOCAL_MACHINE (and launch inside the SageMaker job with hasten launch)"
-        )
     _check_consistency(out, where)
     return out
 
@@ -323,7 +327,8 @@ def _check_consistency(cfg: dict, where: str) -> None:
     dtype = cfg.get("distributed_type", "NO")
     if cfg.get("use_cpu") and dtype in ("MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU"):
         raise HastenCLIError(
-            f"{where}: use_cpu: true contradicts distributed_type: {dtype}; set use_cpu: false or distributed_type: MULTI_CPU"
+            f"{where}: use_cpu: true contradicts distributed_type: {dtype}; "
+            "set use_cpu: false or distributed_type: MULTI_CPU"
         )
     machines = cfg.get("num_machines", 1)
     if cfg.get("machine_rank", 0) >= machines:
@@ -354,7 +359,8 @@ def read_config(path: str, where: Optional[str] = None) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
-        raise HastenCLIError(f"{where} does not exist; create one with `hasten config` or pass another --config_file") from None
+        raise HastenCLIError(f"{where} does not exist; create one with `hasten config` "
+                             "or pass another --config_file") from None
     except IsADirectoryError:
         raise HastenCLIError(f"{where} is a directory; give the path of a YAML file") from None
     except yaml.YAMLError as exc:

@@ -56,6 +56,7 @@ def run_elastic(plan: "Plan") -> int:
         run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=f"{plan.main_ip}:{plan.main_port}",
         rdzv_configs=dict(plan.rdzv_configs), max_restarts=plan.res["max_restarts"],
         monitor_interval=plan.res["monitor_interval"], logs_specs=logs, start_method="spawn", shutdown_timeout=grace,
+        role="hasten", log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:"),
     )
     entrypoint, args = worker_command(plan)
     node = plan.machine_rank if plan.rdzv_backend == "static" else None

@@ -6,8 +6,9 @@ import argparse
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, Optional
 
+from .errors import HastenCLIError
 from .hardware import cpu_count, memory_bytes
 
 
@@ -27,8 +28,8 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def collect(config_file: str | None = None) -> list[tuple[str, str]]:
-    """(label, value) rows; imports torch."""
+def collect(config_file: Optional[str] = None) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """(label, value) rows and the effective config; imports torch."""
     from .. import __version__
     from .config import load_effective
 
@@ -67,8 +68,12 @@ def collect(config_file: str | None = None) -> list[tuple[str, str]]:
     watched = sorted(k for k in os.environ if k.startswith(("HASTEN_", "ACCELERATE_")) or k in (
         "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"))
     rows.append(("Environment", ", ".join(f"{k}={os.environ[k]}" for k in watched) or "no HASTEN_/ACCELERATE_ variables"))
-    path, cfg = load_effective(config_file)
-    rows.append(("Config file", path or "none (hasten launch uses its defaults)"))
+    try:
+        path, cfg = load_effective(config_file)
+        rows.append(("Config file", path or "none (hasten launch uses its defaults)"))
+    except HastenCLIError as exc:  # a broken config is exactly what a bug report should show
+        cfg = {}
+        rows.append(("Config file", f"unreadable: {exc}"))
     return rows, cfg
 
 

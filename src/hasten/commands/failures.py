@@ -52,7 +52,8 @@ class Failure:
         if name in ("SIGTERM", "SIGINT", "SIGHUP"):
             return f"was stopped ({name})"
         if name:
-            return f"was killed by {name}" + (" (a crash in native code)" if name in ("SIGSEGV", "SIGBUS", "SIGABRT") else "")
+            native = name in ("SIGSEGV", "SIGBUS", "SIGABRT")
+            return f"was killed by {name}" + (" (a crash in native code)" if native else "")
         return f"failed with exit code {self.exitcode}" + (f": {self.summary}" if self.summary and with_summary else "")
 
 

@@ -21,12 +21,13 @@ from ..topology import DEFAULT_PORT
 from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
-from .launch_settings import CONFIG, DEFAULT, ENV, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
+from .launch_settings import CONFIG, DEFAULT, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
 _TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
-_SHARDED_TYPES = ("XLA", "MEGATRON_LM")
-_OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu", "MULTI_MUSA": "musa", "MULTI_HPU": "hpu"}
+_UNSUPPORTED_TYPES = ("XLA", "MEGATRON_LM")
+_OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu", "MULTI_MUSA": "musa",
+                       "MULTI_HPU": "hpu"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -103,88 +104,129 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     config_path, cfg, label = _config(args, env)
     res = resolve(args, env, cfg, label)
     res.config_path = config_path
-    res.set("quiet", bool(getattr(args, "quiet", False)), "command line (-q)" if getattr(args, "quiet", False) else "default", FLAG)
+    quiet = bool(getattr(args, "quiet", False))
+    res.set("quiet", quiet, "command line (-q)" if quiet else "default", FLAG if quiet else DEFAULT)
     pick_winner(res, "use_cpu", "multi_gpu", "drop one (--cpu runs on CPU, --multi_gpu on every GPU)")
     pick_winner(res, "use_fsdp", "use_deepspeed", "choose one of FSDP and DeepSpeed")
     notes: dict[str, str] = {}
-
-    dtype_cfg = cfg.get("distributed_type", "NO")
-    overridden = any(res.values[n].rank > CONFIG and res[n] for n in ("use_cpu", "multi_gpu"))
-    if dtype_cfg in _SHARDED_TYPES and not overridden:
-        raise HastenCLIError(
-            f"{label}: distributed_type: {dtype_cfg} is not supported by hasten launch yet; pass --cpu or --multi_gpu, "
-            "or set distributed_type to MULTI_GPU / MULTI_CPU"
-        )
     gpus = cuda_device_count(env)
-    if res["use_cpu"]:
-        device = "cpu"
-    elif res["multi_gpu"]:
-        device = "cuda"
-        if gpus == 0:
-            raise HastenCLIError(
-                f"{res.values['multi_gpu'].source} asks for GPUs but this machine shows none (no NVIDIA driver, or "
-                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); add --cpu to run on CPU"
-            )
-    elif dtype_cfg in _OTHER_ACCELERATORS:
-        device = _OTHER_ACCELERATORS[dtype_cfg]
-    else:
-        device = "cuda" if gpus else "cpu"
-
+    device = _pick_device(res, cfg, label, gpus, env)
     machines, machine_rank = res["num_machines"], res["machine_rank"]
     if machine_rank >= machines:
         raise HastenCLIError(
-            f"machine_rank {machine_rank} ({res.values['machine_rank'].source}) must be below num_machines {machines} "
-            f"({res.values['num_machines'].source}); machines are numbered from 0"
+            f"machine_rank {machine_rank} ({_src(res, 'machine_rank')}) must be below num_machines {machines} "
+            f"({_src(res, 'num_machines')}); machines are numbered from 0"
         )
+    gpu_ids = _gpu_ids(res, device, gpus, env)
+    procs = _count_processes(res, device, gpus, gpu_ids, machines)
+    per_node = procs // machines
+    backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
+    tee, log_dir, restarts = res["tee"], res["log_dir"], res["max_restarts"]
+    if tee is not None and not _TEE.match(tee):
+        raise HastenCLIError(f"--tee {tee!r} is not 0-3 or a rank:value list; e.g. --tee 3 (stdout and stderr) "
+                             "or --tee 0:3,1:1")
+    if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise HastenCLIError(f"--log_dir {log_dir} is a file; give a folder")
+    ds_file = res["deepspeed_config_file"]
+    if res["use_deepspeed"] and ds_file and not os.path.isfile(ds_file):
+        raise HastenCLIError(f"deepspeed_config_file {ds_file} ({_src(res, 'deepspeed_config_file')}) does not exist; "
+                             "give the path of a DeepSpeed JSON file")
+
+    entrypoint, cmd_args = _command(args, need_script)
+    direct = procs == 1 and restarts == 0 and tee is None and log_dir is None and machines == 1
+    if res["use_deepspeed"]:
+        distributed_type = "DEEPSPEED"
+    elif res["use_fsdp"]:
+        distributed_type = "FSDP"
+    elif procs > 1:
+        distributed_type = {"cpu": "MULTI_CPU", "cuda": "MULTI_GPU"}.get(device, f"MULTI_{device.upper()}")
+    else:
+        distributed_type = "NO"
+    child_env = _child_env(res, device, per_node, gpu_ids, direct)
+    if backend == "c10d" and restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    run_id = env.get("SLURM_JOB_ID") or f"hasten-{port}"
+    return Plan(res, device, distributed_type, procs, per_node, machines, machine_rank, ip, port, backend, rdzv_configs,
+                run_id, entrypoint, cmd_args, child_env, direct, notes)
+
+
+def _src(res: Resolved, name: str) -> str:
+    return res.values[name].source
+
+
+def _pick_device(res: Resolved, cfg: Mapping[str, Any], label: str, gpus: int, env: Mapping[str, str]) -> str:
+    dtype = cfg.get("distributed_type", "NO")
+    overridden = any(res.values[n].rank > CONFIG and res[n] for n in ("use_cpu", "multi_gpu"))
+    if dtype in _UNSUPPORTED_TYPES and not overridden:
+        raise HastenCLIError(
+            f"{label}: distributed_type: {dtype} is not supported by hasten launch yet; pass --cpu or --multi_gpu, "
+            "or set distributed_type to MULTI_GPU / MULTI_CPU"
+        )
+    if res["use_cpu"]:
+        return "cpu"
+    if res["multi_gpu"]:
+        if gpus == 0:
+            raise HastenCLIError(
+                f"{_src(res, 'multi_gpu')} asks for GPUs but this machine shows none (no NVIDIA driver, or "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); add --cpu to run on CPU"
+            )
+        return "cuda"
+    if dtype in _OTHER_ACCELERATORS:
+        return _OTHER_ACCELERATORS[dtype]
+    return "cuda" if gpus else "cpu"
+
+
+def _gpu_ids(res: Resolved, device: str, gpus: int, env: Mapping[str, str]) -> Optional[str]:
     gpu_ids = res["gpu_ids"]
     if device != "cuda":
         if res.values["gpu_ids"].rank == FLAG and gpu_ids != "all":
-            raise HastenCLIError(f"--gpu_ids {gpu_ids} conflicts with running on {device.upper()}; drop --gpu_ids or --cpu")
-        gpu_ids = None
-    elif gpu_ids not in (None, "all"):
+            raise HastenCLIError(f"--gpu_ids {gpu_ids} conflicts with running on {device.upper()}; "
+                                 "drop --gpu_ids or --cpu")
+        return None
+    if gpu_ids not in (None, "all") and env.get("CUDA_VISIBLE_DEVICES") is None:
         bad = [i for i in gpu_ids.split(",") if int(i) >= max(gpus, 1)]
-        if bad and env.get("CUDA_VISIBLE_DEVICES") is None:
-            raise HastenCLIError(
-                f"gpu_ids {gpu_ids} ({res.values['gpu_ids'].source}) names GPU {bad[0]} but this machine has {gpus} "
-                f"(ids 0 to {gpus - 1})"
-            )
-    # Processes: total over all machines, like Accelerate.
-    procs = res["num_processes"]
-    if procs is None:
-        per = len(gpu_ids.split(",")) if gpu_ids not in (None, "all") else (gpus if device == "cuda" else 1)
-        procs = max(1, per) * machines
-        why = "one per GPU" if device == "cuda" else "one per machine"
-        res.set("num_processes", procs, f"default ({why})", DEFAULT)
-    if procs % machines:
-        raise HastenCLIError(
-            f"num_processes {procs} ({res.values['num_processes'].source}) counts the processes of all machines and must "
-            f"be a multiple of num_machines {machines}"
-        )
-    per_node = procs // machines
-    if gpu_ids not in (None, "all") and len(gpu_ids.split(",")) != per_node:
-        raise HastenCLIError(
-            f"num_processes {procs} ({res.values['num_processes'].source}) gives {per_node} process(es) per machine but "
-            f"gpu_ids {gpu_ids} ({res.values['gpu_ids'].source}) lists {len(gpu_ids.split(','))} GPU(s); make them agree"
-        )
-    if device == "cuda" and gpu_ids in (None, "all") and per_node > gpus:
-        raise HastenCLIError(
-            f"num_processes {procs} ({res.values['num_processes'].source}) gives {per_node} process(es) per machine but "
-            f"only {gpus} GPU(s) are visible; use at most {gpus} per machine, or --cpu"
-        )
+        if bad:
+            raise HastenCLIError(f"gpu_ids {gpu_ids} ({_src(res, 'gpu_ids')}) names GPU {bad[0]} but this machine "
+                                 f"has {gpus} (ids 0 to {gpus - 1})")
+    return gpu_ids
 
-    # Rendezvous.
-    restarts = res["max_restarts"]
+
+def _count_processes(res: Resolved, device: str, gpus: int, gpu_ids: Optional[str], machines: int) -> int:
+    """Processes in total over all machines (Accelerate's meaning of num_processes)."""
+    procs = res["num_processes"]
+    listed = len(gpu_ids.split(",")) if gpu_ids not in (None, "all") else None
+    if procs is None:
+        per = listed or (gpus if device == "cuda" else 1)
+        procs = max(1, per) * machines
+        res.set("num_processes", procs, f"default ({'one per GPU' if device == 'cuda' else 'one per machine'})",
+                DEFAULT)
+    where = f"num_processes {procs} ({_src(res, 'num_processes')})"
+    if procs % machines:
+        raise HastenCLIError(f"{where} counts the processes of all machines and must be a multiple of "
+                             f"num_machines {machines}")
+    per_node = procs // machines
+    if listed is not None and listed != per_node:
+        raise HastenCLIError(f"{where} gives {per_node} process(es) per machine but gpu_ids {gpu_ids} "
+                             f"({_src(res, 'gpu_ids')}) lists {listed} GPU(s); make them agree")
+    if device == "cuda" and listed is None and per_node > gpus:
+        raise HastenCLIError(f"{where} gives {per_node} process(es) per machine but only {gpus} GPU(s) are "
+                             f"visible; use at most {gpus} per machine, or --cpu")
+    return procs
+
+
+def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
+                notes: dict[str, str]) -> tuple[str, str, int, dict[str, Any]]:
+    """Backend, address, port and settings of the rendezvous (a free port on one machine)."""
     backend = res["rdzv_backend"]
-    if res.values["rdzv_backend"].rank == DEFAULT and restarts > 0 and machines == 1:
+    if res.values["rdzv_backend"].rank == DEFAULT and res["max_restarts"] > 0 and machines == 1:
         backend = "c10d"  # static rendezvous reuses a stale store on restart with gloo (pytorch#135712)
-        res.set("rdzv_backend", backend, "default with --max_restarts on one machine (static restarts break gloo)", DEFAULT)
+        res.set("rdzv_backend", backend, "default with --max_restarts on one machine (static restarts break gloo)",
+                DEFAULT)
     ip = res["main_process_ip"]
     if ip is None:
         if machines > 1:
-            raise HastenCLIError(
-                f"{machines} machines need the address of machine 0: pass --main_process_ip (or set main_process_ip "
-                "in the config file, or MASTER_ADDR)"
-            )
+            raise HastenCLIError(f"{machines} machines need the address of machine 0: pass --main_process_ip (or set "
+                                 "main_process_ip in the config file, or MASTER_ADDR)")
         ip = "127.0.0.1"
         res.set("main_process_ip", ip, "default (one machine)", DEFAULT)
     port = res["main_process_port"]
@@ -194,55 +236,26 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     if port is None or port == 0:
         if machines == 1:
             port = free_port()
-            res.set("main_process_port", port, f"free port picked now ({res.values['main_process_port'].source})",
-                    res.values["main_process_port"].rank)
+            value = res.values["main_process_port"]
+            res.set("main_process_port", port, f"free port picked now ({value.source})", value.rank)
         else:
             port = DEFAULT_PORT
             res.set("main_process_port", port, "default", DEFAULT)
     elif (machines == 1 or (machine_rank == 0 and backend == "static")) and procs > 1 and _port_in_use(port):
-        raise HastenCLIError(
-            f"port {port} ({res.values['main_process_port'].source}) is already in use on this machine (another job?); "
-            "pass --main_process_port 0 to pick a free port, or another number"
-        )
-    rdzv_configs: dict[str, Any] = {}
-    if res["rdzv_conf"]:
-        for item in res["rdzv_conf"].split(","):
-            k, eq, v = item.partition("=")
-            if not eq or not k.strip():
-                raise HastenCLIError(f"--rdzv_conf {res['rdzv_conf']!r}: {item!r} is not key=value; e.g. --rdzv_conf timeout=600")
-            rdzv_configs[k.strip()] = v.strip()
+        raise HastenCLIError(f"port {port} ({_src(res, 'main_process_port')}) is already in use on this machine "
+                             "(another job?); pass --main_process_port 0 to pick a free port, or another number")
+    configs: dict[str, Any] = {}
+    for item in (res["rdzv_conf"] or "").split(",") if res["rdzv_conf"] else []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise HastenCLIError(f"--rdzv_conf {res['rdzv_conf']!r}: {item!r} is not key=value; "
+                                 "e.g. --rdzv_conf timeout=600")
+        configs[key.strip()] = value.strip()
     if backend == "static":
-        rdzv_configs["rank"] = machine_rank
+        configs["rank"] = machine_rank
     elif machines > 1 and res.values["machine_rank"].rank > DEFAULT:
         notes["machine_rank"] = f"ignored: {backend} rendezvous numbers the machines itself"
-    run_id = env.get("SLURM_JOB_ID") or f"hasten-{port}"
-
-    tee, log_dir = res["tee"], res["log_dir"]
-    if tee is not None and not _TEE.match(tee):
-        raise HastenCLIError(f"--tee {tee!r} is not 0-3 or a rank:value list; e.g. --tee 3 (stdout and stderr) or --tee 0:3,1:1")
-    if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        raise HastenCLIError(f"--log_dir {log_dir} is a file; give a folder")
-    for name in ("deepspeed_config_file",):
-        path = res[name]
-        if res["use_deepspeed"] and path and not os.path.isfile(path):
-            raise HastenCLIError(f"{name} {path} ({res.values[name].source}) does not exist; give the path of a DeepSpeed JSON file")
-
-    entrypoint, cmd_args = _command(args, need_script)
-    direct = procs == 1 and restarts == 0 and tee is None and log_dir is None and machines == 1
-
-    distributed_type = "NO"
-    if res["use_deepspeed"]:
-        distributed_type = "DEEPSPEED"
-    elif res["use_fsdp"]:
-        distributed_type = "FSDP"
-    elif procs > 1:
-        distributed_type = {"cpu": "MULTI_CPU", "cuda": "MULTI_GPU"}.get(device, f"MULTI_{device.upper()}")
-
-    child_env = _child_env(res, device, per_node, gpu_ids, direct)
-    if backend == "c10d" and restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
-        child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return Plan(res, device, distributed_type, procs, per_node, machines, machine_rank, ip, port, backend, rdzv_configs,
-                run_id, entrypoint, cmd_args, child_env, direct, notes)
+    return backend, ip, port, configs
 
 
 def _command(args: argparse.Namespace, need_script: bool) -> tuple[str, list[str]]:
@@ -257,16 +270,21 @@ def _command(args: argparse.Namespace, need_script: bool) -> tuple[str, list[str
         return "", []
     if no_python:
         if not (os.path.isfile(script) or shutil.which(script)):
-            raise HastenCLIError(f"program {script!r} not found (not a file, not on PATH); check the name after the flags")
+            raise HastenCLIError(f"program {script!r} not found (not a file, not on PATH); "
+                                 "check the name after the flags")
         return script, rest
     if module:
         top = script.split(".")[0]
-        if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()] + sys.path) is None and top not in sys.builtin_module_names:
-            raise HastenCLIError(f"no module named {top!r} (looked in {os.getcwd()} and sys.path); check the name after -m")
+        found = top in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(
+            top, [os.getcwd()] + sys.path) is not None
+        if not found:
+            raise HastenCLIError(f"no module named {top!r} (looked in {os.getcwd()} and sys.path); "
+                                 "check the name after -m")
         return sys.executable, ["-m", script, *rest]
     if not os.path.isfile(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
         hint = " (a flag before it may have taken a value it should not)" if not script.endswith(".py") else ""
-        raise HastenCLIError(f"script {script!r} not found in {os.getcwd()}{hint}; give the path of a Python file, or use -m for a module")
+        raise HastenCLIError(f"script {script!r} not found in {os.getcwd()}{hint}; give the path of a Python file, "
+                             "or use -m for a module")
     return sys.executable, [script, *rest]
 
 
@@ -291,7 +309,8 @@ def _child_env(res: Resolved, device: str, per_node: int, gpu_ids: Optional[str]
         env["OMP_NUM_THREADS"] = str(threads.value)
     elif not direct:
         value = max(1, cpu_count() // per_node) if device == "cpu" else 1
-        res.set("num_cpu_threads_per_process", value, "default (CPU cores / processes)" if device == "cpu" else "default (1 with GPUs)", DEFAULT)
+        why = "default (CPU cores / processes)" if device == "cpu" else "default (1 with GPUs)"
+        res.set("num_cpu_threads_per_process", value, why, DEFAULT)
         env["OMP_NUM_THREADS"] = str(value)
     if device == "cuda" and gpu_ids not in (None, "all"):
         env["CUDA_VISIBLE_DEVICES"] = gpu_ids
@@ -313,7 +332,8 @@ def explain(plan: Plan) -> str:
         value = _fmt(v.value) or "-"
         note = f"  [{plan.notes[name]}]" if name in plan.notes else ""
         lines.append(f"  {name:<34} {value:<20} {v.source}{note}")
-    lines.append(f"  {'distributed_type':<34} {plan.distributed_type:<20} derived ({plan.device}, {plan.num_processes} process(es))")
+    derived = f"derived ({plan.device}, {plan.num_processes} process(es))"
+    lines.append(f"  {'distributed_type':<34} {plan.distributed_type:<20} {derived}")
     if plan.direct:
         lines.append("runs directly (one process, no agent):")
     else:

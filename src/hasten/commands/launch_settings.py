@@ -109,11 +109,33 @@ _CORE = [
 ]
 
 _FSDP_ENV = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}
+_HELP = {
+    "fsdp_version": "1 or 2.", "fsdp_sharding_strategy": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD(_ZERO2).",
+    "fsdp_reshard_after_forward": "true/false (FSDP2) or a sharding strategy (FSDP1).",
+    "fsdp_offload_params": "true/false: keep parameters on CPU.", "fsdp_min_num_params": "Parameters per shard "
+    "(SIZE_BASED_WRAP).", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP.",
+    "fsdp_transformer_layer_cls_to_wrap": "Layer class names, comma-separated.",
+    "fsdp_backward_prefetch": "BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH.",
+    "fsdp_state_dict_type": "FULL_STATE_DICT, LOCAL_STATE_DICT or SHARDED_STATE_DICT.",
+    "fsdp_forward_prefetch": "true/false.", "fsdp_use_orig_params": "true/false.",
+    "fsdp_cpu_ram_efficient_loading": "true/false: load weights on rank 0 only.",
+    "fsdp_sync_module_states": "true/false: broadcast rank 0's weights.",
+    "fsdp_activation_checkpointing": "true/false.", "fsdp_activation_checkpointing_offload": "true/false.",
+    "deepspeed_config_file": "A DeepSpeed JSON file (the other DeepSpeed flags then come from it).",
+    "zero_stage": "ZeRO stage 0-3.", "gradient_clipping": "Max gradient norm.",
+    "offload_optimizer_device": "none, cpu or nvme.", "offload_param_device": "none, cpu or nvme (stage 3).",
+    "offload_optimizer_nvme_path": "Folder for offloaded optimizer states.",
+    "offload_param_nvme_path": "Folder for offloaded parameters.", "zero3_init_flag": "true/false.",
+    "zero3_save_16bit_model": "true/false.", "deepspeed_hostfile": "Hostfile (DeepSpeed's own multi-node launcher).",
+    "deepspeed_exclusion_filter": "Hosts to exclude.", "deepspeed_inclusion_filter": "Hosts to include.",
+    "deepspeed_multinode_launcher": "pdsh, standard, openmpi, mvapich, mpich, nossh or slurm.",
+    "deepspeed_moe_layer_cls_names": "MoE layer class names, comma-separated.",
+}
 _FSDP = [
     _s("use_fsdp", G_FSDP, "Shard the model with FSDP.", kind="bool", default=False, store_true=True, config=None,
        env=env_names("USE_FSDP"), child_env="HASTEN_USE_FSDP"),
 ] + [
-    _s(name, G_FSDP, f"fsdp_config.{name}", config=("fsdp_config", name), env=(_FSDP_ENV.get(name, name.upper()),),
+    _s(name, G_FSDP, _HELP.get(name, ""), config=("fsdp_config", name), env=(_FSDP_ENV.get(name, name.upper()),),
        child_env=_FSDP_ENV.get(name, name.upper()), hidden=name == "fsdp_backward_prefetch_policy")
     for name in SECTIONS["fsdp_config"]
 ]
@@ -132,7 +154,7 @@ _DS = [
     _s("use_deepspeed", G_DS, "Train with DeepSpeed.", kind="bool", default=False, store_true=True, config=None,
        env=env_names("USE_DEEPSPEED"), child_env="HASTEN_USE_DEEPSPEED"),
 ] + [
-    _s(name, G_DS, f"deepspeed_config.{name}", config=("deepspeed_config", name),
+    _s(name, G_DS, _HELP.get(name, ""), config=("deepspeed_config", name),
        env=(_DS_ENV[name],) if name in _DS_ENV else (), child_env=_DS_ENV.get(name))
     for name in SECTIONS["deepspeed_config"] if name != "gradient_accumulation_steps"
 ]
@@ -215,6 +237,14 @@ def _flag_type(setting: Setting):
     return parse
 
 
+def _metavar(setting: Setting) -> str:
+    key = setting.key
+    if key.kind != "choice":
+        return key.kind.upper()
+    shown = [str(c).lower() if setting.name.startswith("dynamo") else str(c) for c in key.choices[:6]]
+    return "{" + ",".join(shown) + (",...}" if len(key.choices) > 6 else "}")
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser, script: bool = True) -> None:
     """The flags of ``hasten launch`` (also used by ``hasten test`` and ``hasten config explain``)."""
     S = argparse.SUPPRESS
@@ -240,9 +270,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, script: bool = True) -
             group.add_argument(*strings, dest=setting.name, action="store_true", default=S, help=help_text)
         else:
             group.add_argument(*strings, dest=setting.name, type=_flag_type(setting), default=S, help=help_text,
-                               metavar=setting.key.kind.upper() if setting.key.kind != "choice" else "{" +
-                               ",".join(str(c).lower() if setting.name.startswith("dynamo") else str(c)
-                                        for c in setting.key.choices[:6]) + (",...}" if len(setting.key.choices) > 6 else "}"))
+                               metavar=_metavar(setting))
     if script:
         parser.add_argument("training_script", metavar="script",
                             help="The Python script (or module with -m, executable with --no_python).")
@@ -253,55 +281,70 @@ def add_launch_arguments(parser: argparse.ArgumentParser, script: bool = True) -
 # ---------------------------------------------------------------------------------------------
 # resolution
 # ---------------------------------------------------------------------------------------------
+_OPEN_MPI = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI")
+_OTHER_MPI = [("PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI"),
+              ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_SIZE", "MVAPICH"),
+              ("PMIX_SIZE", "PMIX_RANK", "PMIX_LOCAL_SIZE", "PMIx")]
+
+
 def scheduler_layout(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     """Node count, node rank and main address read from SLURM (inside srun) or MPI (inside mpirun).
 
-    Expects one ``hasten launch`` per machine. Returns ``{setting: (value, source)}``.
+    Expects one ``hasten launch`` per machine. Returns ``{setting: (value, source)}``. Open MPI's
+    variables come first (mpirun inside a SLURM allocation also carries SLURM's), then a SLURM job
+    step, then the other MPI runtimes (srun's PMI variables come with SLURM's own).
     """
-    env = environ
-    mpi = [("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
-           ("PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI"),
-           ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_SIZE", "MVAPICH"),
-           ("PMIX_SIZE", "PMIX_RANK", "PMIX_LOCAL_SIZE", "PMIx")]
-    for size_var, rank_var, local_var, label in mpi:
-        if env.get(size_var) and env.get(rank_var):
-            size, rank = _env_int(env, size_var), _env_int(env, rank_var)
-            local = _env_int(env, local_var) if env.get(local_var) else 1
-            if local > 1:
-                raise HastenCLIError(
-                    f"{label} started {local} `hasten launch` processes on one machine ({local_var}={local}); start "
-                    "one per machine (Open MPI: mpirun --map-by ppr:1:node, MPICH: mpirun -ppn 1)"
-                )
-            out = {"num_machines": (size, f"{label} ({size_var})"), "machine_rank": (rank, f"{label} ({rank_var})")}
-            if size > 1:
-                if not env.get("MASTER_ADDR"):
-                    raise HastenCLIError(
-                        f"{label} started hasten launch on {size} machines but MASTER_ADDR is not set; export "
-                        "MASTER_ADDR=<address of machine 0> to every process (Open MPI: mpirun -x MASTER_ADDR)"
-                    )
-                out["main_process_ip"] = (env["MASTER_ADDR"], f"{label} (MASTER_ADDR)")
-            return out
-    if "SLURM_STEP_ID" in env and env.get("SLURM_PROCID"):
-        nodes_var = next((v for v in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") if env.get(v)), None)
-        nodes = _env_int(env, nodes_var) if nodes_var else 1
-        tasks_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if env.get(v)), None)
-        tasks = _env_int(env, tasks_var) if tasks_var else nodes
-        if tasks != nodes:
-            raise HastenCLIError(
-                f"srun started {tasks} `hasten launch` tasks on {nodes} machine(s) ({tasks_var}={tasks}); start one "
-                "per machine: srun --nodes=N --ntasks-per-node=1 hasten launch ..."
-            )
-        node_var = "SLURM_NODEID" if env.get("SLURM_NODEID") else "SLURM_PROCID"
-        out = {"num_machines": (nodes, f"SLURM ({nodes_var or 'one node'})"),
-               "machine_rank": (_env_int(env, node_var), f"SLURM ({node_var})")}
-        if nodes > 1:
-            addr = slurm_master_addr(env)
-            if addr:
-                out["main_process_ip"] = (addr, "SLURM (MASTER_ADDR)" if env.get("MASTER_ADDR") else "SLURM (node list)")
-            port_src = "SLURM (MASTER_PORT)" if env.get("MASTER_PORT") else "SLURM (port from SLURM_JOB_ID)"
-            out["main_process_port"] = (slurm_port(env), port_src)
-        return out
+    if environ.get(_OPEN_MPI[0]) and environ.get(_OPEN_MPI[1]):
+        return _mpi_layout(environ, *_OPEN_MPI)
+    if "SLURM_STEP_ID" in environ and environ.get("SLURM_PROCID"):
+        return _slurm_layout(environ)
+    for names in _OTHER_MPI:
+        if environ.get(names[0]) and environ.get(names[1]):
+            return _mpi_layout(environ, *names)
     return {}
+
+
+def _mpi_layout(env: Mapping[str, str], size_var: str, rank_var: str, local_var: str, label: str) -> dict:
+    size, rank = _env_int(env, size_var), _env_int(env, rank_var)
+    local = _env_int(env, local_var) if env.get(local_var) else 1
+    if local > 1:
+        raise HastenCLIError(
+            f"{label} started {local} `hasten launch` processes on one machine ({local_var}={local}); start "
+            "one per machine (Open MPI: mpirun --map-by ppr:1:node, MPICH: mpirun -ppn 1)"
+        )
+    out: dict[str, tuple[Any, str]] = {"num_machines": (size, f"{label} ({size_var})"),
+                                       "machine_rank": (rank, f"{label} ({rank_var})")}
+    if size > 1:
+        addr = env.get("MASTER_ADDR") or slurm_master_addr(env)
+        if not addr:
+            raise HastenCLIError(
+                f"{label} started hasten launch on {size} machines but MASTER_ADDR is not set; export "
+                "MASTER_ADDR=<address of machine 0> to every process (Open MPI: mpirun -x MASTER_ADDR)"
+            )
+        out["main_process_ip"] = (addr, f"{label} (MASTER_ADDR)" if env.get("MASTER_ADDR") else "SLURM (node list)")
+    return out
+
+
+def _slurm_layout(env: Mapping[str, str]) -> dict:
+    nodes_var = next((v for v in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") if env.get(v)), None)
+    nodes = _env_int(env, nodes_var) if nodes_var else 1
+    tasks_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if env.get(v)), None)
+    tasks = _env_int(env, tasks_var) if tasks_var else nodes
+    if tasks != nodes:
+        raise HastenCLIError(
+            f"srun started {tasks} `hasten launch` tasks on {nodes} machine(s) ({tasks_var}={tasks}); start one "
+            "per machine: srun --nodes=N --ntasks-per-node=1 hasten launch ..."
+        )
+    node_var = "SLURM_NODEID" if env.get("SLURM_NODEID") else "SLURM_PROCID"
+    out: dict[str, tuple[Any, str]] = {"num_machines": (nodes, f"SLURM ({nodes_var or 'one node'})"),
+                                       "machine_rank": (_env_int(env, node_var), f"SLURM ({node_var})")}
+    if nodes > 1:
+        addr = slurm_master_addr(env)
+        if addr:
+            out["main_process_ip"] = (addr, "SLURM (MASTER_ADDR)" if env.get("MASTER_ADDR") else "SLURM (node list)")
+        port_src = "SLURM (MASTER_PORT)" if env.get("MASTER_PORT") else "SLURM (port from SLURM_JOB_ID)"
+        out["main_process_port"] = (slurm_port(env), port_src)
+    return out
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:

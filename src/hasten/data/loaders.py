@@ -17,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..state import GradientState, PartialState
 from ..utils.operations import broadcast_object_list, send_to_device
+from . import position
 from .samplers import (
     BatchSamplerShard,
     EpochPlan,
@@ -63,6 +64,10 @@ class PreparedLoaderMixin:
         self._epoch = iteration
         self._position = 0  # batches of the current epoch behind us (skipped on resume included)
         self._resume_skip = 0
+        self._resume_states: Optional[dict] = None  # generator states of an interrupted pass (load_state_dict)
+        self._resume_now: Optional[dict] = None  # ... while the resumed pass starts
+        self._pass_states: dict = {}  # generator states at the start of the current pass
+        self._seed_state: Optional[torch.Tensor] = None
         self._in_iteration = False
         self._plan: Optional[EpochPlan] = None
         self._plan_rank = 0
@@ -79,8 +84,13 @@ class PreparedLoaderMixin:
 
     def _begin(self) -> tuple[int, int]:
         """Start a pass: sync RNGs, pick the epoch, register; returns (epoch, batches to skip)."""
-        _sync_rng(self.rng_types, self.synchronized_generator)
         epoch, skip = self.iteration, self._resume_skip
+        resume, self._resume_states = (self._resume_states if skip else None), None
+        if resume is None:  # a resumed pass keeps the restored states (the sync happened before the save)
+            _sync_rng(self.rng_types, self.synchronized_generator)
+        self._resume_now = resume
+        state = position.sampler_generator_state(self.synchronized_generator, resume)
+        self._pass_states = {} if state is None else {"sampler_generator_state": state}
         self._resume_skip = 0
         self._epoch, self._position, self._in_iteration = epoch, skip, True
         self._step, self._gfm_calls = None, 0
@@ -135,10 +145,24 @@ class PreparedLoaderMixin:
             return {"epoch": self._epoch + 1, "batches_yielded": 0}
         return {"epoch": self.iteration, "batches_yielded": 0}
 
+    def exact_resume_state(self) -> dict:
+        """``state_dict()`` plus the shuffle seed and, mid-epoch, the generator states the pass started
+        from (``data/position.py``), so that a resumed pass draws exactly what the interrupted one drew.
+        ``load_state_dict`` accepts either."""
+        out = dict(self.state_dict(), sampler_seed=position.sampler_seed(self))
+        if self._in_iteration and not self.end_of_dataloader:
+            out.update(self._pass_states)
+            if self._seed_state is not None:
+                out["seed_generator_state"] = self._seed_state
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
         self.iteration = int(state_dict.get("epoch", 0))
         self._resume_skip = int(state_dict.get("batches_yielded", 0))
+        keys = ("seed_generator_state", "sampler_generator_state")
+        self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
+        position.set_sampler_seed(self, state_dict.get("sampler_seed"))
 
     def set_even_batches(self, even_batches: bool) -> None:
         """Switch even_batches for the next pass (``Accelerator.join_uneven_inputs``)."""
@@ -262,7 +286,9 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             else:
                 skip_here = max(skip, self.skip_batches)
                 self._position = skip_here
-            iterator = super().__iter__()
+            iterator, seed_state = position.start_iterator(self, lambda: DataLoader.__iter__(self), self._resume_now)
+            if seed_state is not None:
+                self._seed_state = seed_state
             if shard is not None:
                 self._plan, self._plan_rank = shard.current_plan, shard.process_index
             elif self._tagged:
@@ -283,6 +309,10 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         return batch
 
     def _run(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+        peek = position.peek_indices(iterator) if self._shard is not None and not skip else None
+        if peek is not None:
+            yield from self._run_lazily(iterator, peek)
+            return
         try:
             current = next(iterator)
         except StopIteration:
@@ -304,6 +334,23 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             if last:
                 return
             current, step = upcoming, step + 1
+
+    def _run_lazily(self, iterator: Iterator[Any], peek: position.Peekable) -> Iterator[Any]:
+        """``num_workers=0``: read each batch only when it is asked for; peek at indices for the end."""
+        step = 0
+        while True:
+            try:
+                current = next(iterator)
+            except StopIteration:
+                return
+            last = not peek.has_next()
+            if self.device is not None:
+                current = send_to_device(current, self.device, non_blocking=self._non_blocking)
+            self._at_step(step, last)
+            yield current
+            if last:
+                return
+            step += 1
 
     def _finish_plan(self) -> None:
         if self._tagged and self._plan is not None:

@@ -1,0 +1,280 @@
+"""Where checkpoints live and when one counts as complete (torch-free).
+
+A checkpoint is a folder. It is written under a temporary name beside its target
+(``.checkpoint_7.tmp-<token>``), every file is fsynced by the process that wrote it, then the
+committing process writes ``manifest.json`` last and renames the folder into place. A folder is
+*complete* exactly when its manifest parses, has our format and version, and every file it lists is
+present with the recorded size; anything else (temporary folders, folders of other libraries, folders
+half-deleted by retention) is ignored by discovery and refused by loading.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from typing import Any, Optional
+
+MANIFEST = "manifest.json"
+FORMAT = "hasten-checkpoint"
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+_NUMBERED = re.compile(r"checkpoint_(\d+)")
+_TEMP = re.compile(r"\.(.+)\.(tmp|old|trash)-([0-9a-f]{32})(-node\d+)?")
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was expected."""
+
+
+class IncompleteCheckpointError(ValueError):
+    """A folder that is not a complete hasten checkpoint of a version this hasten reads."""
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def auto_root(project_dir: Optional[str]) -> str:
+    if project_dir is None:
+        raise ValueError(
+            "automatic_checkpoint_naming needs a project directory: pass Accelerator(project_dir=...) or "
+            "ProjectConfiguration(project_dir=...)"
+        )
+    return os.path.join(os.path.abspath(os.path.expanduser(os.fspath(project_dir))), CHECKPOINTS_DIR)
+
+
+def numbered(root: str) -> list[tuple[int, str]]:
+    """``(N, path)`` of every ``checkpoint_N`` folder in ``root`` (complete or not), by N."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _NUMBERED.fullmatch(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def next_number(root: str, iteration: int) -> int:
+    """The number of the next automatic checkpoint: ``iteration``, but never one already taken."""
+    taken = [n for n, _ in numbered(root)]
+    return max([iteration] + [n + 1 for n in taken])
+
+
+def temp_path(target: str, token: str, kind: str = "tmp") -> str:
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.{kind}-{token}")
+
+
+# -- manifest ----------------------------------------------------------------------------------------
+def read_manifest(folder: str) -> dict[str, Any]:
+    """The manifest of ``folder`` after checking that the folder is complete; raises otherwise."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(f"checkpoint folder {folder!r} does not exist")
+    if not os.path.isfile(path):
+        raise IncompleteCheckpointError(
+            f"{folder!r} has no {MANIFEST}: it is not a complete hasten checkpoint (an interrupted save, or a "
+            "checkpoint written by another library); pass a folder written by hasten's save_state"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise IncompleteCheckpointError(f"{path!r} cannot be read ({e}); the checkpoint is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise IncompleteCheckpointError(f"{path!r} is not a hasten checkpoint manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise IncompleteCheckpointError(
+            f"{folder!r} has checkpoint format version {version!r}, but this hasten reads version {FORMAT_VERSION}; "
+            + ("upgrade hasten to load it" if isinstance(version, int) and version > FORMAT_VERSION
+               else "re-save it with this hasten's save_state")
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise IncompleteCheckpointError(f"{path!r} lists no files; the checkpoint is damaged")
+    missing, wrong = [], []
+    for name, info in files.items():
+        full = os.path.join(folder, name)
+        if not os.path.isfile(full):
+            missing.append(name)
+        elif os.path.getsize(full) != info.get("size"):
+            wrong.append(f"{name} ({os.path.getsize(full)} bytes, manifest says {info.get('size')})")
+    if missing or wrong:
+        problems = []
+        if missing:
+            problems.append("missing files: " + ", ".join(sorted(missing)[:10]))
+        if wrong:
+            problems.append("files of the wrong size: " + ", ".join(sorted(wrong)[:10]))
+        raise IncompleteCheckpointError(f"checkpoint {folder!r} is incomplete: " + "; ".join(problems))
+    return manifest
+
+
+def is_complete(folder: str) -> bool:
+    try:
+        read_manifest(folder)
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
+        return False
+    return True
+
+
+def newest_complete(root: str) -> Optional[tuple[int, str]]:
+    """``(N, path)`` of the complete checkpoint with the highest number in ``root``, if any."""
+    for number, path in reversed(numbered(root)):
+        if is_complete(path):
+            return number, path
+    return None
+
+
+def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` into ``folder`` (temp file, fsync, rename, fsync folder)."""
+    from ..saving import atomic_write
+
+    with atomic_write(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    fsync_dir(folder)
+
+
+# -- commit and removal ------------------------------------------------------------------------------
+def fsync_dir(directory: str) -> None:
+    if os.name == "nt":
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the system cannot."""
+    if not hasattr(os, "uname") or os.uname().sysname != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def commit(temp: str, target: str, token: str) -> None:
+    """Move the finished folder ``temp`` to ``target`` atomically (replacing an older checkpoint there)."""
+    parent = os.path.dirname(target)
+    fsync_dir(temp)
+    if os.path.lexists(target):
+        if os.path.isdir(target) and not os.listdir(target):
+            os.rmdir(target)
+        elif not (os.path.isdir(target) and os.path.isfile(os.path.join(target, MANIFEST))):
+            raise FileExistsError(
+                f"save_state: {target!r} exists and is not a hasten checkpoint; hasten replaces only its own "
+                "checkpoints, so pick another output_dir or remove it"
+            )
+    if not os.path.lexists(target):
+        os.rename(temp, target)
+        fsync_dir(parent)
+        return
+    if _exchange(temp, target):  # temp now holds the old checkpoint
+        fsync_dir(parent)
+        remove_tree(temp, token)
+        return
+    # No atomic swap here: move the old one aside first. A crash between the renames leaves the new
+    # checkpoint complete under its temporary name and the old one under ".old-"; find_leftover()
+    # reports both.
+    old = temp_path(target, token, "old")
+    os.rename(target, old)
+    os.rename(temp, target)
+    fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_tree(folder: str, token: Optional[str] = None) -> None:
+    """Delete a checkpoint so that no crash can leave it looking complete: rename, then delete."""
+    if not os.path.lexists(folder):
+        return
+    if os.path.basename(folder).startswith("."):  # a temporary name: discovery never looks at it
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    trash = temp_path(folder, token or new_token(), "trash")
+    os.rename(folder, trash)
+    fsync_dir(os.path.dirname(folder))
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[str]:
+    """Delete the oldest ``checkpoint_N`` folders beyond ``total_limit``; never ``keep`` (the new one).
+
+    Runs only after ``keep`` is committed. Incomplete folders count as they sort (by N).
+    Returns the deleted paths.
+    """
+    if total_limit is None:
+        return []
+    folders = numbered(root)
+    excess = len(folders) - total_limit
+    deleted = []
+    keep = os.path.abspath(keep)
+    for _, path in folders:
+        if excess <= 0:
+            break
+        if os.path.abspath(path) == keep:
+            continue
+        remove_tree(path)
+        deleted.append(path)
+        excess -= 1
+    return deleted
+
+
+def clean_leftovers(parent: str, older_than: float = 0.0, keep: Optional[str] = None) -> list[str]:
+    """Remove temporary, trash and old folders left in ``parent`` by interrupted saves/deletions.
+
+    ``keep``: the token of a save in progress, whose folders stay.
+    """
+    removed = []
+    if not os.path.isdir(parent):
+        return removed
+    now = time.time()
+    for name in os.listdir(parent):
+        match = _TEMP.fullmatch(name)
+        if not match or match.group(3) == keep:
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if now - os.path.getmtime(path) < older_than:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def find_leftover(target: str) -> list[str]:
+    """Complete checkpoints left under temporary names for ``target`` by a crash during a replace."""
+    parent, name = os.path.split(target)
+    if not os.path.isdir(parent):
+        return []
+    out = []
+    for entry in os.listdir(parent):
+        match = _TEMP.fullmatch(entry)
+        if match and match.group(1) == name and match.group(2) in ("tmp", "old"):
+            path = os.path.join(parent, entry)
+            if is_complete(path):
+                out.append(path)
+    return out

@@ -1,0 +1,198 @@
+"""``load_state``: find, verify, compare, then restore (in that order, on every process)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from ..saving import CheckpointMismatchError
+from . import layout, restorer, resume, rng, saver
+from .fileio import CheckpointCorruptError, quiet_frombuffer
+from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
+
+_KINDS = {
+    "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
+    "incomplete": layout.IncompleteCheckpointError, "missing": layout.CheckpointNotFoundError,
+}
+
+
+def _kind(error: BaseException) -> str:
+    if isinstance(error, CheckpointCorruptError):
+        return "corrupt"
+    if isinstance(error, layout.CheckpointNotFoundError):
+        return "missing"
+    if isinstance(error, layout.IncompleteCheckpointError):
+        return "incomplete"
+    return "mismatch"
+
+
+def _agree(problems: list[tuple[str, str]], folder: str) -> None:
+    """Raise on every process if any process found a problem (before anything changed)."""
+    everyone = _gather(problems)
+    found = list(dict.fromkeys(p for rank in everyone for p in rank))
+    if not found:
+        return
+    kind = _KINDS[found[0][0]]
+    lines = "\n  - ".join(message for _, message in found)
+    raise kind(f"cannot load checkpoint {folder!r} (nothing was changed):\n  - {lines}")
+
+
+def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
+    pc = accelerator.project_configuration
+    if input_dir is not None:
+        return os.path.abspath(os.path.expanduser(os.fspath(input_dir)))
+    if not pc.automatic_checkpoint_naming:
+        raise ValueError(
+            "load_state() without input_dir needs ProjectConfiguration(automatic_checkpoint_naming=True); "
+            "otherwise pass the checkpoint folder"
+        )
+    root = layout.auto_root(pc.project_dir)
+    found: list[Any] = [None]
+    if accelerator.is_main_process:
+        newest = layout.newest_complete(root)
+        found[0] = newest[1] if newest else None
+    folder = broadcast_from_main(found)[0]
+    if folder is None:
+        raise layout.CheckpointNotFoundError(
+            f"no complete checkpoint in {root!r} to resume from; save one with save_state() first (or use "
+            "Accelerator(resume='auto'), which starts fresh when there is none)"
+        )
+    return folder
+
+
+def _shared_files(manifest: dict[str, Any]) -> list[str]:
+    return [n for n, info in manifest["files"].items() if not str(n).startswith(("rank_", "grads_rank_"))
+            or info.get("rank") == "hook"]
+
+
+def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra: dict) -> str:
+    custom_later = bool(extra.pop("_custom_later", False))
+    extra.pop("map_location", None)  # state always goes where the live objects are
+    if extra:
+        warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", stacklevel=3)
+    allow_pickle = load_kwargs.get("weights_only", True) is False
+    quiet_frombuffer()
+    folder = resolve_folder(acc, input_dir)
+    pool = ThreadPoolExecutor(2)
+    try:
+        return _load(acc, folder, allow_pickle, custom_later, pool)
+    finally:
+        pool.shutdown()
+
+
+def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, pool: ThreadPoolExecutor) -> str:
+    # 1. the folder, its files, and what it holds vs this run
+    problems: list[tuple[str, str]] = []
+    manifest: dict[str, Any] = {}
+    reader: Optional[restorer.Reader] = None
+    saved_world = acc.num_processes
+    try:
+        manifest = layout.read_manifest(folder)
+        reader = restorer.Reader(folder, manifest, pool)
+        saved_world = int(manifest["world_size"])
+        source = resume.saved_rank_for(acc.process_index, saved_world)
+        for message in restorer.check_counts(manifest, acc):
+            if custom_later and "register_for_checkpointing" in message:
+                continue
+            problems.append(("mismatch", message))
+        if manifest["mid_accumulation"] and saved_world != acc.num_processes:
+            problems.append(("mismatch", f"it was saved inside a gradient-accumulation window (step {manifest['step']}"
+                             f" of {manifest['gradient_accumulation_steps']}) by {saved_world} processes, whose "
+                             f"partial gradients cannot be split over {acc.num_processes}; resume with {saved_world} "
+                             "processes, or save where accelerator.sync_gradients is True"))
+        own = [saver.rank_file(source)] + ([saver.grads_file(source)] if manifest["mid_accumulation"] else [])
+        names = own + (_shared_files(manifest) if acc.is_local_main_process else [])
+        if not problems:
+            reader.verify(names)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        problems.append((_kind(e), f"process {acc.process_index}: {e}"))
+    _agree(problems, folder)
+    contents = manifest["contents"]
+
+    # 2. hooks, then read every state and compare it with the live objects
+    models = list(acc._models)
+    for hook in list(acc._hooks(_HOOKS_LOAD).values()):
+        hook(models, folder)
+    loaded: dict[str, Any] = {}
+    try:
+        loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        problems.append((_kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))
+    _agree(problems, folder)
+
+    # 3. apply: nothing below can fail on a checkpoint that passed the checks
+    with torch.no_grad():
+        for model, state in zip(models, loaded["models"]):
+            acc.strategy.load_model_state_dict(acc.unwrap_model(model, keep_torch_compile=False), state)
+        if loaded["grads"] is not None:
+            restorer.apply_gradients(acc, loaded["grads"])
+        for opt, state in zip(acc._optimizers, loaded["optimizers"]):
+            restorer.apply_optimizer(opt, state)
+    for sched, state in zip(acc._schedulers, loaded["schedulers"]):
+        sched.load_state_dict(restorer.detach_state(state))
+    if loaded["scaler"] is not None:
+        acc.precision.load_state_dict(restorer.detach_state(loaded["scaler"]))
+    for dl, state in zip(acc._dataloaders, loaded["dataloaders"]):
+        if hasattr(dl, "load_state_dict"):
+            dl.load_state_dict(restorer.detach_state(state))
+    custom = [restorer.detach_state(s) for s in loaded["custom"]]
+    for obj, state in zip(acc._custom_objects, custom):
+        obj.load_state_dict(state)
+    auto = acc.__dict__.get("_hasten_auto_resume")
+    if custom_later and auto is not None:
+        auto.pending_custom = [None] * len(acc._custom_objects) + custom[len(acc._custom_objects):]
+    acc.step = int(loaded["rank"]["step"])
+    acc.project_configuration.iteration = int(manifest["iteration"]) + 1
+    notes = rng.restore(restorer.detach_state(loaded["rank"]["rng"]))
+    reader.close()
+    if saved_world != acc.num_processes:
+        notes.append(f"the checkpoint was saved by {saved_world} processes and is resumed by {acc.num_processes}: "
+                     f"dataloaders continue at the same sample, process r takes the random states of saved process "
+                     f"r % {saved_world}, so the run is not bitwise identical to one that kept {saved_world} processes")
+    for note in notes:
+        warnings.warn(f"load_state: {note}", stacklevel=3)
+    return folder
+
+
+def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list, allow_pickle: bool,
+                 problems: list) -> dict[str, Any]:
+    contents = manifest["contents"]
+    out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": [], "grads": None}
+    if len(contents["models"]) != len(models):
+        problems.append(("mismatch", f"it holds {len(contents['models'])} models but {len(models)} are prepared "
+                         "(after the load_state pre-hooks)"))
+        return out
+    for i, (entry, model) in enumerate(zip(contents["models"], models)):
+        view = reader.view(entry["file"])
+        inner = acc.unwrap_model(model, keep_torch_compile=False)
+        found = restorer.check_model(view, inner, i)
+        problems.extend(("mismatch", p) for p in found)
+        out["models"].append(restorer.model_state(view))
+    for i, (entry, opt) in enumerate(zip(contents["optimizers"], acc._optimizers)):
+        state, _ = reader.state(entry["file"])
+        problems.extend(("mismatch", p) for p in restorer.check_optimizer(state, opt, i))
+        out["optimizers"].append(state)
+    out["schedulers"] = [reader.state(e["file"])[0] for e in contents["schedulers"]]
+    out["scaler"] = None
+    if contents["scaler"] is not None and acc.precision.scaler is not None:
+        out["scaler"] = reader.state(contents["scaler"])[0]
+    elif contents["scaler"] is not None or acc.precision.scaler is not None:
+        warnings.warn("load_state: the checkpoint and this run differ in fp16 gradient scaling; the scaler "
+                      + ("state is ignored" if contents["scaler"] else "starts fresh"), stacklevel=4)
+    out["custom"] = [reader.state(e["file"], allow_pickle)[0] for e in contents["custom_objects"]]
+    source = resume.saved_rank_for(acc.process_index, int(manifest["world_size"]))
+    rank_state, _ = reader.state(saver.rank_file(source))
+    out["rank"] = rank_state
+    out["dataloaders"] = [
+        resume.convert_loader_state(state, info, dl, i, acc.num_processes)
+        for i, (state, info, dl) in enumerate(zip(rank_state["dataloaders"], contents["dataloaders"], acc._dataloaders))
+    ]
+    if manifest["mid_accumulation"]:
+        view = reader.view(saver.grads_file(source))
+        problems.extend(("mismatch", p) for p in restorer.check_gradients(view, acc))
+        out["grads"] = view.tensors()
+    return out

@@ -1,0 +1,302 @@
+"""``save_state`` / ``load_state``: the ``Accelerator``'s checkpoint methods.
+
+Commit protocol of a save (every process calls ``save_state``):
+1. process 0 picks the target (``project_dir/checkpoints/checkpoint_N`` with automatic naming, N
+   never taken yet) and a token; everyone writes into ``.<target>.tmp-<token>`` beside the target;
+2. the writing process (per node with ``save_on_each_node``) writes models, optimizers, schedulers,
+   scaler and registered objects, every process writes its own ``rank_<r>`` file (and gradients when
+   inside an accumulation window); each file is fsynced by its writer;
+3. all processes exchange their file lists (a barrier); the writer checks every listed file is
+   there, fsyncs files the save hooks added, writes ``manifest.json`` last and renames the folder into
+   place (an existing checkpoint at the target is swapped out atomically);
+4. only then retention (``total_limit``) deletes the oldest checkpoints, never the new one.
+A crash at any point leaves either a complete checkpoint or a temporary folder that discovery ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import layout, restorer, resume, rng, saver
+
+_HOOKS_SAVE = "_hasten_save_state_pre_hooks"
+_HOOKS_LOAD = "_hasten_load_state_pre_hooks"
+
+
+def _gather(value: Any) -> list:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def broadcast_from_main(values: list) -> list:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(values, src=0)
+    return values
+
+
+def _raise_if_any(results: list, kind: type, head: str) -> None:
+    problems = [p for r in results for p in (r or [])]
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise kind(head + "\n  - " + "\n  - ".join(unique))
+
+
+class CheckpointMixin:
+    """``save_state``, ``load_state``, their pre-hooks and the ``resume`` switch."""
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _hooks(self, key: str) -> dict:
+        return self.__dict__.setdefault(key, {})
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before anything is written.
+
+        ``weights`` holds the state dict of each model; a hook that saves a model itself removes it
+        (and its entry) from both lists. ``output_dir`` is the checkpoint's temporary folder: files the
+        hook writes there become part of the checkpoint and are committed with it.
+        Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = self._hooks(_HOOKS_SAVE)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Call ``hook(models, input_dir)`` in ``load_state`` once the checkpoint has been verified.
+
+        A hook that loads a model itself removes it from ``models``. Returns a removable handle.
+        """
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = self._hooks(_HOOKS_LOAD)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    # -- resume switch ------------------------------------------------------------------------------
+    @property
+    def resume(self) -> Optional[str]:
+        """None, "auto" or a checkpoint folder: what ``prepare`` restores automatically."""
+        auto = self.__dict__.get("_hasten_auto_resume")
+        return auto.source if auto is not None else None
+
+    @resume.setter
+    def resume(self, value: Any) -> None:
+        source = resume.check_resume(value)
+        if source is None:
+            self.__dict__.pop("_hasten_auto_resume", None)
+            return
+        if source == "auto" and not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError(
+                "resume='auto' continues from project_dir/checkpoints, which needs "
+                "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)"
+            )
+        auto = resume.AutoResume(self, source)
+        auto.install()
+        self.__dict__["_hasten_auto_resume"] = auto
+
+    # -- save ---------------------------------------------------------------------------------------
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Save the whole training state atomically; returns the checkpoint folder.
+
+        Holds every prepared model (safetensors), optimizer, scheduler, the gradient scaler, each
+        process's RNG states, each prepared dataloader's position, the step counter, partial
+        gradients when saved inside an accumulation window, and every object given to
+        ``register_for_checkpointing``. With ``automatic_checkpoint_naming`` the folder is
+        ``project_dir/checkpoints/checkpoint_N`` (``output_dir`` is then ignored) and ``total_limit``
+        applies. Every process must call it.
+        """
+        rng_state = rng.capture()  # first: nothing below may move a generator before it is recorded
+        pc = self.project_configuration
+        if not safe_serialization:
+            warnings.warn("save_state(safe_serialization=False): hasten checkpoints always store weights as "
+                          "safetensors", stacklevel=2)
+        if save_model_func_kwargs:
+            warnings.warn(f"save_state ignores {sorted(save_model_func_kwargs)} (DeepSpeed/Megatron options)",
+                          stacklevel=2)
+        if not pc.automatic_checkpoint_naming and output_dir is None:
+            raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        auto = self.__dict__.get("_hasten_auto_resume")
+        pending = auto.unresolved() if auto is not None else None
+        if pending:
+            raise RuntimeError(pending + "; saving now would overwrite the run's history")
+        choice = broadcast_from_main([self._choose_target(output_dir) if self.is_main_process else None])[0]
+        if isinstance(choice, str):
+            raise ValueError(choice)
+        target, number, token = choice
+        folder = layout.temp_path(target, token)
+        writes_shared = self.is_main_process
+        if pc.save_on_each_node and self.state.num_machines > 1:
+            folder, writes_shared = self._node_folder(target, token)
+
+        weights = [self.get_state_dict(model) for model in self._models]
+        models = list(self._models)
+        contents = self._contents(writes_shared)
+        mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
+        os.makedirs(folder, exist_ok=True)
+        result: Any
+        pool = ThreadPoolExecutor(2)
+        try:
+            for hook in list(self._hooks(_HOOKS_SAVE).values()):
+                hook(models, weights, folder)
+            # Hooks may drop weights (a model they saved themselves) without dropping the model.
+            classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) else []
+            contents["models"] = [dict({"file": saver.indexed("model", i)}, **({"class": classes[i]} if classes else {}))
+                                  for i in range(len(weights))]
+            writer = saver.Writer(folder, self.process_index, pool)
+            if writes_shared:
+                saver.write_shared(writer, weights, self, contents)
+            writer.state(saver.rank_file(self.process_index), saver.rank_state(self, rng_state))
+            if mid_window:
+                writer.tensors(saver.grads_file(self.process_index), saver.gradients(self))
+            result = ("ok", writer.files)
+        except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
+            result = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
+        finally:
+            pool.shutdown()
+        results = _gather(result)
+        errors = [r[1] for r in results if r[0] == "error"]
+        status = None
+        if writes_shared:
+            status = self._commit(folder, target, token, number, results, contents, mid_window, errors)
+        statuses = _gather(status)
+        if errors:
+            raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
+        _raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
+        pc.iteration = (number if number is not None else pc.iteration) + 1
+        return target
+
+    def _choose_target(self, output_dir: Optional[str]) -> Any:
+        pc = self.project_configuration
+        token = layout.new_token()
+        try:
+            if pc.automatic_checkpoint_naming:
+                if output_dir is not None:
+                    warnings.warn("save_state(output_dir) is ignored with automatic_checkpoint_naming", stacklevel=3)
+                root = layout.auto_root(pc.project_dir)
+                os.makedirs(root, exist_ok=True)
+                number = layout.next_number(root, pc.iteration)
+                return os.path.join(root, f"checkpoint_{number}"), number, token
+            target = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.exists(target) and not os.path.isdir(target):
+                return f"save_state: output_dir={output_dir!r} is a file; pass a folder path"
+            return target, None, token
+        except (OSError, ValueError) as e:
+            return f"save_state: {e}"
+
+    def _node_folder(self, target: str, token: str) -> tuple[str, bool]:
+        """Per-node temporary folders with ``save_on_each_node``, unless the filesystem is shared."""
+        node = self.state.topology.node_rank
+        mine = layout.temp_path(target, f"{token}") + f"-node{node}"
+        if self.is_local_main_process:
+            os.makedirs(mine, exist_ok=True)
+        self.wait_for_everyone()
+        shared = [None]
+        if self.is_main_process:
+            others = [n for n in os.listdir(os.path.dirname(target)) if n.startswith(os.path.basename(
+                layout.temp_path(target, token))) and not n.endswith("-node0")]
+            shared[0] = bool(others)
+        if broadcast_from_main(shared)[0]:
+            return layout.temp_path(target, token), self.is_main_process  # one folder after all
+        return mine, self.is_local_main_process
+
+    def _contents(self, writes_shared: bool) -> dict[str, Any]:
+        return {
+            "models": [],
+            "optimizers": [{"file": saver.indexed("optimizer", i), "class": saver.class_name(o)}
+                           for i, o in enumerate(self._optimizers)],
+            "schedulers": [{"file": saver.indexed("scheduler", i), "class": saver.class_name(s)}
+                           for i, s in enumerate(self._schedulers)],
+            "scaler": "scaler.safetensors" if self.precision.scaler is not None else None,
+            "dataloaders": [saver.loader_info(dl, self.num_processes) for dl in self._dataloaders],
+            # Only the writer asks each object whether its state needs pickle (that costs a state_dict()).
+            "custom_objects": saver.plan_custom(self._custom_objects) if writes_shared else [],
+        }
+
+    def _commit(self, folder: str, target: str, token: str, number: Optional[int], results: list,
+                contents: dict, mid_window: bool, errors: list) -> Optional[str]:
+        """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
+        from .. import __version__
+        from .fileio import checksum_buffer, fsync_path, MappedFile
+
+        if errors:
+            layout.remove_tree(folder)
+            return None
+        try:
+            files: dict[str, Any] = {}
+            for kind, listed in results:
+                for name, info in listed.items():
+                    if name in files:
+                        raise RuntimeError(f"two processes wrote {name!r}")
+                    files[name] = info
+            here = self._folder_files(folder)
+            absent = [n for n in files if n not in here]
+            if absent:
+                raise RuntimeError(
+                    f"files written by other processes are not visible to the committing process: {absent[:5]}; the "
+                    "checkpoint folder is not on a filesystem shared by all processes (use "
+                    "ProjectConfiguration(save_on_each_node=True))"
+                )
+            for name in here:  # written by save hooks: make them durable and record them too
+                if name not in files:
+                    full = os.path.join(folder, name)
+                    fsync_path(full)
+                    mapped = MappedFile(full)
+                    files[name] = {"size": mapped.size, "checksum": checksum_buffer(mapped.raw), "rank": "hook"}
+                    del mapped
+            for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
+                fsync_path(os.path.join(folder, sub))
+            pc = self.project_configuration
+            manifest = {
+                "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __version__,
+                "torch_version": torch.__version__, "world_size": self.num_processes,
+                "num_machines": self.state.num_machines, "save_on_each_node": bool(pc.save_on_each_node),
+                "iteration": number if number is not None else pc.iteration, "step": int(self.step),
+                "gradient_accumulation_steps": int(self.gradient_accumulation_steps), "mid_accumulation": mid_window,
+                "mixed_precision": str(self.mixed_precision), "contents": contents, "files": files,
+            }
+            layout.write_manifest(folder, manifest)
+            layout.commit(folder, target, token)
+            if number is not None:
+                layout.apply_total_limit(os.path.dirname(target), pc.total_limit, keep=target)
+            layout.clean_leftovers(os.path.dirname(target), older_than=0, keep=token)
+        except Exception as e:  # noqa: BLE001
+            layout.remove_tree(folder)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    @staticmethod
+    def _folder_files(folder: str) -> list[str]:
+        out = []
+        for directory, _, names in os.walk(folder):
+            for name in names:
+                out.append(os.path.relpath(os.path.join(directory, name), folder))
+        return out
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs: Any) -> str:
+        """Restore everything ``save_state`` stored; returns the checkpoint folder used.
+
+        Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
+        ``project_dir/checkpoints`` is used, and the numbering of later saves continues after it.
+        Every file is checked against the manifest (size, checksum) and every saved object against
+        the live one (count, class, tensor names and shapes) on every process before anything
+        changes. Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
+        """
+        from .loading import load_checkpoint
+
+        return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)

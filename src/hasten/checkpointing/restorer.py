@@ -1,0 +1,220 @@
+"""Reading a checkpoint back: verify, compare with the live objects, then apply.
+
+Everything that can be found wrong (sizes, checksums, counts, classes, tensor names and shapes) is
+found by ``plan_*`` functions that only read; ``apply_*`` functions run only after every process
+agreed that nothing is wrong, so a mismatch leaves the live training state untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from ..saving import ALIASES_KEY
+from . import codec
+from .fileio import MappedFile, SafetensorsView, verify
+from .saver import CLASS_KEY, SKELETON_KEY
+
+_LIST = 8
+
+
+def _listing(items: list) -> str:
+    shown = ", ".join(str(i) for i in items[:_LIST])
+    return shown + (f" and {len(items) - _LIST} more" if len(items) > _LIST else "")
+
+
+class Reader:
+    """The files of one checkpoint folder, mapped once, verified against the manifest."""
+
+    def __init__(self, folder: str, manifest: dict[str, Any], pool: ThreadPoolExecutor) -> None:
+        self.folder = folder
+        self.manifest = manifest
+        self.pool = pool
+        self._mapped: dict[str, MappedFile] = {}
+
+    def mapped(self, name: str) -> MappedFile:
+        if name not in self._mapped:
+            if name not in self.manifest["files"]:
+                raise FileNotFoundError(f"checkpoint {self.folder!r} has no file {name!r} in its manifest")
+            self._mapped[name] = MappedFile(os.path.join(self.folder, name))
+        return self._mapped[name]
+
+    def verify(self, names: list[str], checksums: bool = True) -> None:
+        """Check sizes (and checksums) of ``names``; the two largest files are hashed in parallel."""
+        names = sorted(set(names), key=lambda n: -self.manifest["files"][n]["size"])
+        for name in names:
+            info = self.manifest["files"][name]
+            verify(self.mapped(name), info["size"], info.get("checksum") if checksums else None, self.pool)
+
+    def view(self, name: str) -> SafetensorsView:
+        return SafetensorsView(self.mapped(name))
+
+    def state(self, name: str, allow_pickle: bool = False) -> tuple[Any, Optional[str]]:
+        """(state, class name) of a state file; ``.pt`` files need ``allow_pickle``."""
+        if name.endswith(".pt"):
+            return _unpickle(self, name, allow_pickle), None
+        view = self.view(name)
+        skeleton = json.loads(view.metadata.get(SKELETON_KEY, "null"))
+        return codec.decode(skeleton, view.tensors()), view.metadata.get(CLASS_KEY)
+
+    def close(self) -> None:
+        self._mapped.clear()
+
+
+def _unpickle(reader: Reader, name: str, allow_pickle: bool) -> Any:
+    import io
+
+    data = io.BytesIO(reader.mapped(name).bytes())
+    try:
+        return torch.load(data, map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(
+            f"{os.path.join(reader.folder, name)!r} holds Python objects that only pickle can rebuild, and hasten "
+            "does not run pickle from a checkpoint by default (it can execute code). If you trust this checkpoint, "
+            f"call load_state(..., load_kwargs={{'weights_only': False}}). Details: {e}"
+        ) from None
+
+
+# -- checks (read only) ---------------------------------------------------------------------------------
+def check_counts(manifest: dict[str, Any], accelerator: Any) -> list[str]:
+    """Objects of the checkpoint vs the live ones (models are checked after the load hooks)."""
+    contents = manifest["contents"]
+    problems = []
+    live = {"optimizers": accelerator._optimizers, "schedulers": accelerator._schedulers,
+            "dataloaders": accelerator._dataloaders, "custom_objects": accelerator._custom_objects}
+    what = {"optimizers": "prepared optimizers", "schedulers": "prepared schedulers",
+            "dataloaders": "prepared dataloaders", "custom_objects": "objects given to register_for_checkpointing"}
+    for key, objects in live.items():
+        saved = contents[key]
+        if len(saved) != len(objects):
+            problems.append(f"it holds {len(saved)} {what[key]} but this run has {len(objects)}")
+            continue
+        for i, (entry, obj) in enumerate(zip(saved, objects)):
+            if "class" in entry and key != "dataloaders":
+                from .saver import class_name
+
+                if entry["class"] != class_name(obj):
+                    problems.append(f"{key[:-1].replace('_', ' ')} {i} was a {entry['class']}, this run has a "
+                                    f"{class_name(obj)}")
+    return problems
+
+
+def check_model(view: SafetensorsView, model: torch.nn.Module, index: int) -> list[str]:
+    shapes = view.shapes()
+    aliases = json.loads(view.metadata.get(ALIASES_KEY, "{}"))
+    for alias, canonical in aliases.items():
+        if canonical in shapes:
+            shapes.setdefault(alias, shapes[canonical])
+    live = model.state_dict(keep_vars=True)
+    missing = [k for k in live if k not in shapes]
+    unexpected = [k for k in shapes if k not in live]
+    wrong = [f"{k} (checkpoint {list(shapes[k])}, model {list(live[k].shape)})" for k in shapes
+             if k in live and isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != shapes[k]]
+    problems = []
+    label = f"model {index} ({type(model).__name__})"
+    if wrong:
+        problems.append(f"{label}: shapes differ for {_listing(wrong)}")
+    if missing:
+        problems.append(f"{label}: missing from the checkpoint: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{label}: in the checkpoint but not in the model: {_listing(unexpected)}")
+    return problems
+
+
+def model_state(view: SafetensorsView) -> dict[str, torch.Tensor]:
+    state = view.tensors()
+    for alias, canonical in json.loads(view.metadata.get(ALIASES_KEY, "{}")).items():
+        if canonical in state:
+            state[alias] = state[canonical]
+    return state
+
+
+def check_optimizer(saved: Any, optimizer: Any, index: int) -> list[str]:
+    label = f"optimizer {index}"
+    if not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved:
+        return [f"{label}: the saved state is not an optimizer state dict"]
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) != len(groups):
+        return [f"{label}: {len(saved['param_groups'])} parameter groups saved, {len(groups)} in this run"]
+    problems = []
+    params = []
+    for g, (s, live) in enumerate(zip(saved["param_groups"], groups)):
+        if len(s["params"]) != len(live["params"]):
+            problems.append(f"{label}: group {g} had {len(s['params'])} parameters, this run has {len(live['params'])}")
+        params.extend(zip(s["params"], live["params"]))
+    if problems:
+        return problems
+    wrong = []
+    for pid, param in params:
+        for key, value in (saved["state"].get(pid) or {}).items():
+            if (isinstance(value, torch.Tensor) and value.dim() == param.dim() and value.dim() > 0
+                    and tuple(value.shape) != tuple(param.shape)):
+                wrong.append(f"{key} of parameter {pid} ({list(value.shape)} vs {list(param.shape)})")
+    if wrong:
+        problems.append(f"{label}: state shapes differ from the parameters: {_listing(wrong)}")
+    return problems
+
+
+# -- apply (after every process agreed) -----------------------------------------------------------
+def _materialize(value: torch.Tensor, live: Any) -> torch.Tensor:
+    """Copy a mapped tensor into the live tensor when it fits, else into fresh memory."""
+    if (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
+            and not live.requires_grad):
+        live.copy_(value)
+        return live
+    return value.clone()
+
+
+def apply_optimizer(optimizer: Any, saved: dict[str, Any]) -> None:
+    live_state = optimizer.state_dict()["state"]
+    state = {}
+    for pid, entries in saved["state"].items():
+        current = live_state.get(pid) or {}
+        state[pid] = {k: _materialize(v, current.get(k)) if isinstance(v, torch.Tensor) else v
+                      for k, v in entries.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def detach_state(value: Any) -> Any:
+    """Clone mapped tensors out of a decoded state (so no file stays mapped after loading)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: detach_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [detach_state(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(detach_state(v) for v in value)
+    return value
+
+
+def apply_gradients(accelerator: Any, grads: dict[str, torch.Tensor]) -> None:
+    wanted = {}
+    for i, model in enumerate(accelerator._models):
+        inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+        for name, param in inner.named_parameters():
+            wanted[f"{i}:{name}"] = param
+    for key, param in wanted.items():
+        value = grads.get(key)
+        if value is None:
+            param.grad = None
+        elif param.grad is not None and param.grad.shape == value.shape:
+            param.grad.copy_(value)
+        else:
+            param.grad = value.to(device=param.device, dtype=param.dtype).clone()
+
+
+def check_gradients(grads_view: SafetensorsView, accelerator: Any) -> list[str]:
+    shapes = grads_view.shapes()
+    params = {}
+    for i, model in enumerate(accelerator._models):
+        inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+        for name, param in inner.named_parameters():
+            params[f"{i}:{name}"] = tuple(param.shape)
+    bad = [k for k, s in shapes.items() if params.get(k) != s]
+    return [f"saved gradients do not fit the parameters: {_listing(bad)}"] if bad else []

@@ -1,0 +1,173 @@
+"""Resuming: dataloader positions across world sizes, and the ``resume="auto"`` switch.
+
+Position rule when the number of processes (or the global batch size) changed: a prepared loader
+saved ``batches_yielded`` steps of ``total_batch_size`` samples each into its epoch, i.e.
+``samples = batches_yielded * total_batch_size`` samples of the epoch's (world-size independent)
+sample order. The resumed loader starts at ``samples // new_total_batch_size`` steps; when that does
+not divide, the few samples of the partial step are seen again and a warning says how many.
+Random number generators: process ``r`` takes the saved states of process ``r % saved_world_size``.
+A checkpoint saved inside a gradient-accumulation window holds per-process partial gradients and
+only resumes with the same number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+RESUME_CHOICES = ("auto", "never")
+
+
+def convert_loader_state(state: dict[str, Any], saved: dict[str, Any], dataloader: Any, index: int,
+                         live_processes: int) -> dict[str, Any]:
+    """``state`` (a prepared loader's ``state_dict``) for ``dataloader`` in this run."""
+    new_total = getattr(dataloader, "total_batch_size", None)
+    old_total = saved.get("total_batch_size")
+    same = saved.get("num_processes") == live_processes and old_total == new_total
+    if same:
+        return state
+    state = {k: v for k, v in state.items() if k in ("epoch", "batches_yielded")}  # the rest is per process
+    done = int(state.get("batches_yielded", 0))
+    if not done:
+        return state
+    if not old_total or not new_total:
+        raise ValueError(
+            f"dataloader {index}: cannot convert its position ({done} batches) to the new number of processes, "
+            "because its batch size is unknown; resume with the same number of processes"
+        )
+    samples = done * old_total
+    steps, rest = divmod(samples, new_total)
+    if rest:
+        warnings.warn(
+            f"dataloader {index}: {samples} samples of epoch {state.get('epoch')} were consumed in batches of "
+            f"{old_total}; with batches of {new_total} the resume starts at sample {steps * new_total}, so "
+            f"{rest} samples are seen twice",
+            stacklevel=4,
+        )
+    state["batches_yielded"] = steps
+    return state
+
+
+def saved_rank_for(rank: int, saved_world_size: int) -> int:
+    return rank % saved_world_size
+
+
+# -- resume="auto" -------------------------------------------------------------------------------------
+def check_resume(value: Any) -> Optional[str]:
+    """None (off), "auto", or a checkpoint path."""
+    if value is None or value is False or value == "never":
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    raise ValueError(
+        f"resume={value!r} is not understood; use resume='auto' (continue from the newest complete checkpoint "
+        "in project_dir/checkpoints, or start fresh when there is none), a checkpoint folder, or None"
+    )
+
+
+class AutoResume:
+    """Restores a checkpoint as soon as the run has prepared what the checkpoint holds.
+
+    Installed by ``Accelerator(resume=...)``: after every ``prepare()`` call it compares the prepared
+    models, optimizers, schedulers and dataloaders with the checkpoint's; when they match it calls
+    ``load_state``. Objects given to ``register_for_checkpointing`` later get their saved state when
+    they are registered.
+    """
+
+    def __init__(self, accelerator: Any, source: str) -> None:
+        self.accelerator = accelerator
+        self.source = source
+        self.folder: Optional[str] = None
+        self.contents: Optional[dict] = None
+        self.done = False
+        self.pending_custom: list[Any] = []  # saved states of objects not yet registered
+        self.custom_offset = 0
+
+    def install(self) -> None:
+        acc = self.accelerator
+        prepare = type(acc).prepare.__get__(acc)
+        register = type(acc).register_for_checkpointing.__get__(acc)
+
+        def prepare_then_resume(*args: Any, **kwargs: Any) -> Any:
+            result = prepare(*args, **kwargs)
+            self.maybe_resume()
+            return result
+
+        def register_then_restore(*objects: Any) -> None:
+            before = len(acc._custom_objects)
+            register(*objects)
+            self.restore_custom(before)
+
+        prepare_then_resume.__doc__ = prepare.__doc__
+        register_then_restore.__doc__ = register.__doc__
+        acc.prepare = prepare_then_resume
+        acc.register_for_checkpointing = register_then_restore
+
+    def locate(self) -> Optional[str]:
+        """The folder to resume from (decided by process 0), or None for a fresh start."""
+        from . import layout
+        from .mixin import broadcast_from_main
+
+        acc = self.accelerator
+        found: list[Any] = [None]
+        if acc.is_main_process:
+            if self.source == "auto":
+                newest = layout.newest_complete(layout.auto_root(acc.project_configuration.project_dir))
+                found[0] = newest[1] if newest else None
+            else:
+                found[0] = os.path.abspath(os.path.expanduser(self.source))
+        return broadcast_from_main(found)[0]
+
+    def maybe_resume(self) -> None:
+        if self.done:
+            return
+        from . import layout
+
+        acc = self.accelerator
+        if self.contents is None:
+            self.folder = self.locate()
+            if self.folder is None:
+                self.done = True  # fresh start
+                return
+            self.contents = layout.read_manifest(self.folder)["contents"]
+        counts = {"models": len(acc._models), "optimizers": len(acc._optimizers),
+                  "schedulers": len(acc._schedulers), "dataloaders": len(acc._dataloaders)}
+        saved = {key: len(self.contents[key]) for key in counts}
+        if any(counts[k] < saved[k] for k in counts):
+            return  # more prepare() calls to come
+        self.done = True
+        acc.load_state(self.folder, _custom_later=True)
+
+    def restore_custom(self, first: int) -> None:
+        acc = self.accelerator
+        for index in range(first, len(acc._custom_objects)):
+            if index < len(self.pending_custom) and self.pending_custom[index] is not None:
+                acc._custom_objects[index].load_state_dict(self.pending_custom[index])
+                self.pending_custom[index] = None
+
+    def unresolved(self) -> Optional[str]:
+        """Why the resume has not happened yet (checked before the next save), or None."""
+        if self.contents is None or self.done and not any(s is not None for s in self.pending_custom):
+            return None
+        if not self.done:
+            return (f"resume: checkpoint {self.folder!r} holds {len(self.contents['models'])} models, "
+                    f"{len(self.contents['optimizers'])} optimizers, {len(self.contents['schedulers'])} schedulers "
+                    f"and {len(self.contents['dataloaders'])} dataloaders, but fewer were prepared, so nothing was "
+                    "restored; prepare the same objects as the run that saved it")
+        missing = [i for i, s in enumerate(self.pending_custom) if s is not None]
+        return (f"resume: checkpoint {self.folder!r} holds registered objects {missing} that were never given to "
+                "register_for_checkpointing in this run")
+
+
+def custom_callback(auto: Optional[AutoResume]) -> Optional[Callable[[list], None]]:
+    if auto is None:
+        return None
+
+    def keep(states: list) -> None:
+        auto.pending_custom = list(states)
+        auto.restore_custom(0)
+
+    return keep

@@ -1,0 +1,105 @@
+"""Exact resume of a prepared loader: what it must remember besides ``(epoch, batches)``.
+
+A pass of a torch DataLoader draws random numbers twice before any batch: the sampler's generator
+(a custom sampler's shuffle) and one draw for the workers' base seed (from the loader's
+``generator``, else from the *global* torch generator). Resuming mid-epoch in a new process must
+replay both draws exactly as the original pass did and must not touch the global generator again
+(its state was restored from the checkpoint, after those draws). So each pass records the states
+of those generators as they were at its start, and a resumed pass starts from them.
+
+Single-process loading (``num_workers=0``) looks one batch ahead only at the *indices* (to know the
+last batch early), not at the data: reading a sample may draw random numbers (augmentation), and
+a checkpoint saved between two steps must not have consumed the next batch's draws yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+_NOTHING = object()
+
+
+class Peekable:
+    """An iterator that can tell whether another item follows (by fetching it early)."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._next: Any = _NOTHING
+
+    def __iter__(self) -> "Peekable":
+        return self
+
+    def __next__(self) -> Any:
+        if self._next is not _NOTHING:
+            value, self._next = self._next, _NOTHING
+            return value
+        return next(self._iterator)
+
+    def has_next(self) -> bool:
+        if self._next is _NOTHING:
+            try:
+                self._next = next(self._iterator)
+            except StopIteration:
+                return False
+        return True
+
+
+def peek_indices(iterator: Any) -> Optional[Peekable]:
+    """Make a single-process torch iterator's index stream peekable (None for worker iterators)."""
+    if type(iterator).__name__ != "_SingleProcessDataLoaderIter" or not hasattr(iterator, "_sampler_iter"):
+        return None
+    peekable = Peekable(iterator._sampler_iter)
+    iterator._sampler_iter = peekable
+    return peekable
+
+
+def start_iterator(loader: Any, make: Callable[[], Any], resume: Optional[dict]) -> tuple[Any, Optional[torch.Tensor]]:
+    """Create the torch iterator of a pass; returns it and the state its seed draw started from.
+
+    ``resume``: the states recorded by the interrupted pass; its seed draw is replayed from them and
+    the global generator is left alone.
+    """
+    own = loader.generator
+    creates = not (getattr(loader, "persistent_workers", False) and getattr(loader, "_iterator", None) is not None)
+    saved = (resume or {}).get("seed_generator_state") if creates else None
+    if saved is None:
+        before = (own.get_state() if own is not None else torch.get_rng_state()) if creates else None
+        return make(), before
+    if own is not None:
+        own.set_state(saved)
+        return make(), saved
+    replay = torch.Generator()
+    replay.set_state(saved)
+    object.__setattr__(loader, "generator", replay)
+    try:
+        return make(), saved
+    finally:
+        object.__setattr__(loader, "generator", None)
+
+
+def sampler_generator_state(generator: Optional[torch.Generator], resume: Optional[dict]) -> Optional[torch.Tensor]:
+    """At a pass start: restore the sampler generator's state of an interrupted pass, else record it."""
+    if generator is None:
+        return None
+    saved = (resume or {}).get("sampler_generator_state")
+    if saved is not None:
+        generator.set_state(saved)
+        return saved
+    return generator.get_state()
+
+
+def sampler_seed(loader: Any) -> Optional[int]:
+    sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+    seed = getattr(sampler, "initial_seed", None)
+    return int(seed) if isinstance(seed, int) else None
+
+
+def set_sampler_seed(loader: Any, seed: Optional[int]) -> None:
+    """Use the shuffle seed of the run that saved (a new process may have agreed on another one)."""
+    if seed is None:
+        return
+    sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+    if sampler is not None and hasattr(sampler, "initial_seed"):
+        sampler.initial_seed = int(seed)

@@ -1,0 +1,75 @@
+"""notebook_launcher / debug_launcher: real forked processes; refusal when CUDA is initialised."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hasten import launchers
+from scripts.launch_common import clean_env, script
+
+
+def test_notebook_and_debug_launchers_run_two_ranks(tmp_path):
+    env = clean_env(tmp_path / "absent.yaml")
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, script("launch_notebook.py"), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parent = int(proc.stdout.split("parent pid")[1].split()[0])
+    for tag, precision, cpu in (("nb", "bf16", None), ("dbg", None, "true")):
+        seen = [json.load(open(tmp_path / f"{tag}{r}.json")) for r in (0, 1)]
+        assert [s["world"] for s in seen] == [2, 2] and [s["sum"] for s in seen] == [3.0, 3.0], tag
+        assert all(s["parent"] == parent and s["fork"] == "1" for s in seen), tag  # forked from the interpreter
+        assert all(s["precision"] == precision and s["cpu"] == cpu for s in seen), tag
+        assert seen[0]["pid"] != seen[1]["pid"]
+    error = json.load(open(tmp_path / "error.json"))
+    assert error["rank"] == 1
+    assert error["message"].startswith("hasten: rank 1 (local rank 1 on node 0")
+    assert "KeyError: 'broken on rank 1'" in error["message"]
+
+
+def _initialise_cuda_here():
+    torch.cuda._lazy_init()  # raises on a CPU build, after hasten has noted the caller
+
+
+def test_cuda_initialised_in_parent_is_refused_with_the_call_site(monkeypatch):
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is really initialised in this test process")
+    monkeypatch.setattr(launchers, "_cuda_init_stack", None)
+    try:
+        _initialise_cuda_here()
+    except Exception:  # noqa: BLE001 - no CUDA here; only the recorded stack matters
+        pass
+    assert launchers._cuda_init_stack is not None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError) as exc:
+        launchers.notebook_launcher(print, num_processes=2, use_port="0")
+    message = str(exc.value)
+    assert "CUDA is already initialised" in message
+    assert f"{__file__}, line" in message and "_initialise_cuda_here" in message
+    assert "torch.cuda._lazy_init()" in message and "Restart the kernel" in message
+    monkeypatch.setattr(launchers, "_cuda_init_stack", None)
+    assert "the call is unknown" in launchers.cuda_initialised_message()
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"mixed_precision": "fp64"}, "mixed_precision='fp64'"),
+    ({"num_processes": 0}, "num_processes=0"),
+    ({"num_processes": 2, "use_port": "http"}, "use_port='http'"),
+    ({"num_processes": 2, "use_port": "0", "num_nodes": 2}, "one machine only"),
+])
+def test_notebook_launcher_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError) as exc:
+        launchers.notebook_launcher(print, **kwargs)
+    assert fragment in str(exc.value)
+
+
+def test_one_process_runs_in_this_interpreter(monkeypatch):
+    monkeypatch.delenv("HASTEN_MIXED_PRECISION", raising=False)
+    seen = []
+    launchers.notebook_launcher(lambda x: seen.append((x, os.getpid(), os.environ["HASTEN_MIXED_PRECISION"])), ("a",),
+                                num_processes=1, mixed_precision="fp16")
+    assert seen == [("a", os.getpid(), "fp16")] and "HASTEN_MIXED_PRECISION" not in os.environ
