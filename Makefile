@@ -13,7 +13,7 @@ install: .install-stamp
 	touch $@
 
 train: .install-stamp
-	$(PY) -m hasten.commands.cli launch --cpu --num_processes $(NPROC) examples/train.py
+	hasten launch --cpu --num_processes $(NPROC) examples/train.py
 
 test: .install-stamp
 	$(PY) -m pytest -q

@@ -242,8 +242,17 @@ class BatchSamplerShard(BatchSampler):
         return self._iterate(plan, skip)
 
     def _iterate(self, plan: EpochPlan, skip: int) -> Iterator[list]:
-        steps = self._split_steps(skip) if self.split_batches else self._group_steps(skip)
-        for step, (batches, real, final) in enumerate(steps):
+        from .position import seek_batches
+
+        n = self.num_processes
+        # Resuming: start at the skipped position directly when the order can be computed at once.
+        fast = seek_batches(self.batch_sampler, skip * (1 if self.split_batches else n),
+                            1 if self.split_batches else n) if skip else None
+        start = skip if fast is not None else 0
+        source, head = fast[1] if fast else None, fast[0] if fast else None
+        steps = (self._split_steps(skip, source, head) if self.split_batches
+                 else self._group_steps(skip, source, head))
+        for step, (batches, real, final) in enumerate(steps, start):
             if step < skip:
                 continue
             # Marking the last step as such when it is recorded (before it is yielded) lets every
@@ -255,13 +264,15 @@ class BatchSamplerShard(BatchSampler):
         plan.finish()
 
     # Each generator below yields (per-process batches, per-process real counts, is-final) per step.
-    def _group_steps(self, skip: int) -> Iterator[tuple[list, list]]:
+    def _group_steps(self, skip: int, source: Optional[Iterator] = None,
+                     head: Optional[list] = None) -> Iterator[tuple[list, list]]:
+        """``source``/``head``: batches from step ``skip`` on and the first batches (a seek)."""
         n, size = self.num_processes, self.batch_size
         keep_head = n > 1 and not self.drop_last
-        head: list = []  # the first n batches: the padding source
+        head = list(head or [])  # the first n batches: the padding source
         group: list = []
-        emitted = 0
-        for batch in self.batch_sampler:
+        emitted = skip if source is not None else 0
+        for batch in self.batch_sampler if source is None else source:
             batch = list(batch)
             if keep_head and len(head) < n:
                 head.append(batch)
@@ -300,12 +311,13 @@ class BatchSamplerShard(BatchSampler):
             used += size
         return out
 
-    def _split_steps(self, skip: int) -> Iterator[tuple[list, list]]:
+    def _split_steps(self, skip: int, source: Optional[Iterator] = None,
+                     first: Optional[list] = None) -> Iterator[tuple[list, list]]:
         n, size = self.num_processes, self.batch_size
-        head: Optional[list] = None
+        head: Optional[list] = first[0] if first else None
         held: Optional[list] = None  # a short batch: we learn whether it is the last one later
-        emitted = 0
-        for batch in self.batch_sampler:
+        emitted = skip if source is not None else 0
+        for batch in self.batch_sampler if source is None else source:
             batch = list(batch)
             if head is None:
                 head = batch
