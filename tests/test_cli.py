@@ -95,17 +95,17 @@ def test_script_arguments_are_not_parsed_as_flags():
     assert p.args == ["train.py", "--num_processes", "7", "-m", "x"]
 
 
-def test_precedence_flag_then_env_then_config_then_default(tmp_path, monkeypatch):
+def test_precedence_flag_then_env_then_config_then_default(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 4\nmixed_precision: fp16\nmain_process_port: 0\n"
                    "gradient_accumulation_steps: 8\n")
     env = dict(os.environ, HASTEN_CONFIG_FILE=str(cfg), HASTEN_MIXED_PRECISION="bf16", HASTEN_NUM_PROCESSES="3")
     p = plan_for("--num_processes", "2", "train.py", env=env)
     v = p.res.values
-    assert (v["num_processes"].value, v["num_processes"].source) == (2, "command line (--num_processes)")
-    assert (v["mixed_precision"].value, v["mixed_precision"].source) == ("bf16", "environment (HASTEN_MIXED_PRECISION)")
+    assert (v["num_processes"].value, v["num_processes"].source) == (2, "command line --num_processes")
+    assert (v["mixed_precision"].value, v["mixed_precision"].source) == ("bf16", "environment HASTEN_MIXED_PRECISION")
     assert v["gradient_accumulation_steps"].value == 8 and v["gradient_accumulation_steps"].source.startswith("config file")
-    assert v["use_cpu"].value is True and "distributed_type: MULTI_CPU" in v["use_cpu"].source
+    assert v["use_cpu"].value is True and "distributed_type MULTI_CPU" in v["use_cpu"].source
     assert (v["max_restarts"].value, v["max_restarts"].source) == (0, "default")
     assert p.child_env["HASTEN_MIXED_PRECISION"] == "bf16"
     assert p.child_env["HASTEN_GRADIENT_ACCUMULATION_STEPS"] == "8"
@@ -124,13 +124,13 @@ def test_dry_run_and_config_explain_show_sources(tmp_path, capsys):
     assert main(["launch", "--dry_run", "--config_file", str(cfg), "--num_cpu_threads_per_process", "3", "train.py",
                  "--lr", "1"]) == 0
     out = capsys.readouterr().out
-    assert "command line (--num_cpu_threads_per_process)" in out
-    assert f"config file {cfg} (mixed_precision)" in out
+    assert "command line --num_cpu_threads_per_process" in out
+    assert f"config file {cfg}: mixed_precision" in out
     assert "MULTI_CPU" in out and "OMP_NUM_THREADS=3" in out and "HASTEN_MIXED_PRECISION=bf16" in out
     assert "train.py --lr 1" in out
     assert main(["config", "explain", "--config_file", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert f"config file {cfg} (num_processes)" in out and "(no script given)" in out
+    assert f"config file {cfg}: num_processes" in out and "(no script given)" in out
 
 
 def test_child_environment_contract():
@@ -186,8 +186,8 @@ def test_slurm_step_gives_nodes_rank_and_address():
     p = plan_for("--num_processes", "4", "train.py", env=env)
     assert (p.num_machines, p.machine_rank, p.main_ip, p.main_port) == (2, 1, "gpu07", 20000 + 4242)
     assert p.nproc_per_node == 2
-    assert p.res.values["num_machines"].source == "SLURM (SLURM_NNODES)"
-    assert p.res.values["machine_rank"].source == "SLURM (SLURM_NODEID)"
+    assert p.res.values["num_machines"].source == "SLURM: SLURM_NNODES"
+    assert p.res.values["machine_rank"].source == "SLURM: SLURM_NODEID"
     # MASTER_ADDR/MASTER_PORT exported by the job script win over the node list; flags win over all.
     env.update(MASTER_ADDR="10.0.0.5", MASTER_PORT="6000")
     p = plan_for("--num_processes", "4", "train.py", env=env)
@@ -207,7 +207,7 @@ def test_mpi_gives_nodes_and_rank(variables):
     env = dict(os.environ, MASTER_ADDR="10.9.8.7", **variables)
     p = plan_for("--num_processes", "6", "train.py", env=env)
     assert (p.num_machines, p.machine_rank, p.main_ip, p.nproc_per_node) == (3, 2, "10.9.8.7", 2)
-    assert p.res.values["machine_rank"].source.endswith("RANK)")
+    assert p.res.values["machine_rank"].source.endswith("_RANK")
 
 
 def test_scheduler_precedence_open_mpi_then_slurm_then_pmi():
@@ -320,3 +320,20 @@ def test_explain_renders_every_setting():
     text = explain(plan_for("--cpu", "--num_processes", "2", "train.py"))
     for name in ("num_processes", "mixed_precision", "main_process_port", "rdzv_backend", "max_restarts", "use_fsdp"):
         assert name in text
+
+
+def test_gpu_planning_with_four_visible_gpus(monkeypatch, capsys):
+    """The GPU branch of the plan, on a machine that shows 4 GPUs (hardware count patched)."""
+    import hasten.commands.launch as launch
+
+    monkeypatch.setattr(launch, "cuda_device_count", lambda env=None: 4)
+    p = plan_for("train.py")
+    assert (p.device, p.num_processes, p.distributed_type) == ("cuda", 4, "MULTI_GPU")
+    assert p.res.values["num_processes"].source == "default: one per GPU" and p.child_env["OMP_NUM_THREADS"] == "1"
+    p = plan_for("--gpu_ids", "1,3", "train.py")
+    assert p.num_processes == 2 and p.child_env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    p = plan_for("--cpu", "--num_processes", "2", "train.py")
+    assert p.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in p.child_env
+    assert "lists 2 GPU(s)" in one_line_error(capsys, ["launch", "--num_processes", "3", "--gpu_ids", "0,1", "train.py"])
+    assert "only 4 GPU(s) are visible" in one_line_error(capsys, ["launch", "--num_processes", "6", "train.py"])
+    assert "names GPU 7" in one_line_error(capsys, ["launch", "--gpu_ids", "0,7", "train.py"])

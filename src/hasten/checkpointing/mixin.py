@@ -16,9 +16,10 @@ A crash at any point leaves either a complete checkpoint or a temporary folder t
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,28 @@ class CheckpointMixin:
         auto = resume.AutoResume(self, source)
         auto.install()
         self.__dict__["_hasten_auto_resume"] = auto
+
+    # -- preemption ---------------------------------------------------------------------------------
+    def save_on_preemption(self, signals: Sequence[int] = (signal.SIGTERM,), exit_code: int = 0,
+                           output_dir: Optional[str] = None, dataloaders: Optional[Sequence[Any]] = None) -> Any:
+        """On ``signals`` (default SIGTERM): ``save_state`` at the next step boundary, then exit.
+
+        The boundary is the moment the loop asks a prepared dataloader (``dataloaders``, default: all
+        prepared so far) for its next batch, so the checkpoint resumes exactly. Call it after
+        ``prepare`` on every process; with several processes every listed dataloader must be
+        iterated by all of them. Returns the handler (``uninstall()`` removes it).
+        """
+        from .preemption import PreemptionHandler
+
+        loaders = list(self._dataloaders if dataloaders is None else dataloaders)
+        if not loaders:
+            raise ValueError("save_on_preemption needs a prepared dataloader (its batches mark the step boundaries); "
+                             "call it after accelerator.prepare(...)")
+        if not self.project_configuration.automatic_checkpoint_naming and output_dir is None:
+            raise ValueError("save_on_preemption needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        handler = PreemptionHandler(self, loaders, signals, exit_code, output_dir)
+        handler.install()
+        return handler
 
     # -- save ---------------------------------------------------------------------------------------
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,

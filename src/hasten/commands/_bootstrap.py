@@ -149,7 +149,15 @@ def main(argv: list) -> None:
             summary = f"exited with status {code}" if isinstance(code, int) else str(code)
             write_record("exit", summary, "", False, status)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        # Stopped (Ctrl-C, or the launcher passing on a signal): not a failure to record. Show
+        # where it stopped, then end by SIGINT as Python itself would.
+        import signal
+
+        traceback.print_exception(type(exc), exc, _skip_runner_frames(exc.__traceback__))
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
         raise
     except BaseException as exc:  # noqa: BLE001 - report, then fail like Python does
         tb = _skip_runner_frames(exc.__traceback__)

@@ -65,6 +65,8 @@ def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
             return f"{flag} needs a value; e.g. {flag} {_example(flag)}"
         if problem.startswith("ignored explicit argument"):
             return f"{flag} takes no value; write {flag} alone"
+        if "did you mean" in problem:
+            return f"{flag}: {problem}"
         return f"{flag}: {problem}; e.g. {flag} {_example(flag)}"
     if "the following arguments are required" in message:
         if "script" in message:
@@ -111,8 +113,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args._exec_ok = exec_ok
         code = int(args.func(args) or 0)
     except HastenCLIError as exc:
-        print(f"hasten: error: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'bad input'}", file=sys.stderr)
+        text = str(exc).strip()
+        print(f"hasten: error: {text.splitlines()[0] if text else 'bad input'}", file=sys.stderr)
         return HastenCLIError.exit_code
+    except BrokenPipeError:  # e.g. `hasten launch --dry_run ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if exec_ok and "torch" in sys.modules:
         # The job is over; tearing down an interpreter that loaded torch only costs time.
         sys.stdout.flush()

@@ -97,6 +97,8 @@ def coerce(key: Key, value: Any) -> Any:
             if text.lower() == str(choice).lower():
                 return choice
         hint = did_you_mean(text, [str(c) for c in key.choices])
+        if hint and len(key.choices) > 6:
+            raise BadValue(f"{value!r} is not a known value{hint}")
         raise BadValue(f"{value!r} is not one of {', '.join(map(str, key.choices))}{hint}")
     if kind == "gpu_ids":
         return normalize_gpu_ids(value)

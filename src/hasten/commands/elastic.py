@@ -43,10 +43,11 @@ def _quiet_torch_logs(debug: bool, quiet: bool) -> None:
 
 def run_elastic(plan: "Plan") -> int:
     debug = bool(plan.res["debug"])
-    _quiet_torch_logs(debug, plan.quiet)
     os.environ["HASTEN_LAUNCHER_PID"] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
+
+    _quiet_torch_logs(debug, plan.quiet)  # after the imports: torch sets its loggers' levels on import
 
     tee, log_dir = plan.res["tee"], plan.res["log_dir"]
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.from_str(tee) if tee else Std.NONE)

@@ -105,7 +105,7 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     res = resolve(args, env, cfg, label)
     res.config_path = config_path
     quiet = bool(getattr(args, "quiet", False))
-    res.set("quiet", quiet, "command line (-q)" if quiet else "default", FLAG if quiet else DEFAULT)
+    res.set("quiet", quiet, "command line -q" if quiet else "default", FLAG if quiet else DEFAULT)
     pick_winner(res, "use_cpu", "multi_gpu", "drop one (--cpu runs on CPU, --multi_gpu on every GPU)")
     pick_winner(res, "use_fsdp", "use_deepspeed", "choose one of FSDP and DeepSpeed")
     notes: dict[str, str] = {}
@@ -117,7 +117,7 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
             f"machine_rank {machine_rank} ({_src(res, 'machine_rank')}) must be below num_machines {machines} "
             f"({_src(res, 'num_machines')}); machines are numbered from 0"
         )
-    gpu_ids = _gpu_ids(res, device, gpus, env)
+    gpu_ids = _gpu_ids(res, device)
     procs = _count_processes(res, device, gpus, gpu_ids, machines)
     per_node = procs // machines
     backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
@@ -167,8 +167,8 @@ def _pick_device(res: Resolved, cfg: Mapping[str, Any], label: str, gpus: int, e
     if res["multi_gpu"]:
         if gpus == 0:
             raise HastenCLIError(
-                f"{_src(res, 'multi_gpu')} asks for GPUs but this machine shows none (no NVIDIA driver, or "
-                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); add --cpu to run on CPU"
+                f"{_src(res, 'multi_gpu')} asks for GPUs but this machine shows none ({_why_no_gpu(env)}); "
+                "add --cpu to run on CPU"
             )
         return "cuda"
     if dtype in _OTHER_ACCELERATORS:
@@ -176,18 +176,27 @@ def _pick_device(res: Resolved, cfg: Mapping[str, Any], label: str, gpus: int, e
     return "cuda" if gpus else "cpu"
 
 
-def _gpu_ids(res: Resolved, device: str, gpus: int, env: Mapping[str, str]) -> Optional[str]:
+def _why_no_gpu(env: Mapping[str, str]) -> str:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"CUDA_VISIBLE_DEVICES={visible!r}"
+    return "no NVIDIA driver found"
+
+
+def _gpu_ids(res: Resolved, device: str) -> Optional[str]:
     gpu_ids = res["gpu_ids"]
     if device != "cuda":
         if res.values["gpu_ids"].rank == FLAG and gpu_ids != "all":
             raise HastenCLIError(f"--gpu_ids {gpu_ids} conflicts with running on {device.upper()}; "
                                  "drop --gpu_ids or --cpu")
         return None
-    if gpu_ids not in (None, "all") and env.get("CUDA_VISIBLE_DEVICES") is None:
-        bad = [i for i in gpu_ids.split(",") if int(i) >= max(gpus, 1)]
+    if gpu_ids not in (None, "all"):
+        # The ids become the processes' CUDA_VISIBLE_DEVICES: they count the machine's GPUs.
+        physical = cuda_device_count({})
+        bad = [i for i in gpu_ids.split(",") if int(i) >= physical]
         if bad:
             raise HastenCLIError(f"gpu_ids {gpu_ids} ({_src(res, 'gpu_ids')}) names GPU {bad[0]} but this machine "
-                                 f"has {gpus} (ids 0 to {gpus - 1})")
+                                 f"has {physical} (ids 0 to {physical - 1})")
     return gpu_ids
 
 
@@ -198,7 +207,7 @@ def _count_processes(res: Resolved, device: str, gpus: int, gpu_ids: Optional[st
     if procs is None:
         per = listed or (gpus if device == "cuda" else 1)
         procs = max(1, per) * machines
-        res.set("num_processes", procs, f"default ({'one per GPU' if device == 'cuda' else 'one per machine'})",
+        res.set("num_processes", procs, f"default: {'one per GPU' if device == 'cuda' else 'one per machine'}",
                 DEFAULT)
     where = f"num_processes {procs} ({_src(res, 'num_processes')})"
     if procs % machines:
@@ -220,7 +229,7 @@ def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
     backend = res["rdzv_backend"]
     if res.values["rdzv_backend"].rank == DEFAULT and res["max_restarts"] > 0 and machines == 1:
         backend = "c10d"  # static rendezvous reuses a stale store on restart with gloo (pytorch#135712)
-        res.set("rdzv_backend", backend, "default with --max_restarts on one machine (static restarts break gloo)",
+        res.set("rdzv_backend", backend, "default with --max_restarts on one machine: static restarts break gloo",
                 DEFAULT)
     ip = res["main_process_ip"]
     if ip is None:
@@ -228,7 +237,7 @@ def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
             raise HastenCLIError(f"{machines} machines need the address of machine 0: pass --main_process_ip (or set "
                                  "main_process_ip in the config file, or MASTER_ADDR)")
         ip = "127.0.0.1"
-        res.set("main_process_ip", ip, "default (one machine)", DEFAULT)
+        res.set("main_process_ip", ip, "default: one machine", DEFAULT)
     port = res["main_process_port"]
     if machines > 1 and port == 0:
         raise HastenCLIError("--main_process_port 0 (pick a free port) works on one machine only; every machine "
@@ -237,7 +246,7 @@ def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
         if machines == 1:
             port = free_port()
             value = res.values["main_process_port"]
-            res.set("main_process_port", port, f"free port picked now ({value.source})", value.rank)
+            res.set("main_process_port", port, f"{value.source}: a free port picked now", value.rank)
         else:
             port = DEFAULT_PORT
             res.set("main_process_port", port, "default", DEFAULT)
@@ -309,7 +318,7 @@ def _child_env(res: Resolved, device: str, per_node: int, gpu_ids: Optional[str]
         env["OMP_NUM_THREADS"] = str(threads.value)
     elif not direct:
         value = max(1, cpu_count() // per_node) if device == "cpu" else 1
-        why = "default (CPU cores / processes)" if device == "cpu" else "default (1 with GPUs)"
+        why = "default: CPU cores / processes" if device == "cpu" else "default: 1 with GPUs"
         res.set("num_cpu_threads_per_process", value, why, DEFAULT)
         env["OMP_NUM_THREADS"] = str(value)
     if device == "cuda" and gpu_ids not in (None, "all"):

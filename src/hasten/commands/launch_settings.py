@@ -312,8 +312,8 @@ def _mpi_layout(env: Mapping[str, str], size_var: str, rank_var: str, local_var:
             f"{label} started {local} `hasten launch` processes on one machine ({local_var}={local}); start "
             "one per machine (Open MPI: mpirun --map-by ppr:1:node, MPICH: mpirun -ppn 1)"
         )
-    out: dict[str, tuple[Any, str]] = {"num_machines": (size, f"{label} ({size_var})"),
-                                       "machine_rank": (rank, f"{label} ({rank_var})")}
+    out: dict[str, tuple[Any, str]] = {"num_machines": (size, f"{label}: {size_var}"),
+                                       "machine_rank": (rank, f"{label}: {rank_var}")}
     if size > 1:
         addr = env.get("MASTER_ADDR") or slurm_master_addr(env)
         if not addr:
@@ -321,7 +321,7 @@ def _mpi_layout(env: Mapping[str, str], size_var: str, rank_var: str, local_var:
                 f"{label} started hasten launch on {size} machines but MASTER_ADDR is not set; export "
                 "MASTER_ADDR=<address of machine 0> to every process (Open MPI: mpirun -x MASTER_ADDR)"
             )
-        out["main_process_ip"] = (addr, f"{label} (MASTER_ADDR)" if env.get("MASTER_ADDR") else "SLURM (node list)")
+        out["main_process_ip"] = (addr, f"{label}: MASTER_ADDR" if env.get("MASTER_ADDR") else "SLURM: node list")
     return out
 
 
@@ -336,13 +336,13 @@ def _slurm_layout(env: Mapping[str, str]) -> dict:
             "per machine: srun --nodes=N --ntasks-per-node=1 hasten launch ..."
         )
     node_var = "SLURM_NODEID" if env.get("SLURM_NODEID") else "SLURM_PROCID"
-    out: dict[str, tuple[Any, str]] = {"num_machines": (nodes, f"SLURM ({nodes_var or 'one node'})"),
-                                       "machine_rank": (_env_int(env, node_var), f"SLURM ({node_var})")}
+    out: dict[str, tuple[Any, str]] = {"num_machines": (nodes, f"SLURM: {nodes_var or 'one node'}"),
+                                       "machine_rank": (_env_int(env, node_var), f"SLURM: {node_var}")}
     if nodes > 1:
         addr = slurm_master_addr(env)
         if addr:
-            out["main_process_ip"] = (addr, "SLURM (MASTER_ADDR)" if env.get("MASTER_ADDR") else "SLURM (node list)")
-        port_src = "SLURM (MASTER_PORT)" if env.get("MASTER_PORT") else "SLURM (port from SLURM_JOB_ID)"
+            out["main_process_ip"] = (addr, "SLURM: MASTER_ADDR" if env.get("MASTER_ADDR") else "SLURM: node list")
+        port_src = "SLURM: MASTER_PORT" if env.get("MASTER_PORT") else "SLURM: port from SLURM_JOB_ID"
         out["main_process_port"] = (slurm_port(env), port_src)
     return out
 
@@ -369,7 +369,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cfg: Mapping[s
     for name, setting in SETTINGS.items():
         if name in given:
             shown = setting.flags[0]
-            res.set(name, given[name], f"command line ({shown})", FLAG)
+            res.set(name, given[name], f"command line {shown}", FLAG)
             continue
         found = False
         for var in setting.env:
@@ -380,7 +380,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cfg: Mapping[s
                 value = coerce(setting.key, raw)
             except BadValue as exc:
                 raise HastenCLIError(f"environment variable {var}: {exc}; fix or unset it") from None
-            res.set(name, value, f"environment ({var})", ENV)
+            res.set(name, value, f"environment {var}", ENV)
             found = True
             break
         if not found and name in scheduler:
@@ -393,10 +393,10 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cfg: Mapping[s
         if value is None and name == "gradient_accumulation_steps":
             value = _config_value(cfg, ("deepspeed_config", "gradient_accumulation_steps"))
             if value is not None:
-                res.set(name, value, f"{config_label} (deepspeed_config.gradient_accumulation_steps)", CONFIG)
+                res.set(name, value, f"{config_label}: deepspeed_config.gradient_accumulation_steps", CONFIG)
                 continue
         if value is not None:
-            res.set(name, value, f"{config_label} ({'.'.join(setting.config)})", CONFIG)
+            res.set(name, value, f"{config_label}: {'.'.join(setting.config)}", CONFIG)
         else:
             res.set(name, setting.key.default, "default", DEFAULT)
     _from_distributed_type(res, cfg, config_label)
@@ -408,7 +408,7 @@ def _from_distributed_type(res: Resolved, cfg: Mapping[str, Any], label: str) ->
     dtype = cfg.get("distributed_type")
     if dtype is None:
         return
-    source = f"{label} (distributed_type: {dtype})"
+    source = f"{label}: distributed_type {dtype}"
     implied = {
         "MULTI_GPU": "multi_gpu", "FSDP": "use_fsdp", "DEEPSPEED": "use_deepspeed", "MULTI_CPU": "use_cpu",
     }.get(dtype)
@@ -424,7 +424,7 @@ def pick_winner(res: Resolved, a: str, b: str, fix: str) -> None:
     if not (va.value and vb.value):
         return
     if va.rank == vb.rank:
-        where = "on the command line" if va.rank == FLAG else f"({va.source} and {vb.source})"
+        where = "on the command line" if va.rank == FLAG else f"({va.source}; {vb.source})"
         raise HastenCLIError(f"{SETTINGS[a].flags[0]} and {SETTINGS[b].flags[0]} conflict {where}; {fix}")
     loser, winner = (a, va) if va.rank < vb.rank else (b, vb)
     res.set(loser, False, f"overridden by {winner.source}", min(va.rank, vb.rank))

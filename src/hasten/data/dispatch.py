@@ -286,6 +286,7 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             last = upcoming is None or upcoming[rank] is None
             if self.device is not None:
                 mine = send_to_device(mine, self.device, non_blocking=self._non_blocking)
+            self._at_boundary()
             self._at_step(step, last)
             yield mine
             current, step = upcoming, step + 1

@@ -85,7 +85,7 @@ class PreparedLoaderMixin:
     def _begin(self) -> tuple[int, int]:
         """Start a pass: sync RNGs, pick the epoch, register; returns (epoch, batches to skip)."""
         epoch, skip = self.iteration, self._resume_skip
-        resume, self._resume_states = (self._resume_states if skip else None), None
+        resume, self._resume_states = (self._resume_states or None), None
         if resume is None:  # a resumed pass keeps the restored states (the sync happened before the save)
             _sync_rng(self.rng_types, self.synchronized_generator)
         self._resume_now = resume
@@ -110,6 +110,11 @@ class PreparedLoaderMixin:
         self._step = None
         if self.iteration == epoch:  # a set_epoch() during the pass wins
             self.iteration = epoch + 1
+
+    def _at_boundary(self) -> None:
+        """A step boundary: the last batch is done, the next one not handed out (preemption saves here)."""
+        for callback in list(self.__dict__.get("_boundary_callbacks", ())):
+            callback(self)
 
     def _at_step(self, step: int, last: bool) -> None:
         """Bookkeeping just before a batch is handed to the user."""
@@ -290,6 +295,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             if seed_state is not None:
                 self._seed_state = seed_state
             if shard is not None:
+                shard._skip_next = 0
                 self._plan, self._plan_rank = shard.current_plan, shard.process_index
             elif self._tagged:
                 self._plan, self._plan_rank = EpochPlan(self.dataset.num_processes), self.dataset.process_index
@@ -329,6 +335,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
                 upcoming, last = None, True
                 self._finish_plan()
             if step >= skip:
+                self._at_boundary()
                 self._at_step(step, last)
                 yield current
             if last:
@@ -339,6 +346,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         """``num_workers=0``: read each batch only when it is asked for; peek at indices for the end."""
         step = 0
         while True:
+            self._at_boundary()
             try:
                 current = next(iterator)
             except StopIteration:

@@ -188,7 +188,7 @@ class BatchSamplerShard(BatchSampler):
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         self.skip_batches = 0
         self.current_plan: Optional[EpochPlan] = None
-        self._skip_next = 0  # one-shot skip for the next iteration (checkpoint resume)
+        self._skip_next = 0  # skip for the next pass (checkpoint resume); the loader resets it
         if split_batches:
             if self.batch_size is None:
                 raise ValueError(
@@ -237,8 +237,8 @@ class BatchSamplerShard(BatchSampler):
     def __iter__(self) -> Iterator[list]:
         plan = EpochPlan(self.num_processes)
         self.current_plan = plan
+        # _skip_next stays until the loader clears it: a worker iterator calls iter() twice.
         skip = self.skip_batches + self._skip_next
-        self._skip_next = 0
         return self._iterate(plan, skip)
 
     def _iterate(self, plan: EpochPlan, skip: int) -> Iterator[list]:

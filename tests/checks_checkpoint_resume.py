@@ -1,0 +1,158 @@
+"""Exact resume, run inside each rank (see distributed.py and test_checkpoint_resume.py).
+
+Phase ``save`` (env CKPT_PHASE) trains every scenario to the end, saving one checkpoint on the way;
+phase ``resume`` runs in *new* processes, loads that checkpoint and trains to the end. The test
+compares losses and final weights bitwise. ``check_cross_world_size`` resumes the other world
+size's checkpoints (2 -> 1 and 1 -> 2).
+"""
+
+import os
+
+import torch
+from torch import nn
+
+from hasten import Accelerator
+from hasten.utils import ProjectConfiguration, set_seed
+
+N, FEATURES, BATCH, EPOCHS = 48, 6, 4, 2
+
+# save points (micro-steps per process) for 1 and 2 processes
+SCENARIOS = {
+    "mid_epoch": dict(accum=1, workers=0, augment=True, save_at={1: 4, 2: 3}),
+    "mid_accum": dict(accum=3, workers=0, augment=True, save_at={1: 7, 2: 4}),
+    "workers": dict(accum=2, workers=2, augment=False, save_at={1: 9, 2: 8}),
+    "epoch_end": dict(accum=1, workers=0, augment=True, save_at={1: 12, 2: 6}),
+}
+
+
+class Data(torch.utils.data.Dataset):
+    """Fixed samples; ``augment`` adds noise from the global torch RNG when a sample is read."""
+
+    def __init__(self, augment: bool) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(N, FEATURES, generator=g)
+        self.y = torch.randn(N, 1, generator=g)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(FEATURES)
+        return x, self.y[i], i
+
+
+class Progress:
+    """A registered object: the number of micro-steps done."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def project(name: str, ws: int) -> str:
+    return os.path.join(os.environ["CKPT_ROOT"], f"ws{ws}", name)
+
+
+def build(name: str, ws: int):
+    cfg = SCENARIOS[name]
+    set_seed(0)
+    acc = Accelerator(gradient_accumulation_steps=cfg["accum"],
+                      project_config=ProjectConfiguration(project(name, ws), automatic_checkpoint_naming=True))
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+    dl = torch.utils.data.DataLoader(Data(cfg["augment"]), batch_size=BATCH, shuffle=True,
+                                     num_workers=cfg["workers"])
+    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    return acc, model, opt, dl, sched, progress
+
+
+def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS):
+    losses, seen = {}, {}
+    for epoch in range(dl.iteration, stop_epoch):
+        for x, y, idx in dl:
+            with acc.accumulate(model):
+                loss = ((model(x) - y) ** 2).mean()
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            progress.steps += 1
+            losses[progress.steps] = loss.item()
+            seen[progress.steps] = (epoch, idx.tolist())
+            if progress.steps == save_at:
+                acc.save_state()
+    weights = {k: v.tolist() for k, v in acc.unwrap_model(model).state_dict().items()}
+    return {"losses": losses, "seen": seen, "weights": weights}
+
+
+def scenario(name: str):
+    ws = world()
+    parts = build(name, ws)
+    acc = parts[0]
+    if os.environ["CKPT_PHASE"] == "save":
+        out = train(*parts, save_at=SCENARIOS[name]["save_at"][ws])
+        out["checkpoints"] = sorted(os.listdir(os.path.join(project(name, ws), "checkpoints")))
+        return out
+    folder = acc.load_state()
+    out = train(*parts)
+    out["loaded"] = os.path.basename(folder)
+    out["iteration"] = acc.project_configuration.iteration
+    return out
+
+
+def check_mid_epoch():
+    return scenario("mid_epoch")
+
+
+def check_mid_accum():
+    return scenario("mid_accum")
+
+
+def check_workers():
+    return scenario("workers")
+
+
+def check_epoch_end():
+    return scenario("epoch_end")
+
+
+def check_cross_world_size():
+    """Resume the other world size's mid-epoch checkpoint; a mid-accumulation one must be refused."""
+    if os.environ["CKPT_PHASE"] != "resume":
+        return None
+    import warnings
+
+    from hasten.saving import CheckpointMismatchError
+
+    ws = world()
+    other = 2 if ws == 1 else 1
+    acc, model, opt, dl, sched, progress = build("mid_epoch", ws)
+    before = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    refused = None
+    try:
+        acc.load_state(os.path.join(project("mid_accum", other), "checkpoints", "checkpoint_0"))
+    except CheckpointMismatchError as e:
+        refused = str(e)
+    untouched = all(torch.equal(before[k], v) for k, v in acc.unwrap_model(model).state_dict().items())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(os.path.join(project("mid_epoch", other), "checkpoints", "checkpoint_0"))
+    epoch = dl.iteration
+    out = train(acc, model, opt, dl, sched, progress, stop_epoch=epoch + 1)
+    return {"refused": refused, "untouched": untouched, "epoch": epoch, "seen": out["seen"],
+            "warnings": [str(w.message) for w in caught]}

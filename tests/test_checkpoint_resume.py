@@ -1,0 +1,59 @@
+"""Bitwise exact resume in new processes: 1 and 2 processes, mid-epoch, mid-accumulation, workers,
+end of epoch; and resuming on another number of processes (2 -> 1, 1 -> 2)."""
+
+import pytest
+
+from checks_checkpoint_resume import N, SCENARIOS
+from distributed import run_checks
+
+NAMES = sorted(SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt-resume"))
+    out = {}
+    for phase in ("save", "resume"):
+        for ws in (1, 2):
+            env = {"CKPT_ROOT": root, "CKPT_PHASE": phase}
+            out[phase, ws] = run_checks("checks_checkpoint_resume", world_size=ws, env=env)
+    return out
+
+
+def _keyed(d: dict) -> dict:
+    return {int(k): v for k, v in d.items()}
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_is_bitwise_identical(runs, name, ws):
+    saved = runs["save", ws].assert_passed(f"check_{name}")
+    resumed = runs["resume", ws].assert_passed(f"check_{name}")
+    at = SCENARIOS[name]["save_at"][ws]
+    for rank in range(ws):
+        ref, res = saved[rank], resumed[rank]
+        assert ref["checkpoints"] == ["checkpoint_0"]
+        assert res["loaded"] == "checkpoint_0" and res["iteration"] == 1  # the next save is checkpoint_1
+        ref_losses, res_losses = _keyed(ref["losses"]), _keyed(res["losses"])
+        assert sorted(res_losses) == [s for s in sorted(ref_losses) if s > at]  # the very next batch, no replay
+        assert res_losses == {s: v for s, v in ref_losses.items() if s > at}  # bitwise (floats compared exactly)
+        assert _keyed(res["seen"]) == {s: v for s, v in _keyed(ref["seen"]).items() if s > at}
+        assert res["weights"] == ref["weights"]
+    if ws == 2:  # the ranks really trained together
+        assert saved[0]["weights"] == saved[1]["weights"]
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_resume_on_another_number_of_processes(runs, ws):
+    other = 2 if ws == 1 else 1
+    cross = runs["resume", ws].assert_passed("check_cross_world_size")
+    before = runs["save", other].assert_passed("check_mid_epoch")
+    at = SCENARIOS["mid_epoch"]["save_at"][other]
+    epoch = cross[0]["epoch"]
+    consumed = [i for rank in before for s, (e, idx) in _keyed(rank["seen"]).items() if s <= at and e == epoch
+                for i in idx]
+    after = [i for rank in cross for _, (e, idx) in _keyed(rank["seen"]).items() if e == epoch for i in idx]
+    assert sorted(consumed + after) == list(range(N))  # every sample of the epoch once: no skip, no replay
+    for rank in cross:
+        assert "gradient-accumulation window" in rank["refused"] and rank["untouched"]
+        assert any("saved by" in w and "processes" in w for w in rank["warnings"])
