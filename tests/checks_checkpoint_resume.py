@@ -131,6 +131,15 @@ def check_epoch_end():
     return scenario("epoch_end")
 
 
+def check_saving_does_not_change_training():
+    """The same run without any save ends with the same weights as the run that saved."""
+    if os.environ["CKPT_PHASE"] != "save":
+        return None
+    parts = build("mid_accum", world())
+    parts[0].project_configuration.project_dir = None  # no saving here
+    return train(*parts)["weights"]
+
+
 def check_cross_world_size():
     """Resume the other world size's mid-epoch checkpoint; a mid-accumulation one must be refused."""
     if os.environ["CKPT_PHASE"] != "resume":

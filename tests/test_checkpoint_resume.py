@@ -2,8 +2,7 @@
 end of epoch; and resuming on another number of processes (2 -> 1, 1 -> 2)."""
 
 import pytest
-
-from checks_checkpoint_resume import N, SCENARIOS
+from checks_checkpoint_resume import SCENARIOS, N
 from distributed import run_checks
 
 NAMES = sorted(SCENARIOS)
@@ -57,3 +56,10 @@ def test_resume_on_another_number_of_processes(runs, ws):
     for rank in cross:
         assert "gradient-accumulation window" in rank["refused"] and rank["untouched"]
         assert any("saved by" in w and "processes" in w for w in rank["warnings"])
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_saving_does_not_change_the_run(runs, ws):
+    never_saved = runs["save", ws].assert_passed("check_saving_does_not_change_training")
+    saved = runs["save", ws].assert_passed("check_mid_accum")
+    assert [v for v in never_saved] == [s["weights"] for s in saved]

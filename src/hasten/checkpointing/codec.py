@@ -39,6 +39,9 @@ def _tensor(value: torch.Tensor, tensors: dict, prefix: str) -> str:
 
 
 def _encode(value: Any, tensors: dict, prefix: str, where: str) -> Any:
+    numpy = _numpy(value)  # first: numpy.float64 is also a float
+    if numpy is not None:
+        return numpy(value, tensors, prefix, where)
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -66,9 +69,6 @@ def _encode(value: Any, tensors: dict, prefix: str, where: str) -> Any:
         return {_TAG + "dtype": str(value).replace("torch.", "")}
     if isinstance(value, torch.device):
         return {_TAG + "device": str(value)}
-    numpy = _numpy(value)
-    if numpy is not None:
-        return numpy(value, tensors, prefix, where)
     raise NotEncodable(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which needs pickle")
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from typing import Any, Optional
@@ -193,7 +194,7 @@ def commit(temp: str, target: str, token: str) -> None:
         return
     if _exchange(temp, target):  # temp now holds the old checkpoint
         fsync_dir(parent)
-        remove_tree(temp, token)
+        remove_tree(temp, token, background=True)
         return
     # No atomic swap here: move the old one aside first. A crash between the renames leaves the new
     # checkpoint complete under its temporary name and the old one under ".old-"; find_leftover()
@@ -205,17 +206,31 @@ def commit(temp: str, target: str, token: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_tree(folder: str, token: Optional[str] = None) -> None:
-    """Delete a checkpoint so that no crash can leave it looking complete: rename, then delete."""
+def remove_tree(folder: str, token: Optional[str] = None, background: bool = False) -> None:
+    """Delete a checkpoint so that no crash can leave it looking complete: rename, then delete.
+
+    ``background``: delete the renamed folder in a thread (freeing gigabytes takes a while and the
+    folder is already invisible to discovery; an interrupted deletion is finished by a later save).
+    """
     if not os.path.lexists(folder):
         return
-    if os.path.basename(folder).startswith("."):  # a temporary name: discovery never looks at it
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    trash = temp_path(folder, token or new_token(), "trash")
-    os.rename(folder, trash)
-    fsync_dir(os.path.dirname(folder))
-    shutil.rmtree(trash, ignore_errors=True)
+    trash = folder
+    if not os.path.basename(folder).startswith("."):  # a temporary name already: discovery never looks
+        trash = temp_path(folder, token or new_token(), "trash")
+        os.rename(folder, trash)
+        fsync_dir(os.path.dirname(folder))
+    if background:
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                         name="hasten-checkpoint-delete").start()
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def wait_for_deletions() -> None:
+    """Block until background deletions of replaced or retired checkpoints have finished."""
+    for thread in threading.enumerate():
+        if thread.name == "hasten-checkpoint-delete":
+            thread.join()
 
 
 def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[str]:
@@ -235,7 +250,7 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
             break
         if os.path.abspath(path) == keep:
             continue
-        remove_tree(path)
+        remove_tree(path, background=True)
         deleted.append(path)
         excess -= 1
     return deleted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -17,17 +18,22 @@ from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 _KINDS = {
     "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
     "incomplete": layout.IncompleteCheckpointError, "missing": layout.CheckpointNotFoundError,
+    "pickle": pickle.UnpicklingError, "other": RuntimeError,
 }
 
 
 def _kind(error: BaseException) -> str:
+    if isinstance(error, pickle.UnpicklingError):
+        return "pickle"
     if isinstance(error, CheckpointCorruptError):
         return "corrupt"
     if isinstance(error, layout.CheckpointNotFoundError):
         return "missing"
     if isinstance(error, layout.IncompleteCheckpointError):
         return "incomplete"
-    return "mismatch"
+    if isinstance(error, (CheckpointMismatchError, ValueError, KeyError, TypeError)):
+        return "mismatch"
+    return "other"
 
 
 def _agree(problems: list[tuple[str, str]], folder: str) -> None:
@@ -71,6 +77,7 @@ def _shared_files(manifest: dict[str, Any]) -> list[str]:
 
 def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra: dict) -> str:
     custom_later = bool(extra.pop("_custom_later", False))
+    checksums = bool(extra.pop("_verify_checksums", True))
     extra.pop("map_location", None)  # state always goes where the live objects are
     if extra:
         warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", stacklevel=3)
@@ -79,12 +86,13 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     folder = resolve_folder(acc, input_dir)
     pool = ThreadPoolExecutor(2)
     try:
-        return _load(acc, folder, allow_pickle, custom_later, pool)
+        return _load(acc, folder, allow_pickle, custom_later, checksums, pool)
     finally:
         pool.shutdown()
 
 
-def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, pool: ThreadPoolExecutor) -> str:
+def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksums: bool,
+          pool: ThreadPoolExecutor) -> str:
     # 1. the folder, its files, and what it holds vs this run
     problems: list[tuple[str, str]] = []
     manifest: dict[str, Any] = {}
@@ -107,20 +115,19 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, pool: T
         own = [saver.rank_file(source)] + ([saver.grads_file(source)] if manifest["mid_accumulation"] else [])
         names = own + (_shared_files(manifest) if acc.is_local_main_process else [])
         if not problems:
-            reader.verify(names)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+            reader.verify(names, checksums)
+    except Exception as e:  # noqa: BLE001 - one process failing must stop every process
         problems.append((_kind(e), f"process {acc.process_index}: {e}"))
     _agree(problems, folder)
-    contents = manifest["contents"]
 
     # 2. hooks, then read every state and compare it with the live objects
     models = list(acc._models)
-    for hook in list(acc._hooks(_HOOKS_LOAD).values()):
-        hook(models, folder)
     loaded: dict[str, Any] = {}
     try:
+        for hook in list(acc._hooks(_HOOKS_LOAD).values()):
+            hook(models, folder)
         loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001
         problems.append((_kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))
     _agree(problems, folder)
 

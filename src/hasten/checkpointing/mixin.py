@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import signal
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import layout, restorer, resume, rng, saver
+from . import layout, resume, rng, saver
 
 _HOOKS_SAVE = "_hasten_save_state_pre_hooks"
 _HOOKS_LOAD = "_hasten_load_state_pre_hooks"
@@ -56,7 +57,8 @@ class CheckpointMixin:
 
     # -- hooks --------------------------------------------------------------------------------------
     def _hooks(self, key: str) -> dict:
-        return self.__dict__.setdefault(key, {})
+        # An OrderedDict: torch's RemovableHandle keeps a weak reference to it (plain dicts have none).
+        return self.__dict__.setdefault(key, OrderedDict())
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Call ``hook(models, weights, output_dir)`` in ``save_state`` before anything is written.
@@ -160,18 +162,19 @@ class CheckpointMixin:
             raise ValueError(choice)
         target, number, token = choice
         folder = layout.temp_path(target, token)
-        writes_shared = self.is_main_process
+        writes_shared, node = self.is_main_process, 0
         if pc.save_on_each_node and self.state.num_machines > 1:
-            folder, writes_shared = self._node_folder(target, token)
+            folder, writes_shared, node = self._node_folder(target, token)
 
-        weights = [self.get_state_dict(model) for model in self._models]
-        models = list(self._models)
-        contents = self._contents(writes_shared)
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
-        os.makedirs(folder, exist_ok=True)
         result: Any
+        contents: dict[str, Any] = {}
         pool = ThreadPoolExecutor(2)
-        try:
+        try:  # everything up to the exchange below may fail on one process only: report, do not hang
+            os.makedirs(folder, exist_ok=True)
+            weights = [self.get_state_dict(model) for model in self._models]
+            models = list(self._models)
+            contents = self._contents(writes_shared)
             for hook in list(self._hooks(_HOOKS_SAVE).values()):
                 hook(models, weights, folder)
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
@@ -184,16 +187,17 @@ class CheckpointMixin:
             writer.state(saver.rank_file(self.process_index), saver.rank_state(self, rng_state))
             if mid_window:
                 writer.tensors(saver.grads_file(self.process_index), saver.gradients(self))
-            result = ("ok", writer.files)
+            result = ("ok", writer.files, node)
         except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
-            result = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
+            result = ("error", f"process {self.process_index}: {type(e).__name__}: {e}", node)
         finally:
             pool.shutdown()
         results = _gather(result)
         errors = [r[1] for r in results if r[0] == "error"]
         status = None
         if writes_shared:
-            status = self._commit(folder, target, token, number, results, contents, mid_window, errors)
+            mine = [r for r in results if r[2] == node]  # with a folder per node: that node's files
+            status = self._commit(folder, target, token, number, mine, contents, mid_window, errors)
         statuses = _gather(status)
         if errors:
             raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
@@ -220,21 +224,23 @@ class CheckpointMixin:
         except (OSError, ValueError) as e:
             return f"save_state: {e}"
 
-    def _node_folder(self, target: str, token: str) -> tuple[str, bool]:
-        """Per-node temporary folders with ``save_on_each_node``, unless the filesystem is shared."""
+    def _node_folder(self, target: str, token: str) -> tuple[str, bool, int]:
+        """(folder, writes shared files, node) with ``save_on_each_node`` on several machines: a
+        folder per node, unless the filesystem turns out to be shared (then one folder, as usual)."""
         node = self.state.topology.node_rank
-        mine = layout.temp_path(target, f"{token}") + f"-node{node}"
+        mine = layout.temp_path(target, token) + f"-node{node}"
         if self.is_local_main_process:
             os.makedirs(mine, exist_ok=True)
         self.wait_for_everyone()
         shared = [None]
         if self.is_main_process:
-            others = [n for n in os.listdir(os.path.dirname(target)) if n.startswith(os.path.basename(
-                layout.temp_path(target, token))) and not n.endswith("-node0")]
-            shared[0] = bool(others)
+            prefix = os.path.basename(layout.temp_path(target, token)) + "-node"
+            shared[0] = any(n.startswith(prefix) and n != prefix + "0" for n in os.listdir(os.path.dirname(target)))
         if broadcast_from_main(shared)[0]:
-            return layout.temp_path(target, token), self.is_main_process  # one folder after all
-        return mine, self.is_local_main_process
+            if self.is_local_main_process:
+                os.rmdir(mine)
+            return layout.temp_path(target, token), self.is_main_process, 0
+        return mine, self.is_local_main_process, node
 
     def _contents(self, writes_shared: bool) -> dict[str, Any]:
         return {
@@ -253,14 +259,14 @@ class CheckpointMixin:
                 contents: dict, mid_window: bool, errors: list) -> Optional[str]:
         """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
         from .. import __version__
-        from .fileio import checksum_buffer, fsync_path, MappedFile
+        from .fileio import MappedFile, checksum_buffer, fsync_path
 
         if errors:
             layout.remove_tree(folder)
             return None
         try:
             files: dict[str, Any] = {}
-            for kind, listed in results:
+            for _, listed, _ in results:
                 for name, info in listed.items():
                     if name in files:
                         raise RuntimeError(f"two processes wrote {name!r}")
@@ -311,15 +317,20 @@ class CheckpointMixin:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
-                   **load_model_func_kwargs: Any) -> str:
+                   verify: str = "checksum", **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 
         Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
         ``project_dir/checkpoints`` is used, and the numbering of later saves continues after it.
-        Every file is checked against the manifest (size, checksum) and every saved object against
-        the live one (count, class, tensor names and shapes) on every process before anything
-        changes. Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
+        Every file is checked against the manifest (``verify="checksum"``: size and checksum;
+        ``"size"``: size only, for speed when the files are known good) and every saved object
+        against the live one (count, class, tensor names and shapes) on every process before
+        anything changes. Pickled registered objects load only with
+        ``load_kwargs={"weights_only": False}``.
         """
         from .loading import load_checkpoint
 
+        if verify not in ("checksum", "size"):
+            raise ValueError(f"load_state(verify={verify!r}): use 'checksum' (default) or 'size'")
+        load_model_func_kwargs["_verify_checksums"] = verify == "checksum"
         return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)

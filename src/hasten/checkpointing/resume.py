@@ -61,6 +61,11 @@ def check_resume(value: Any) -> Optional[str]:
     if value is True:
         return "auto"
     if isinstance(value, (str, os.PathLike)):
+        if value == "auto":
+            return "auto"
+        if not os.path.isdir(os.path.expanduser(os.fspath(value))):
+            raise ValueError(f"resume={value!r} is neither 'auto' nor an existing checkpoint folder; pass "
+                             "resume='auto' or the folder of a checkpoint written by save_state")
         return os.fspath(value)
     raise ValueError(
         f"resume={value!r} is not understood; use resume='auto' (continue from the newest complete checkpoint "
@@ -106,33 +111,38 @@ class AutoResume:
         acc.prepare = prepare_then_resume
         acc.register_for_checkpointing = register_then_restore
 
-    def locate(self) -> Optional[str]:
-        """The folder to resume from (decided by process 0), or None for a fresh start."""
+    def locate(self) -> tuple[Optional[str], Any]:
+        """(folder, its contents) to resume from, decided by process 0; (None, None): fresh start.
+        Any problem reading it is returned as a string so that every process raises it."""
         from . import layout
         from .mixin import broadcast_from_main
 
         acc = self.accelerator
-        found: list[Any] = [None]
+        found: list[Any] = [(None, None)]
         if acc.is_main_process:
-            if self.source == "auto":
-                newest = layout.newest_complete(layout.auto_root(acc.project_configuration.project_dir))
-                found[0] = newest[1] if newest else None
-            else:
-                found[0] = os.path.abspath(os.path.expanduser(self.source))
+            try:
+                if self.source == "auto":
+                    newest = layout.newest_complete(layout.auto_root(acc.project_configuration.project_dir))
+                    folder = newest[1] if newest else None
+                else:
+                    folder = os.path.abspath(os.path.expanduser(self.source))
+                found[0] = (folder, layout.read_manifest(folder)["contents"] if folder else None)
+            except (OSError, ValueError) as e:
+                found[0] = (None, f"resume={self.source!r}: {e}")
         return broadcast_from_main(found)[0]
 
     def maybe_resume(self) -> None:
         if self.done:
             return
-        from . import layout
-
         acc = self.accelerator
         if self.contents is None:
-            self.folder = self.locate()
+            self.folder, contents = self.locate()
+            if isinstance(contents, str):
+                raise ValueError(contents)
             if self.folder is None:
                 self.done = True  # fresh start
                 return
-            self.contents = layout.read_manifest(self.folder)["contents"]
+            self.contents = contents
         counts = {"models": len(acc._models), "optimizers": len(acc._optimizers),
                   "schedulers": len(acc._schedulers), "dataloaders": len(acc._dataloaders)}
         saved = {key: len(self.contents[key]) for key in counts}

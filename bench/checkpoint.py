@@ -1,0 +1,212 @@
+"""Checkpoint speed: save_state/load_state vs plain safetensors, and resume seek time.
+
+    python bench/checkpoint.py                    # ~200 MB model + Adam state, 6 interleaved rounds
+    python bench/checkpoint.py --rounds 9 --mb 200 --dir /path/on/the/disk/to/test
+
+Throughput: one process trains a ~200 MB model (fp32 Linear layers) one step with Adam, so the
+optimizer holds two more copies (~600 MB in all). Each round runs the saves, then the loads, each
+group in rotating order:
+  * safetensors save: ``save_file`` of the model's state dict and of the optimizer's tensors into
+    fresh files (the previous ones are deleted outside the timing; no fsync, no manifest: what a
+    hand-written checkpoint does), and the same followed by an fsync of both files (the durability
+    that hasten's save gives);
+  * hasten save: ``accelerator.save_state`` (fsync of every file, checksums, manifest, atomic rename);
+  * safetensors load: ``load_file`` of both files and copying every tensor into the live model and
+    optimizer (``load_file`` alone only maps the file; the copy is the actual reading);
+  * hasten load: ``accelerator.load_state`` (verifies sizes and checksums first, then restores the
+    same tensors plus the small states), and with ``verify="size"`` (no checksums);
+and the two default loads again after evicting the files from the page cache (``posix_fadvise``),
+i.e. reading from the disk as a resumed job on another node would. Before each timed operation the
+disk is quiesced (``os.sync()``, deletions of replaced checkpoints finished), so one operation's
+writeback does not slow the next one down. Medians over rounds are reported
+with MB/s and the hasten / safetensors throughput ratio.
+
+Seek: a prepared loader over 1,000,000 shuffled indices (31,250 batches of 32) is resumed at 1 %,
+50 %, 90 % and 99 % of the epoch; the time from ``load_state_dict`` to the first batch is reported
+(median of 5). Resuming costs one permutation wherever it lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+
+def _evict(folder: str) -> None:
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+SETTLE = 0.0
+
+
+def _quiesce() -> None:
+    """Start every timed operation on a quiet disk: no dirty pages, no deletion still running."""
+    from hasten.checkpointing.layout import wait_for_deletions
+
+    wait_for_deletions()
+    os.sync()
+    time.sleep(SETTLE)  # a virtual disk keeps writing back after sync() returns
+
+
+def throughput(rounds: int, mb: int, base: str) -> dict:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hasten import Accelerator
+
+    torch.manual_seed(0)
+    width = 2048
+    layers = max(1, round(mb * 2**20 / (width * width * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    opt_tensors = {f"{pid}.{k}": v for pid, s in opt.state_dict()["state"].items() for k, v in s.items()
+                   if torch.is_tensor(v) and v.dim() > 0}
+    total = model_bytes + sum(v.numel() * v.element_size() for v in opt_tensors.values())
+    live_model = dict(model.state_dict())
+    plain, ours = os.path.join(base, "plain"), os.path.join(base, "ours")
+    os.makedirs(plain, exist_ok=True)
+
+    def plain_save():
+        save_file(dict(model.state_dict()), os.path.join(plain, "model.safetensors"))
+        save_file(opt_tensors, os.path.join(plain, "optimizer.safetensors"))
+
+    def plain_save_fsync():
+        plain_save()
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            fd = os.open(os.path.join(plain, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def plain_load():
+        weights = load_file(os.path.join(plain, "model.safetensors"))
+        moments = load_file(os.path.join(plain, "optimizer.safetensors"))
+        with torch.no_grad():
+            for k, v in weights.items():
+                live_model[k].copy_(v)
+            for k, v in moments.items():
+                opt_tensors[k].copy_(v)
+
+    def ours_save():
+        acc.save_state(ours)
+
+    def ours_load():
+        acc.load_state(ours)
+
+    def ours_load_sizes():
+        acc.load_state(ours, verify="size")
+
+    plain_save(), ours_save()  # warm-up (first write of the files)
+    runs = {"safetensors save": plain_save, "safetensors save + fsync": plain_save_fsync, "hasten save": ours_save,
+            "safetensors load": plain_load,
+            "hasten load": ours_load, "hasten load, verify=size": ours_load_sizes}
+    cold = (("safetensors load (cold)", plain_load, plain), ("hasten load (cold)", ours_load, ours))
+    times: dict = {k: [] for k in list(runs) + [c[0] for c in cold]}
+    saves = [k for k in runs if "save" in k]
+    loads = [k for k in runs if "load" in k]
+    for r in range(rounds):  # each group rotates, so every operation runs first, second... equally often
+        for group in (saves, loads):
+            for name in group[r % len(group):] + group[:r % len(group)]:
+                if name.startswith("safetensors save"):  # the most favourable baseline: fresh files
+                    for old in os.listdir(plain):
+                        os.remove(os.path.join(plain, old))
+                _quiesce()
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+        for name, fn, folder in cold:
+            _quiesce()
+            _evict(folder)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    out = {"bytes": total, "rounds": rounds, "median_s": {k: statistics.median(v) for k, v in times.items()},
+           "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()}}
+    med = out["median_s"]
+    out["MB_per_s"] = {k: total / 2**20 / v for k, v in med.items()}
+    out["ratio"] = {
+        "save": med["safetensors save"] / med["hasten save"],
+        "save vs save + fsync": med["safetensors save + fsync"] / med["hasten save"],
+        "load": med["safetensors load"] / med["hasten load"],
+        "load, verify=size": med["safetensors load"] / med["hasten load, verify=size"],
+        "load (cold)": med["safetensors load (cold)"] / med["hasten load (cold)"],
+    }
+    return out
+
+
+def seek(samples: int = 1_000_000, batch: int = 32) -> dict:
+    import torch
+
+    from hasten.data_loader import prepare_data_loader
+
+    class Indices(torch.utils.data.Dataset):
+        def __len__(self):
+            return samples
+
+        def __getitem__(self, i):
+            return i
+
+    dl = prepare_data_loader(torch.utils.data.DataLoader(Indices(), batch_size=batch, shuffle=True), data_seed=0)
+    steps = len(dl)
+    out = {}
+    for fraction in (0.01, 0.5, 0.9, 0.99):
+        at = int(steps * fraction)
+        times = []
+        for _ in range(5):
+            dl.load_state_dict({"epoch": 3, "batches_yielded": at})
+            start = time.perf_counter()
+            next(iter(dl))
+            times.append(time.perf_counter() - start)
+        out[f"{fraction:.0%}"] = statistics.median(times)
+    return {"batches_per_epoch": steps, "seconds_to_first_batch": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6, help="a multiple of 3 balances the rotation")
+    parser.add_argument("--mb", type=int, default=200, help="model size in MB (Adam adds twice as much)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds to wait after sync() before each timed operation (default 1)")
+    args = parser.parse_args()
+    global SETTLE
+    SETTLE = args.settle
+    base = tempfile.mkdtemp(prefix="hasten-bench-ckpt-", dir=args.dir)
+    try:
+        result = {"throughput": throughput(args.rounds, args.mb, base), "seek": seek()}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    t = result["throughput"]
+    print(f"state: {t['bytes'] / 2**20:.0f} MiB (model + Adam), {t['rounds']} rounds, medians")
+    for name, seconds in t["median_s"].items():
+        print(f"  {name:28s} {seconds:7.3f} s  {t['MB_per_s'][name]:7.0f} MiB/s")
+    for name, ratio in t["ratio"].items():
+        print(f"  hasten / safetensors throughput, {name:20s} {ratio:5.2f}x")
+    s = result["seek"]
+    print(f"seek ({s['batches_per_epoch']} batches per epoch), time to the first batch after resuming at:")
+    for where, seconds in s["seconds_to_first_batch"].items():
+        print(f"  {where:>4s}  {seconds * 1000:7.1f} ms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

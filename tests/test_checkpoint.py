@@ -1,0 +1,457 @@
+"""save_state / load_state in one process: formats, naming, retention, discovery, verification,
+mismatch errors, pickle safety, hooks, resume="auto", seeking. (Multi-process behaviour: the
+checks_checkpoint / test_checkpoint_resume / test_checkpoint_recovery modules.)"""
+
+import json
+import math
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from hasten.checkpointing import codec, layout
+from hasten.checkpointing.fileio import (
+    BlockSummer,
+    CheckpointCorruptError,
+    MappedFile,
+    checksum_buffer,
+    write_safetensors,
+)
+from hasten.saving import CheckpointMismatchError
+
+
+@pytest.fixture
+def fresh():
+    from hasten.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+class Tied(nn.Module):
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, hidden)
+        self.out = nn.Linear(hidden, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("count", torch.tensor(3))
+
+    def forward(self, idx):
+        return self.head(self.out(torch.tanh(self.body(self.embed(idx)))))
+
+
+class Counter:
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value, "history": [self.value] * 2, "t": torch.tensor([float(self.value)])}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+class Opaque:
+    """A registered object whose state only pickle can store."""
+
+    def __init__(self):
+        self.thing = Counter(5)
+
+    def state_dict(self):
+        return {"thing": self.thing}
+
+    def load_state_dict(self, state):
+        self.thing = state["thing"]
+
+
+def setup(project=None, hidden=8, auto=True, total_limit=None, resume=None, **kw):
+    from hasten import Accelerator
+    from hasten.utils import ProjectConfiguration
+
+    torch.manual_seed(0)
+    cfg = ProjectConfiguration(project, automatic_checkpoint_naming=auto, total_limit=total_limit) if project else None
+    acc = Accelerator(project_config=cfg, resume=resume, **kw)
+    model = Tied(hidden)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    return acc, model, opt, sched
+
+
+def train_step(model, opt, sched):
+    loss = model(torch.arange(6)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def snapshot(model, opt):
+    state = {f"m.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, entries in opt.state_dict()["state"].items():
+        state.update({f"o.{pid}.{k}": v.clone() for k, v in entries.items() if torch.is_tensor(v)})
+    return state
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- formats -----------------------------------------------------------------------------------------
+def test_codec_round_trip_without_pickle():
+    state = {"a": 1, "b": [1.5, float("inf"), None, True, "s"], 3: (1, (2, 3)), "n": {"x": torch.arange(3)},
+             "np": np.arange(4, dtype=np.float32), "scalar": np.float64(2.5), "dtype": torch.bfloat16,
+             "dev": torch.device("cpu"), "__hasten_tuple": "not a tag", "nan": float("nan")}
+    skeleton, tensors = codec.encode(state)
+    json.dumps(skeleton, allow_nan=False)  # strict JSON
+    back = codec.decode(json.loads(json.dumps(skeleton)), tensors)
+    assert back["a"] == 1 and back["b"] == [1.5, math.inf, None, True, "s"] and back[3] == (1, (2, 3))
+    assert torch.equal(back["n"]["x"], torch.arange(3)) and back["dtype"] is torch.bfloat16
+    assert isinstance(back["np"], np.ndarray) and back["np"].tolist() == [0, 1, 2, 3]
+    assert isinstance(back["scalar"], np.float64) and back["scalar"] == 2.5
+    assert back["__hasten_tuple"] == "not a tag" and math.isnan(back["nan"]) and back["dev"] == torch.device("cpu")
+    with pytest.raises(codec.NotEncodable, match=r"state\['obj'\].*Counter"):
+        codec.encode({"obj": Counter()})
+
+
+def test_files_are_plain_safetensors_and_checksums_match(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    tensors = {"f32": base, "view": base[:, 1:3], "t": base.t(), "bf16": torch.randn(3, 5).bfloat16(),
+               "bool": torch.tensor([True, False, True]), "i8": torch.arange(7, dtype=torch.int8),
+               "scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.zeros(0, 3)}
+    path = str(tmp_path / "x.safetensors")
+    size, checksum = write_safetensors(path, tensors, {"k": "v"})
+    assert os.path.getsize(path) == size
+    loaded = load_file(path)  # the real safetensors library reads our files
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k].contiguous()) for k in tensors)
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"k": "v"}
+    mapped = MappedFile(path)
+    assert checksum_buffer(mapped.raw) == checksum
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 1  # one flipped bit
+    corrupt = tmp_path / "y.safetensors"
+    corrupt.write_bytes(bytes(data))
+    assert checksum_buffer(MappedFile(str(corrupt)).raw) != checksum
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_checksum_equals_whole_file_checksum(seed):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (int(torch.randint(1, 20000, (1,), generator=g)),), dtype=torch.uint8, generator=g)
+    summer, pos = BlockSummer(), 0
+    while pos < data.numel():
+        step = int(torch.randint(1, 5000, (1,), generator=g))
+        piece = data[pos:pos + step]
+        summer.update(piece if step % 2 else bytes(piece.numpy().tobytes()))
+        pos += step
+    assert summer.digest() == checksum_buffer(data)
+
+
+# -- naming, retention, discovery ------------------------------------------------------------------------
+def test_automatic_naming_retention_and_numbering_after_load(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path, total_limit=2)
+    paths = []
+    for _ in range(4):
+        train_step(model, opt, sched)
+        paths.append(acc.save_state())
+    root = tmp_path / "checkpoints"
+    assert [os.path.basename(p) for p in paths] == [f"checkpoint_{i}" for i in range(4)]
+    layout.wait_for_deletions()
+    assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]  # the newest kept, nothing else left
+    expected = snapshot(model, opt)
+    from hasten.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc, model, opt, sched = setup(tmp_path, total_limit=2)  # a new run: iteration starts at 0 again
+    assert acc.load_state() == str(root / "checkpoint_3")
+    assert same(snapshot(model, opt), expected) and sched.get_last_lr() == [0.1 * 0.5 ** 4]
+    assert acc.save_iteration == 4
+    assert os.path.basename(acc.save_state()) == "checkpoint_4"  # never collides with an existing one
+
+
+def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    train_step(model, opt, sched)
+    good = acc.save_state()
+    expected = snapshot(model, opt)
+    train_step(model, opt, sched)
+    root = tmp_path / "checkpoints"
+    # newer, but incomplete in every way a crash (or a user) can leave one
+    broken = {}
+    for number, damage in ((5, "no manifest"), (6, "truncated"), (7, "missing file"), (8, "version")):
+        path = root / f"checkpoint_{number}"
+        shutil.copytree(good, path)
+        if damage == "no manifest":
+            os.remove(path / "manifest.json")
+        elif damage == "truncated":
+            with open(path / "model.safetensors", "r+b") as f:
+                f.truncate(100)
+        elif damage == "missing file":
+            os.remove(path / "rank_0.safetensors")
+        else:
+            manifest = json.loads((path / "manifest.json").read_text())
+            manifest["format_version"] = 99
+            (path / "manifest.json").write_text(json.dumps(manifest))
+        broken[damage] = path
+    (root / ".checkpoint_9.tmp-0123456789abcdef0123456789abcdef").mkdir()
+    assert layout.newest_complete(str(root))[1] == good
+    assert acc.load_state() == good and same(snapshot(model, opt), expected)
+    train_step(model, opt, sched)
+    before = snapshot(model, opt)
+    for damage, words in (("no manifest", "no manifest.json"), ("truncated", "wrong size"),
+                          ("missing file", "missing files: rank_0"), ("version", "version 99")):
+        with pytest.raises(layout.IncompleteCheckpointError, match=words):
+            acc.load_state(broken[damage])
+        assert same(snapshot(model, opt), before)
+    assert os.path.basename(acc.save_state()) == "checkpoint_9"  # after every numbered folder
+    assert not any(n.startswith(".") for n in os.listdir(root))  # the crashed save's leftover is cleaned up
+
+
+def test_saving_into_the_same_folder_replaces_it_atomically(fresh, tmp_path):
+    acc, model, opt, sched = setup(auto=False)
+    target = tmp_path / "ckpt"
+    acc.save_state(target)
+    first = json.loads((target / "manifest.json").read_text())
+    train_step(model, opt, sched)
+    acc.save_state(target)
+    second = json.loads((target / "manifest.json").read_text())
+    assert first["files"]["model.safetensors"]["checksum"] != second["files"]["model.safetensors"]["checksum"]
+    layout.wait_for_deletions()  # the replaced checkpoint is deleted in the background
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary or old folder left
+    other = tmp_path / "not_a_checkpoint"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="not a hasten checkpoint"):
+        acc.save_state(other)
+    assert (other / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="output_dir"):
+        acc.save_state()
+
+
+def test_a_failing_save_commits_nothing(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+
+    def broken_hook(models, weights, folder):
+        raise OSError("disk full")
+
+    handle = acc.register_save_state_pre_hook(broken_hook)
+    with pytest.raises(RuntimeError, match="disk full"):
+        acc.save_state()
+    assert os.listdir(tmp_path / "checkpoints") == [] and acc.save_iteration == 0
+    handle.remove()
+    assert os.path.basename(acc.save_state()) == "checkpoint_0"
+
+
+# -- loading: mismatches, corruption, pickle -------------------------------------------------------------
+def test_mismatches_raise_one_clear_error_and_change_nothing(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    acc.register_for_checkpointing(Counter(1))
+    train_step(model, opt, sched)
+    folder = acc.save_state()
+    from hasten.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc, model, opt, sched = setup(tmp_path, hidden=9)  # other shapes, and no registered object
+    train_step(model, opt, sched)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointMismatchError) as info:
+        acc.load_state(folder)
+    text = str(info.value)
+    assert "nothing was changed" in text and "1 objects given to register_for_checkpointing but this run has 0" in text
+    assert same(snapshot(model, opt), before)
+    counter = Counter(7)
+    acc.register_for_checkpointing(counter)
+    with pytest.raises(CheckpointMismatchError, match=r"model 0 \(Tied\): shapes differ for .*body.weight \(checkpoint \[8, 4\], model \[9, 4\]\)"):
+        acc.load_state(folder)
+    assert same(snapshot(model, opt), before) and counter.value == 7 and sched.get_last_lr() == [0.05]
+
+
+def test_corrupted_file_is_detected_before_anything_changes(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    train_step(model, opt, sched)
+    folder = acc.save_state()
+    train_step(model, opt, sched)
+    before = snapshot(model, opt)
+    path = os.path.join(folder, "optimizer.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40  # same size, one bit flipped in a moment tensor
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CheckpointCorruptError, match="optimizer.safetensors' is corrupted"):
+        acc.load_state(folder)
+    assert same(snapshot(model, opt), before)
+
+
+class Boom:
+    """Unpickling this runs code (a marker file): the classic malicious checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_malicious_pickle_in_a_checkpoint_is_never_executed(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    acc.register_for_checkpointing(Opaque())
+    with pytest.warns(UserWarning, match="needs pickle"):
+        folder = acc.save_state()
+    assert sorted(n for n in os.listdir(folder) if n.startswith("custom")) == ["custom_checkpoint_0.pt"]
+    # an attacker swaps in a malicious pickle and fixes up the manifest so that the file verifies
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"thing": Boom(str(marker))}, protocol=2)
+    path = os.path.join(folder, "custom_checkpoint_0.pt")
+    with open(path, "wb") as f:
+        f.write(payload)
+    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    manifest["files"]["custom_checkpoint_0.pt"].update(size=len(payload), checksum=checksum_buffer(
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    before = snapshot(model, opt)
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+        acc.load_state(folder)
+    assert not marker.exists() and same(snapshot(model, opt), before)
+
+
+def test_pickled_object_loads_with_the_explicit_opt_in(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    obj = Opaque()
+    acc.register_for_checkpointing(obj)
+    with pytest.warns(UserWarning, match="needs pickle"):
+        folder = acc.save_state()
+    obj.thing = None
+    with pytest.raises(pickle.UnpicklingError):
+        acc.load_state(folder)
+    assert obj.thing is None
+    acc.load_state(folder, load_kwargs={"weights_only": False})
+    assert obj.thing.value == 5
+
+
+def test_tied_weights_survive(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    train_step(model, opt, sched)
+    folder = acc.save_state()
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert "head.weight" not in f.keys() and json.loads(f.metadata()["hasten_aliases"]) == {
+            "head.weight": "embed.weight"}
+    with torch.no_grad():
+        model.embed.weight.zero_()
+    acc.load_state(folder)
+    assert model.head.weight is model.embed.weight and model.embed.weight.abs().sum() > 0
+
+
+# -- hooks and resume="auto" -----------------------------------------------------------------------------
+def test_pre_hooks_see_models_and_can_add_files(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path)
+    calls = []
+
+    def save_hook(models, weights, folder):
+        calls.append(("save", len(models), len(weights), os.path.basename(folder).startswith(".checkpoint_0.tmp-")))
+        with open(os.path.join(folder, "extra.json"), "w") as f:
+            f.write('{"config": 1}')
+
+    def load_hook(models, folder):
+        calls.append(("load", len(models), os.path.basename(folder)))
+        assert json.load(open(os.path.join(folder, "extra.json"))) == {"config": 1}
+
+    acc.register_save_state_pre_hook(save_hook)
+    handle = acc.register_load_state_pre_hook(load_hook)
+    folder = acc.save_state()
+    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    assert manifest["files"]["extra.json"]["rank"] == "hook"  # committed and verified with the checkpoint
+    acc.load_state(folder)
+    handle.remove()
+    acc.load_state(folder)
+    assert calls == [("save", 1, 1, True), ("load", 1, "checkpoint_0")]
+
+
+def test_resume_auto_starts_fresh_then_continues(fresh, tmp_path):
+    from hasten.state import AcceleratorState, GradientState
+
+    acc, model, opt, sched = setup(tmp_path, resume="auto")
+    counter = Counter(0)
+    acc.register_for_checkpointing(counter)
+    assert counter.value == 0 and acc.resume == "auto"  # nothing to resume: a fresh start
+    train_step(model, opt, sched)
+    counter.value = 11
+    acc.save_state()
+    expected = snapshot(model, opt)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc, model, opt, sched = setup(tmp_path, resume="auto")  # prepare() restored everything
+    assert same(snapshot(model, opt), expected) and acc.save_iteration == 1
+    counter = Counter(0)
+    acc.register_for_checkpointing(counter)  # registered later: restored when registered
+    assert counter.value == 11
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
+        setup(tmp_path, auto=False, resume="auto")
+    with pytest.raises(ValueError, match="resume='sometimes' is neither 'auto' nor an existing checkpoint folder"):
+        setup(tmp_path, resume="sometimes")
+
+
+# -- seeking ---------------------------------------------------------------------------------------------
+def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fresh):
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    import hasten.data.position as position
+    from hasten.data_loader import (
+        BatchSamplerShard,
+        SeedableRandomSampler,
+        prepare_data_loader,
+    )
+
+    for n_data, size, procs, split, even, drop in [(13, 2, 2, False, True, False), (17, 3, 3, False, False, False),
+                                                   (16, 4, 2, True, True, False), (15, 2, 2, False, True, True)]:
+        for kind in ("seq", "rand"):
+            for skip in range(0, 6):
+                def make():
+                    smp = SequentialSampler(range(n_data)) if kind == "seq" else SeedableRandomSampler(
+                        range(n_data), data_seed=3)
+                    return [BatchSamplerShard(BatchSampler(smp, size, drop), procs, r, split, even) for r in range(procs)]
+                fast = make()
+                for s in fast:
+                    s._skip_next = skip
+                original, position.seek_batches = position.seek_batches, lambda *a: None
+                try:
+                    slow = make()
+                    for s in slow:
+                        s._skip_next = skip
+                    walked = [list(s) for s in slow]
+                finally:
+                    position.seek_batches = original
+                assert [list(s) for s in fast] == walked
+
+    class Counting(torch.utils.data.Dataset):
+        reads = 0
+
+        def __len__(self):
+            return 1000
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return i
+
+    dl = prepare_data_loader(torch.utils.data.DataLoader(Counting(), batch_size=10, shuffle=True), data_seed=1)
+    full = [b.tolist() for b in dl]
+    dl.set_epoch(0)
+    dl.load_state_dict({"epoch": 0, "batches_yielded": 90})
+    Counting.reads = 0
+    assert [b.tolist() for b in dl] == full[90:] and Counting.reads == 100

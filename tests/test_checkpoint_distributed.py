@@ -1,0 +1,33 @@
+"""save_state / load_state across 2 real processes (gloo): who writes what, agreement on errors."""
+
+import pytest
+from distributed import run_checks
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_checks("checks_checkpoint", world_size=2)
+
+
+def test_every_process_writes_only_its_own_files(two):
+    values = two.assert_passed("check_every_process_writes_only_its_own_files")
+    assert values[0] == values[1]
+    writers = values[0]["writers"]
+    assert writers == {"model.safetensors": 0, "optimizer.safetensors": 0, "rank_0.safetensors": 0,
+                       "rank_1.safetensors": 1}
+    assert values[0]["world"] == 2 and values[0]["hook_folder"] == ".checkpoint_0"
+
+
+def test_a_problem_on_one_process_stops_every_process_before_any_change(two):
+    for value in two.assert_passed("check_every_process_refuses_a_corrupt_file_of_another"):
+        assert value == {"error": True, "untouched": True}
+    assert two.assert_passed("check_every_process_refuses_when_one_process_differs") == [True, True]
+
+
+def test_retention_and_numbering_with_two_processes(two):
+    for value in two.assert_passed("check_retention_and_numbering"):
+        assert value == {"names": ["checkpoint_0", "checkpoint_1", "checkpoint_2"], "left": ["checkpoint_2"]}
+
+
+def test_save_on_each_node_on_one_machine(two):
+    assert two.assert_passed("check_save_on_each_node_on_one_machine") == [True, True]
