@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from hasten import Accelerator
-from hasten.utils import ProjectConfiguration, set_seed
+from hasten.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 N, FEATURES, BATCH, EPOCHS = 48, 6, 4, 2
+N_STREAM = 46  # not a multiple of the batch size: the end of an epoch is padded on 2 processes
 
 # save points (micro-steps per process) for 1 and 2 processes
 SCENARIOS = {
@@ -22,7 +23,44 @@ SCENARIOS = {
     "mid_accum": dict(accum=3, workers=0, augment=True, save_at={1: 7, 2: 4}),
     "workers": dict(accum=2, workers=2, augment=False, save_at={1: 9, 2: 8}),
     "epoch_end": dict(accum=1, workers=0, augment=True, save_at={1: 12, 2: 6}),
+    # iterable datasets with their own state_dict: process 0 reads and dispatches (the default) ...
+    "stream_dispatch": dict(accum=1, workers=0, augment=True, save_at={1: 5, 2: 3}, stream=True, dispatch=True),
+    # ... or every process reads the stream and keeps its slice
+    "stream_shards": dict(accum=2, workers=0, augment=True, save_at={1: 5, 2: 3}, stream=True, dispatch=False),
 }
+STREAM: list = []  # the Stream of the running scenario
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset that resumes through its own state (like HF ``datasets.IterableDataset``):
+    a shuffled order per epoch; ``reads[epoch]`` counts the samples read."""
+
+    def __init__(self, augment: bool) -> None:
+        g = torch.Generator().manual_seed(99)
+        self.x = torch.randn(N_STREAM, FEATURES, generator=g)
+        self.y = torch.randn(N_STREAM, 1, generator=g)
+        self.augment, self.epoch, self.pos = augment, 0, 0
+        self.start: dict = {}
+        self.reads: dict = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = dict(state)
+
+    def __iter__(self):
+        order = torch.randperm(N_STREAM, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        start = self.start.get("pos", 0) if self.start.get("epoch") == self.epoch else 0
+        self.start = {}
+        for self.pos in range(start + 1, N_STREAM + 1):
+            i = order[self.pos - 1]
+            self.reads[self.epoch] = self.reads.get(self.epoch, 0) + 1
+            x = self.x[i] + 0.1 * torch.randn(FEATURES) if self.augment else self.x[i]
+            yield x, self.y[i], i
 
 
 class Data(torch.utils.data.Dataset):
@@ -69,12 +107,17 @@ def build(name: str, ws: int):
     cfg = SCENARIOS[name]
     set_seed(0)
     acc = Accelerator(gradient_accumulation_steps=cfg["accum"],
-                      project_config=ProjectConfiguration(project(name, ws), automatic_checkpoint_naming=True))
+                      project_config=ProjectConfiguration(project(name, ws), automatic_checkpoint_naming=True),
+                      dataloader_config=DataLoaderConfiguration(dispatch_batches=cfg.get("dispatch")))
     model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
-    dl = torch.utils.data.DataLoader(Data(cfg["augment"]), batch_size=BATCH, shuffle=True,
-                                     num_workers=cfg["workers"])
+    if cfg.get("stream"):
+        STREAM[:] = [Stream(cfg["augment"])]
+        dl = torch.utils.data.DataLoader(STREAM[0], batch_size=BATCH)
+    else:
+        dl = torch.utils.data.DataLoader(Data(cfg["augment"]), batch_size=BATCH, shuffle=True,
+                                         num_workers=cfg["workers"])
     model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
     progress = Progress()
     acc.register_for_checkpointing(progress)
@@ -112,6 +155,8 @@ def scenario(name: str):
     out = train(*parts)
     out["loaded"] = os.path.basename(folder)
     out["iteration"] = acc.project_configuration.iteration
+    if STREAM:
+        out["reads"] = STREAM[0].reads
     return out
 
 
@@ -129,6 +174,14 @@ def check_workers():
 
 def check_epoch_end():
     return scenario("epoch_end")
+
+
+def check_stream_dispatch():
+    return scenario("stream_dispatch")
+
+
+def check_stream_shards():
+    return scenario("stream_shards")
 
 
 def check_saving_does_not_change_training():

@@ -1,8 +1,9 @@
 """Bitwise exact resume in new processes: 1 and 2 processes, mid-epoch, mid-accumulation, workers,
-end of epoch; and resuming on another number of processes (2 -> 1, 1 -> 2)."""
+end of epoch, iterable datasets resumed through their own state_dict (dispatched or sharded);
+and resuming on another number of processes (2 -> 1, 1 -> 2)."""
 
 import pytest
-from checks_checkpoint_resume import SCENARIOS, N
+from checks_checkpoint_resume import BATCH, N, N_STREAM, SCENARIOS
 from distributed import run_checks
 
 NAMES = sorted(SCENARIOS)
@@ -63,3 +64,20 @@ def test_saving_does_not_change_the_run(runs, ws):
     never_saved = runs["save", ws].assert_passed("check_saving_does_not_change_training")
     saved = runs["save", ws].assert_passed("check_mid_accum")
     assert [v for v in never_saved] == [s["weights"] for s in saved]
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("name", ["stream_dispatch", "stream_shards"])
+def test_iterable_dataset_resumes_through_its_state_without_rereading(runs, name, ws):
+    resumed = runs["resume", ws].assert_passed(f"check_{name}")
+    consumed = SCENARIOS[name]["save_at"][ws] * BATCH * ws  # samples handed out before the save
+    dispatch = SCENARIOS[name]["dispatch"]
+    for rank in range(ws):
+        reads = {int(k): v for k, v in resumed[rank]["reads"].items()}
+        if dispatch and rank > 0:
+            assert reads == {}  # only process 0 reads
+            continue
+        # Epoch 0 continues after the consumed samples: none of them is read again; the batches the
+        # loader had read ahead come from the checkpoint (at most a step and a batch). Epoch 1 reads all.
+        assert N_STREAM - consumed - 3 * BATCH * ws <= reads[0] <= N_STREAM - consumed - BATCH
+        assert reads[1] == N_STREAM

@@ -1,7 +1,8 @@
 """Dataloader sharding, device placement and exact ``gather_for_metrics`` (see ``hasten.data_loader``)."""
 
 from .dispatch import DataLoaderDispatcher
-from .loaders import DataLoaderShard, SkipDataLoader, get_sampler, prepare_data_loader, skip_first_batches
+from .loaders import DataLoaderShard, SkipDataLoader, get_sampler
+from .prepare import prepare_data_loader, skip_first_batches
 from .metrics import gather_for_metrics
 from .samplers import (
     BatchSamplerShard,

@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..state import PartialState
 from ..utils.operations import broadcast, broadcast_object_list, honor_type, send_to_device
+from . import position
 from .loaders import PreparedLoaderMixin
 from .samplers import EpochPlan, count_steps
 
@@ -265,15 +266,28 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
         # The first batches are kept to pad the end (even batches, or a lone last step).
         head = (1 if self.split_batches else n) if n > 1 and not self._drop_last else 0
         skip = skip_steps * per_step
-        source = None
+        source, tracker = None, None
         if rank == 0:
             wrapper = self._wrapper
+            saved_head = None
             if wrapper is not None:  # map-style: skip indices; the head is kept for padding
                 wrapper.head, wrapper.skip = head, skip
                 head_only = min(head, skip)
+            elif self._resume_stream(skip_steps):  # iterable that continues from its saved position
+                saved_head = list((self._resume_now or {}).get("stream_head") or [])
+                head, head_only = 0, 0
             else:  # iterable: the skipped batches have to be read
                 head_only = skip
-            source = self._groups(super().__iter__(), head, head_only)
+            # the base-seed draw of a new torch iterator is replayed on resume, not drawn again
+            batches, seed_state = position.start_iterator(self, lambda: DataLoader.__iter__(self), self._resume_now)
+            if seed_state is not None:
+                self._seed_state = seed_state
+            stream = position.stateful_stream(self)
+            if stream is not None:
+                state, _, pending = self._stream_after or (None, None, None)
+                tracker = position.StreamTracker(stream, batches, skip if state is not None else 0, state, pending)
+                batches = iter(tracker)
+            source = self._groups(batches, head, head_only, skip_steps, saved_head)
         plan = EpochPlan(n)
         self._plan, self._plan_rank = plan, rank
         current = self._exchange(source, plan)
@@ -288,6 +302,9 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
                 mine = send_to_device(mine, self.device, non_blocking=self._non_blocking)
             self._at_boundary()
             self._at_step(step, last)
+            if tracker is not None:
+                head_kept = self._head if self._padding_possible() else None
+                self._stream_after = tracker.point((skip_steps + step + 1) * per_step, head_kept)
             yield mine
             current, step = upcoming, step + 1
 
@@ -321,15 +338,32 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
         plan.add(sizes, real, final)
         return pieces
 
+    # -- process 0: resuming an iterable dataset through its own state ------------------------------
+    def _resume_stream(self, skip_steps: int) -> bool:
+        resume = self._resume_now or {}
+        stream = position.stateful_stream(self)
+        if stream is None or resume.get("dataset_state") is None or not skip_steps:
+            return False
+        stream.load_state_dict(resume["dataset_state"])
+        self._stream_after = (resume["dataset_state"], resume.get("stream_head"),
+                              list(resume.get("stream_pending") or ()))
+        return True
+
     # -- process 0: group the real loader's batches into steps ---------------------------------------
-    def _groups(self, iterator: Iterator[Any], head_count: int, head_only: int) -> Iterator[tuple]:
-        """Yields (per-process pieces, per-process real counts, is-final) for every step."""
-        head: list = []
+    def _groups(self, iterator: Iterator[Any], head_count: int, head_only: int, emitted: int = 0,
+                saved_head: Optional[list] = None) -> Iterator[tuple]:
+        """Yields (per-process pieces, per-process real counts, is-final) for every step.
+
+        ``emitted``: steps of the epoch already handed out (a resumed pass); ``saved_head``: the
+        padding batches kept by the checkpoint of a pass resumed through the dataset's state.
+        """
+        head: list = list(saved_head) if saved_head is not None else []
+        self._head = head
         stream = self._after_head(iterator, head, head_count, head_only)
         if self.split_batches:
-            yield from self._split_groups(stream, head)
+            yield from self._split_groups(stream, head, emitted)
         else:
-            yield from self._whole_groups(stream, head)
+            yield from self._whole_groups(stream, head, emitted)
 
     @staticmethod
     def _after_head(iterator: Iterator[Any], head: list, head_count: int, head_only: int) -> Iterator[Any]:
@@ -339,10 +373,9 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             if index >= head_only:
                 yield batch
 
-    def _whole_groups(self, stream: Iterator[Any], head: list) -> Iterator[tuple]:
+    def _whole_groups(self, stream: Iterator[Any], head: list, emitted: int = 0) -> Iterator[tuple]:
         n, size = self.num_processes, self._base_batch_size
         group: list = []
-        emitted = 0
         for batch in stream:
             if len(group) == n:  # held back for its short last batch; more data came, so it is not the end
                 yield group, [count_rows(b) for b in group], False
@@ -378,10 +411,9 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             used += size
         return out
 
-    def _split_groups(self, stream: Iterator[Any], head: list) -> Iterator[tuple]:
+    def _split_groups(self, stream: Iterator[Any], head: list, emitted: int = 0) -> Iterator[tuple]:
         size = self._base_batch_size
         held = None
-        emitted = 0
         for batch in stream:
             if held is not None:
                 yield self._cut(held, head, last=False)

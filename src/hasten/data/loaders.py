@@ -9,21 +9,18 @@ the last batch is being processed, register with ``GradientState`` while they ru
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader
 
-from ..state import GradientState, PartialState
-from ..utils.operations import broadcast_object_list, send_to_device
+from ..state import GradientState
+from ..utils.operations import send_to_device
 from . import position
 from .samplers import (
     BatchSamplerShard,
     EpochPlan,
     IterableDatasetShard,
-    SeedableRandomSampler,
-    SkipBatchSampler,
     iterable_step_record,
 )
 
@@ -68,6 +65,7 @@ class PreparedLoaderMixin:
         self._resume_now: Optional[dict] = None  # ... while the resumed pass starts
         self._pass_states: dict = {}  # generator states at the start of the current pass
         self._seed_state: Optional[torch.Tensor] = None
+        self._stream_after: Optional[tuple] = None  # StreamTracker.point() of the batch handed out last
         self._in_iteration = False
         self._plan: Optional[EpochPlan] = None
         self._plan_rank = 0
@@ -92,6 +90,7 @@ class PreparedLoaderMixin:
         state = position.sampler_generator_state(self.synchronized_generator, resume)
         self._pass_states = {} if state is None else {"sampler_generator_state": state}
         self._resume_skip = 0
+        self._stream_after = None
         self._epoch, self._position, self._in_iteration = epoch, skip, True
         self._step, self._gfm_calls = None, 0
         self.reset()
@@ -159,13 +158,18 @@ class PreparedLoaderMixin:
             out.update(self._pass_states)
             if self._seed_state is not None:
                 out["seed_generator_state"] = self._seed_state
+            if self._stream_after is not None:
+                out["dataset_state"], head, out["stream_pending"] = self._stream_after
+                if head is not None:
+                    out["stream_head"] = head
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
         self.iteration = int(state_dict.get("epoch", 0))
         self._resume_skip = int(state_dict.get("batches_yielded", 0))
-        keys = ("seed_generator_state", "sampler_generator_state")
+        keys = ("seed_generator_state", "sampler_generator_state", "dataset_state", "stream_head",
+                "stream_pending")
         self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
         position.set_sampler_seed(self, state_dict.get("sampler_seed"))
 
@@ -288,6 +292,8 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
                 shard._skip_next = max(0, skip - shard.skip_batches)
                 skip_here = 0
                 self._position = max(skip, shard.skip_batches)
+            elif self._resume_stream(skip):  # the dataset continues from its saved position
+                skip_here = 0
             else:
                 skip_here = max(skip, self.skip_batches)
                 self._position = skip_here
@@ -319,6 +325,13 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         if peek is not None:
             yield from self._run_lazily(iterator, peek)
             return
+        stream = position.stateful_stream(self)
+        tracker, base = None, 0
+        if stream is not None:
+            state, _, pending = self._stream_after or (None, None, None)
+            base = self._position if state is not None else 0  # batches of the epoch handed out before
+            tracker = position.StreamTracker(stream, iterator, base, state, pending)
+            iterator = iter(tracker)
         try:
             current = next(iterator)
         except StopIteration:
@@ -337,10 +350,34 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             if step >= skip:
                 self._at_boundary()
                 self._at_step(step, last)
+                if tracker is not None:
+                    self._stream_after = tracker.point(base + step + 1, self._padding_head())
                 yield current
             if last:
                 return
             current, step = upcoming, step + 1
+
+    def _resume_stream(self, skip: int) -> bool:
+        """Resume an iterable dataset through its own ``load_state_dict`` (no batch is re-read)."""
+        resume = self._resume_now or {}
+        stream = position.stateful_stream(self)
+        if stream is None or resume.get("dataset_state") is None:
+            return False
+        state, head = resume["dataset_state"], resume.get("stream_head")
+        if isinstance(self.dataset, IterableDatasetShard):
+            self.dataset._resume = (state, head)  # loaded by the shard once its epoch seed is set
+        else:
+            stream.load_state_dict(state)
+        self._position = skip
+        self._stream_after = (state, head, list(resume.get("stream_pending") or ()))
+        return True
+
+    def _padding_head(self) -> Optional[list]:
+        """The first group of the pass, kept in checkpoints when it may pad the last group."""
+        ds = self.dataset
+        if not isinstance(ds, IterableDatasetShard) or ds.num_processes == 1 or ds.drop_last or ds.head is None:
+            return None
+        return ds.head
 
     def _run_lazily(self, iterator: Iterator[Any], peek: position.Peekable) -> Iterator[Any]:
         """``num_workers=0``: read each batch only when it is asked for; peek at indices for the end."""
@@ -398,210 +435,3 @@ def get_sampler(dataloader: DataLoader) -> Any:
         if isinstance(holder, BatchSampler) or isinstance(holder, BatchSamplerShard):
             return getattr(holder, "sampler", None)
     return getattr(dataloader.batch_sampler, "sampler", None)
-
-
-# -- prepare ----------------------------------------------------------------------------------------
-def _agreed_seed(data_seed: Optional[int], generator: Optional[torch.Generator], state: PartialState) -> int:
-    """The shuffle seed every process uses: data_seed, the user's generator, else process 0's."""
-    if data_seed is not None:
-        return int(data_seed)
-    if generator is not None:
-        return int(generator.initial_seed())
-    seed = [int(torch.initial_seed())]
-    if state.use_distributed:
-        broadcast_object_list(seed, from_process=0)
-    return seed[0]
-
-
-def _seedable(batch_sampler: Any, data_seed: Optional[int], state: PartialState) -> tuple[Any, bool]:
-    """A copy of ``batch_sampler`` whose RandomSampler is replaced by a SeedableRandomSampler."""
-    inner = getattr(batch_sampler, "sampler", None)
-    if not isinstance(inner, RandomSampler) or isinstance(inner, SeedableRandomSampler):
-        return batch_sampler, False
-    seed = _agreed_seed(data_seed, inner.generator, state)
-    sampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement, num_samples=inner._num_samples,
-                                    generator=inner.generator, data_seed=seed)
-    new = copy.copy(batch_sampler)
-    new.sampler = sampler
-    return new, True
-
-
-def _check_split(dataloader: DataLoader, num_processes: int) -> None:
-    size = dataloader.batch_size
-    if size is None:
-        size = getattr(dataloader.batch_sampler, "batch_size", None) or getattr(dataloader.sampler, "batch_size", None)
-    if size is None:
-        raise ValueError(
-            "split_batches=True needs the global batch size to split, but the DataLoader has batch_size=None and "
-            "its batch sampler has no `batch_size` attribute; give it one or use split_batches=False"
-        )
-    if size % num_processes != 0:
-        raise ValueError(
-            f"split_batches=True cuts each batch of {size} samples into {num_processes} equal parts, but {size} is "
-            f"not a multiple of {num_processes}; use a batch size that is a multiple of the number of processes "
-            "or split_batches=False"
-        )
-
-
-def prepare_data_loader(
-    dataloader: DataLoader,
-    device: Optional[torch.device] = None,
-    num_processes: Optional[int] = None,
-    process_index: Optional[int] = None,
-    split_batches: bool = False,
-    put_on_device: bool = False,
-    rng_types: Optional[list] = None,
-    dispatch_batches: Optional[bool] = None,
-    even_batches: bool = True,
-    slice_fn_for_dispatch: Optional[Callable] = None,
-    use_seedable_sampler: bool = True,
-    data_seed: Optional[int] = None,
-    non_blocking: bool = False,
-    use_stateful_dataloader: bool = False,
-) -> DataLoader:
-    """Shard ``dataloader`` across processes; returns a ``DataLoaderShard`` or ``DataLoaderDispatcher``.
-
-    Map-style datasets: batch ``i`` goes to process ``i % num_processes`` (``split_batches``: every
-    batch is cut into equal parts). ``even_batches`` completes the end with samples from the start
-    so that every process gets as many batches, all full; ``gather_for_metrics`` drops those
-    duplicates again. Iterable datasets: every process reads the stream and keeps its slice of each
-    group of ``num_processes`` batches (the last group completed from the start unless
-    ``drop_last``); with ``dispatch_batches`` (default: iterable dataset and ``put_on_device``)
-    process 0 reads the data and sends each process its part instead.
-
-    A ``RandomSampler`` is replaced by a :class:`SeedableRandomSampler` so that every process
-    shuffles identically: the seed is ``data_seed``, else the seed of the sampler's generator, else
-    process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a new order. Custom
-    samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
-    settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
-    made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have
-    ``state_dict``/``load_state_dict``.
-    """
-    if not isinstance(dataloader, DataLoader):
-        raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
-    state = PartialState()
-    num_processes = state.num_processes if num_processes is None else int(num_processes)
-    process_index = state.process_index if process_index is None else int(process_index)
-    if not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index={process_index} is not in [0, num_processes={num_processes})")
-    dataset = dataloader.dataset
-    iterable = isinstance(dataset, IterableDataset)
-    if dispatch_batches is None:
-        dispatch_batches = bool(put_on_device and iterable)
-    if dispatch_batches and not put_on_device:
-        raise ValueError("dispatch_batches=True sends batches to the device: pass put_on_device=True as well "
-                         "(or dispatch_batches=False)")
-    if split_batches:
-        _check_split(dataloader, num_processes)
-    rng_types = list(rng_types) if rng_types else []
-    settings = loader_settings(dataloader)
-    synchronized_generator = None
-
-    sampler_is_batch_sampler = not iterable and isinstance(dataloader.sampler, BatchSampler)
-    batch_sampler = None
-    if not iterable:
-        batch_sampler = dataloader.sampler if sampler_is_batch_sampler else dataloader.batch_sampler
-        if batch_sampler is None:
-            raise ValueError(
-                "prepare_data_loader cannot shard a map-style DataLoader built with batch_size=None and a plain "
-                "sampler (it yields single samples); give it a batch_size, or a batch sampler as `sampler`"
-            )
-        batch_sampler, replaced = _seedable(batch_sampler, data_seed, state)
-        if not replaced:
-            synchronized_generator = getattr(getattr(batch_sampler, "sampler", None), "generator", None)
-    else:
-        synchronized_generator = getattr(dataset, "generator", None)
-    if not isinstance(synchronized_generator, torch.Generator):
-        synchronized_generator = None
-    if synchronized_generator is None and "generator" in rng_types:
-        rng_types.remove("generator")
-
-    if dispatch_batches:
-        from .dispatch import DataLoaderDispatcher
-
-        if (num_processes, process_index) != (state.num_processes, state.process_index):
-            raise ValueError(
-                f"dispatch_batches=True sends data between the real processes ({state.num_processes}); "
-                f"num_processes={num_processes}/process_index={process_index} do not match them"
-            )
-        kwargs: dict[str, Any] = dict(settings)
-        if iterable:
-            kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
-        elif sampler_is_batch_sampler:
-            kwargs.update(sampler=batch_sampler, batch_size=None)
-        else:
-            kwargs.update(batch_sampler=batch_sampler)
-        return DataLoaderDispatcher(
-            dataset, split_batches=split_batches, even_batches=even_batches, _drop_last=dataloader.drop_last,
-            _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch,
-            device=device if device is not None else state.device,
-            use_stateful_dataloader=use_stateful_dataloader, rng_types=rng_types,
-            synchronized_generator=synchronized_generator, **kwargs)
-
-    kwargs = dict(settings)
-    if iterable:
-        size = dataloader.batch_size
-        if num_processes > 1:
-            dataset = IterableDatasetShard(dataset, batch_size=size, drop_last=dataloader.drop_last,
-                                           num_processes=num_processes, process_index=process_index,
-                                           split_batches=split_batches)
-            dataset._tagged = True
-        if split_batches and size is not None:
-            size //= num_processes
-        kwargs.update(batch_size=size, drop_last=dataloader.drop_last)
-    else:
-        shard = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
-                                  split_batches=split_batches, even_batches=even_batches)
-        if sampler_is_batch_sampler:
-            kwargs.update(sampler=shard, batch_size=None)
-        else:
-            kwargs.update(batch_sampler=shard)
-    return DataLoaderShard(
-        dataset, device=device if put_on_device else None, rng_types=rng_types,
-        synchronized_generator=synchronized_generator, use_stateful_dataloader=use_stateful_dataloader,
-        _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
-
-
-def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A loader like ``dataloader`` whose passes start after its first ``num_batches`` batches.
-
-    Map-style loaders skip at the batch-sampler level (indices only: no sample is read); iterable
-    ones have to read and drop the skipped batches. A prepared loader gives a prepared loader of
-    the same kind, with the same epoch.
-    """
-    if num_batches < 0:
-        raise ValueError(f"num_batches={num_batches} must be >= 0")
-    from .dispatch import DataLoaderDispatcher
-
-    if isinstance(dataloader, DataLoaderDispatcher):
-        return dataloader._with_skip(num_batches)
-    settings = loader_settings(dataloader)
-    if isinstance(dataloader, DataLoaderShard):
-        kwargs: dict[str, Any] = dict(settings)
-        shard = dataloader._shard
-        common = dict(device=dataloader.device, rng_types=dataloader.rng_types,
-                      synchronized_generator=dataloader.synchronized_generator,
-                      use_stateful_dataloader=dataloader.use_stateful_dataloader, _drop_last=dataloader._drop_last,
-                      _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
-        if shard is not None:
-            new_shard = copy.copy(shard)
-            new_shard.skip_batches = shard.skip_batches + num_batches
-            new_shard._skip_next, new_shard.current_plan = 0, None
-            if dataloader.batch_sampler is shard:
-                kwargs.update(batch_sampler=new_shard)
-            else:
-                kwargs.update(sampler=new_shard, batch_size=None)
-            return DataLoaderShard(dataloader.dataset, **common, **kwargs)
-        kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
-        if isinstance(kwargs.get("collate_fn"), _TaggedCollate):
-            kwargs["collate_fn"] = kwargs["collate_fn"].collate_fn
-        return DataLoaderShard(dataloader.dataset, skip_batches=dataloader.skip_batches + num_batches,
-                               **common, **kwargs)
-    if isinstance(dataloader.dataset, IterableDataset):
-        return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
-                              drop_last=dataloader.drop_last, **settings)
-    if isinstance(dataloader.sampler, BatchSampler):
-        return DataLoader(dataloader.dataset, sampler=SkipBatchSampler(dataloader.sampler, num_batches),
-                          batch_size=None, **settings)
-    return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
-                      **settings)

@@ -162,3 +162,105 @@ def seek_batches(batch_sampler: Any, first: int, head_count: int) -> Optional[tu
             yield batch
 
     return head, rest()
+
+
+# -- iterable datasets that can say where they are ------------------------------------------------
+def stateful_stream(loader: Any) -> Optional[Any]:
+    """The user's iterable dataset behind ``loader`` when it resumes through its own
+    ``state_dict``/``load_state_dict`` (e.g. HF ``datasets.IterableDataset``), else None.
+
+    Only with ``num_workers=0``: with workers the dataset objects that advance live in the worker
+    processes, so this process cannot ask them where they are (those loaders resume by skipping).
+    Protocol: ``state_dict()`` taken between two samples describes the position after the last
+    sample read; after ``load_state_dict(state)`` the next ``iter()`` continues from there.
+    """
+    from torch.utils.data import IterableDataset
+
+    from .samplers import IterableDatasetShard
+
+    dataset = getattr(loader, "dataset", None)
+    if getattr(loader, "num_workers", 0) or not isinstance(dataset, IterableDataset):
+        return None
+    if isinstance(dataset, IterableDatasetShard):
+        dataset = dataset.dataset
+    if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
+        return dataset
+    return None
+
+
+def stream_snapshot(stream: Any) -> Any:
+    """A copy of ``stream.state_dict()`` that later reads cannot change."""
+    import copy
+
+    return copy.deepcopy(stream.state_dict())
+
+
+class StreamTracker:
+    """Follows a stateful iterable dataset through a pass that reads ahead of the training loop.
+
+    Prepared loaders read one batch (the dispatcher: one step and a batch) before handing out the
+    current one. A checkpoint therefore stores the dataset's state after the *last read* batch plus
+    the batches read but not yet handed out ("pending"); the resumed pass hands those out first.
+    That keeps resumes bitwise exact even when reading a sample draws random numbers, since the
+    saved random states already include the draws of the read-ahead.
+
+    Batches are numbered from the start of the epoch; ``first_index``/``state``/``pending`` describe
+    where a resumed pass starts.
+    """
+
+    def __init__(self, stream: Any, iterator: Iterator[Any], first_index: int = 0, state: Any = None,
+                 pending: Optional[list] = None) -> None:
+        self.stream, self.state = stream, state
+        self._iterator = iterator
+        self._replay = list(pending or ())
+        self._read = list(enumerate(self._replay, start=first_index))  # (number, batch) not handed out
+        self._next = first_index + len(self._replay)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self._replay
+        for batch in self._iterator:
+            self.state = stream_snapshot(self.stream)
+            self._read.append((self._next, batch))
+            self._next += 1
+            yield batch
+
+    def point(self, handed_out: int, head: Optional[list]) -> Optional[tuple]:
+        """``(dataset state, padding head, pending batches)`` once batches ``[0, handed_out)`` are
+        handed out; None when the pending batches cannot be stored without pickle."""
+        self._read = [(i, b) for i, b in self._read if i >= handed_out]
+        pending = [b for _, b in self._read]
+        if self.state is None:
+            return None
+        if not storable(pending):
+            from ..state import warn_once
+
+            warn_once("the batches of this iterable dataset cannot be stored in a checkpoint without pickle, so a "
+                      "mid-epoch resume re-reads the epoch up to the saved position instead of restoring the "
+                      "dataset's own state")
+            return None
+        return (self.state, padding_head(head), pending)
+
+
+def storable(value: Any) -> bool:
+    """True when ``value`` is made of tensors, numbers, strings, None, lists, tuples and dicts with
+    string keys: what a checkpoint stores without pickle (used for the padding samples it keeps)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(storable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and storable(v) for k, v in value.items())
+    return False
+
+
+def padding_head(head: Optional[list]) -> Optional[list]:
+    """``head`` (the first samples or batches of a pass, which pad an incomplete last step) if a
+    checkpoint can keep it; else None, with a warning that a resumed run pads differently."""
+    if head is None or storable(head):
+        return head
+    from ..state import warn_once
+
+    warn_once("the first samples of this iterable dataset cannot be stored in a checkpoint without pickle, so a "
+              "run resumed mid-epoch pads its last incomplete step with other samples than the uninterrupted run "
+              "would; use drop_last=True (or even_batches=False) for bitwise resumes")
+    return None

@@ -397,6 +397,8 @@ class IterableDatasetShard(IterableDataset):
         self.split_batches = split_batches
         self.epoch = 0
         self._tagged = False  # set by prepare_data_loader: yield (sample, real count of its group)
+        self.head: Optional[list] = None  # the pass's first group: it pads an incomplete last group
+        self._resume: Optional[tuple] = None  # (dataset state, head) for a pass that continues a saved one
 
     @property
     def _sizes(self) -> tuple[int, int]:
@@ -427,13 +429,18 @@ class IterableDatasetShard(IterableDataset):
         group, part = self._sizes
         lo, hi = self.process_index * part, (self.process_index + 1) * part
         first: Optional[list] = None
+        resume, self._resume = self._resume, None
+        if resume is not None:  # after the reseed above: the restored position must win
+            state, first = resume
+            self.dataset.load_state_dict(state)
+        self.head = first
         current: list = []
         for item in self.dataset:
             current.append(item)
             if len(current) == group:
-                yield from self._emit(current[lo:hi], group)
                 if first is None:
-                    first = current
+                    first = self.head = current
+                yield from self._emit(current[lo:hi], group)
                 current = []
         if current and not self.drop_last:
             count = len(current)

@@ -1,0 +1,221 @@
+"""``prepare_data_loader`` (shard a user's DataLoader) and ``skip_first_batches``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+
+from ..state import PartialState
+from ..utils.operations import broadcast_object_list
+from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
+from .samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
+
+
+# -- prepare ----------------------------------------------------------------------------------------
+def _agreed_seed(data_seed: Optional[int], generator: Optional[torch.Generator], state: PartialState) -> int:
+    """The shuffle seed every process uses: data_seed, the user's generator, else process 0's."""
+    if data_seed is not None:
+        return int(data_seed)
+    if generator is not None:
+        return int(generator.initial_seed())
+    seed = [int(torch.initial_seed())]
+    if state.use_distributed:
+        broadcast_object_list(seed, from_process=0)
+    return seed[0]
+
+
+def _seedable(batch_sampler: Any, data_seed: Optional[int], state: PartialState) -> tuple[Any, bool]:
+    """A copy of ``batch_sampler`` whose RandomSampler is replaced by a SeedableRandomSampler."""
+    inner = getattr(batch_sampler, "sampler", None)
+    if not isinstance(inner, RandomSampler) or isinstance(inner, SeedableRandomSampler):
+        return batch_sampler, False
+    seed = _agreed_seed(data_seed, inner.generator, state)
+    sampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement, num_samples=inner._num_samples,
+                                    generator=inner.generator, data_seed=seed)
+    new = copy.copy(batch_sampler)
+    new.sampler = sampler
+    return new, True
+
+
+def _check_split(dataloader: DataLoader, num_processes: int) -> None:
+    size = dataloader.batch_size
+    if size is None:
+        size = getattr(dataloader.batch_sampler, "batch_size", None) or getattr(dataloader.sampler, "batch_size", None)
+    if size is None:
+        raise ValueError(
+            "split_batches=True needs the global batch size to split, but the DataLoader has batch_size=None and "
+            "its batch sampler has no `batch_size` attribute; give it one or use split_batches=False"
+        )
+    if size % num_processes != 0:
+        raise ValueError(
+            f"split_batches=True cuts each batch of {size} samples into {num_processes} equal parts, but {size} is "
+            f"not a multiple of {num_processes}; use a batch size that is a multiple of the number of processes "
+            "or split_batches=False"
+        )
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: Optional[torch.device] = None,
+    num_processes: Optional[int] = None,
+    process_index: Optional[int] = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: Optional[list] = None,
+    dispatch_batches: Optional[bool] = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Optional[Callable] = None,
+    use_seedable_sampler: bool = True,
+    data_seed: Optional[int] = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+) -> DataLoader:
+    """Shard ``dataloader`` across processes; returns a ``DataLoaderShard`` or ``DataLoaderDispatcher``.
+
+    Map-style datasets: batch ``i`` goes to process ``i % num_processes`` (``split_batches``: every
+    batch is cut into equal parts). ``even_batches`` completes the end with samples from the start
+    so that every process gets as many batches, all full; ``gather_for_metrics`` drops those
+    duplicates again. Iterable datasets: every process reads the stream and keeps its slice of each
+    group of ``num_processes`` batches (the last group completed from the start unless
+    ``drop_last``); with ``dispatch_batches`` (default: iterable dataset and ``put_on_device``)
+    process 0 reads the data and sends each process its part instead.
+
+    A ``RandomSampler`` is replaced by a :class:`SeedableRandomSampler` so that every process
+    shuffles identically: the seed is ``data_seed``, else the seed of the sampler's generator, else
+    process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a new order. Custom
+    samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
+    settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
+    made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have
+    ``state_dict``/``load_state_dict``.
+    """
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else int(num_processes)
+    process_index = state.process_index if process_index is None else int(process_index)
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index={process_index} is not in [0, num_processes={num_processes})")
+    dataset = dataloader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = bool(put_on_device and iterable)
+    if dispatch_batches and not put_on_device:
+        raise ValueError("dispatch_batches=True sends batches to the device: pass put_on_device=True as well "
+                         "(or dispatch_batches=False)")
+    if split_batches:
+        _check_split(dataloader, num_processes)
+    rng_types = list(rng_types) if rng_types else []
+    settings = loader_settings(dataloader)
+    synchronized_generator = None
+
+    sampler_is_batch_sampler = not iterable and isinstance(dataloader.sampler, BatchSampler)
+    batch_sampler = None
+    if not iterable:
+        batch_sampler = dataloader.sampler if sampler_is_batch_sampler else dataloader.batch_sampler
+        if batch_sampler is None:
+            raise ValueError(
+                "prepare_data_loader cannot shard a map-style DataLoader built with batch_size=None and a plain "
+                "sampler (it yields single samples); give it a batch_size, or a batch sampler as `sampler`"
+            )
+        batch_sampler, replaced = _seedable(batch_sampler, data_seed, state)
+        if not replaced:
+            synchronized_generator = getattr(getattr(batch_sampler, "sampler", None), "generator", None)
+    else:
+        synchronized_generator = getattr(dataset, "generator", None)
+    if not isinstance(synchronized_generator, torch.Generator):
+        synchronized_generator = None
+    if synchronized_generator is None and "generator" in rng_types:
+        rng_types.remove("generator")
+
+    if dispatch_batches:
+        from .dispatch import DataLoaderDispatcher
+
+        if (num_processes, process_index) != (state.num_processes, state.process_index):
+            raise ValueError(
+                f"dispatch_batches=True sends data between the real processes ({state.num_processes}); "
+                f"num_processes={num_processes}/process_index={process_index} do not match them"
+            )
+        kwargs: dict[str, Any] = dict(settings)
+        if iterable:
+            kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        elif sampler_is_batch_sampler:
+            kwargs.update(sampler=batch_sampler, batch_size=None)
+        else:
+            kwargs.update(batch_sampler=batch_sampler)
+        return DataLoaderDispatcher(
+            dataset, split_batches=split_batches, even_batches=even_batches, _drop_last=dataloader.drop_last,
+            _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch,
+            device=device if device is not None else state.device,
+            use_stateful_dataloader=use_stateful_dataloader, rng_types=rng_types,
+            synchronized_generator=synchronized_generator, **kwargs)
+
+    kwargs = dict(settings)
+    if iterable:
+        size = dataloader.batch_size
+        if num_processes > 1:
+            dataset = IterableDatasetShard(dataset, batch_size=size, drop_last=dataloader.drop_last,
+                                           num_processes=num_processes, process_index=process_index,
+                                           split_batches=split_batches)
+            dataset._tagged = True
+        if split_batches and size is not None:
+            size //= num_processes
+        kwargs.update(batch_size=size, drop_last=dataloader.drop_last)
+    else:
+        shard = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
+                                  split_batches=split_batches, even_batches=even_batches)
+        if sampler_is_batch_sampler:
+            kwargs.update(sampler=shard, batch_size=None)
+        else:
+            kwargs.update(batch_sampler=shard)
+    return DataLoaderShard(
+        dataset, device=device if put_on_device else None, rng_types=rng_types,
+        synchronized_generator=synchronized_generator, use_stateful_dataloader=use_stateful_dataloader,
+        _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader like ``dataloader`` whose passes start after its first ``num_batches`` batches.
+
+    Map-style loaders skip at the batch-sampler level (indices only: no sample is read); iterable
+    ones have to read and drop the skipped batches. A prepared loader gives a prepared loader of
+    the same kind, with the same epoch.
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches={num_batches} must be >= 0")
+    from .dispatch import DataLoaderDispatcher
+
+    if isinstance(dataloader, DataLoaderDispatcher):
+        return dataloader._with_skip(num_batches)
+    settings = loader_settings(dataloader)
+    if isinstance(dataloader, DataLoaderShard):
+        kwargs: dict[str, Any] = dict(settings)
+        shard = dataloader._shard
+        common = dict(device=dataloader.device, rng_types=dataloader.rng_types,
+                      synchronized_generator=dataloader.synchronized_generator,
+                      use_stateful_dataloader=dataloader.use_stateful_dataloader, _drop_last=dataloader._drop_last,
+                      _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+        if shard is not None:
+            new_shard = copy.copy(shard)
+            new_shard.skip_batches = shard.skip_batches + num_batches
+            new_shard._skip_next, new_shard.current_plan = 0, None
+            if dataloader.batch_sampler is shard:
+                kwargs.update(batch_sampler=new_shard)
+            else:
+                kwargs.update(sampler=new_shard, batch_size=None)
+            return DataLoaderShard(dataloader.dataset, **common, **kwargs)
+        kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        if isinstance(kwargs.get("collate_fn"), _TaggedCollate):
+            kwargs["collate_fn"] = kwargs["collate_fn"].collate_fn
+        return DataLoaderShard(dataloader.dataset, skip_batches=dataloader.skip_batches + num_batches,
+                               **common, **kwargs)
+    if isinstance(dataloader.dataset, IterableDataset):
+        return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
+                              drop_last=dataloader.drop_last, **settings)
+    if isinstance(dataloader.sampler, BatchSampler):
+        return DataLoader(dataloader.dataset, sampler=SkipBatchSampler(dataloader.sampler, num_batches),
+                          batch_size=None, **settings)
+    return DataLoader(dataloader.dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
+                      **settings)
