@@ -82,7 +82,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             self._step_was_skipped = False
             return
-        if self.precision is None:
+        if self.precision is None or self.precision.scaler is None:
             self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             self._step_was_skipped = False
         else:

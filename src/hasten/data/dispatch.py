@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..state import PartialState
-from ..utils.operations import broadcast, broadcast_object_list, honor_type, send_to_device
+from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin
 from .samplers import EpochPlan, count_steps
@@ -290,6 +290,7 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             source = self._groups(batches, head, head_only, skip_steps, saved_head)
         plan = EpochPlan(n)
         self._plan, self._plan_rank = plan, rank
+        move = self._mover()
         current = self._exchange(source, plan)
         step = 0
         while current is not None:
@@ -298,8 +299,8 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             if mine is None:  # only happens at the last step, with uneven batches
                 return
             last = upcoming is None or upcoming[rank] is None
-            if self.device is not None:
-                mine = send_to_device(mine, self.device, non_blocking=self._non_blocking)
+            if move is not None:
+                mine = move(mine)
             self._at_boundary()
             self._at_step(step, last)
             if tracker is not None:

@@ -42,6 +42,33 @@ def _sync_rng(rng_types: Optional[list], generator: Optional[torch.Generator]) -
         synchronize_rng_states(rng_types, generator)
 
 
+def _on_cpu(data: Any) -> bool:
+    """True when every tensor in ``data`` is already on the CPU (unknown objects count as not)."""
+    if isinstance(data, torch.Tensor):
+        return data.is_cpu
+    if isinstance(data, (list, tuple, dict)):
+        for value in data.values() if isinstance(data, dict) else data:
+            if not _on_cpu(value):
+                return False
+        return True
+    return data is None or isinstance(data, (str, int, float, bool))
+
+
+def _accelerator_present() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return bool(torch.cuda.is_available() or (mps is not None and mps.is_available())
+                or (xpu is not None and xpu.is_available()))
+
+
+def place(batch: Any, device: Optional[torch.device], non_blocking: bool) -> Any:
+    """``send_to_device``, skipped when it would change nothing (a CPU batch for a CPU run): moving
+    is per-step overhead that matters for small models."""
+    if device is None or (getattr(device, "type", None) == "cpu" and _on_cpu(batch)):
+        return batch
+    return send_to_device(batch, device, non_blocking=non_blocking)
+
+
 class PreparedLoaderMixin:
     """Epoch, resume and ``gather_for_metrics`` bookkeeping shared by the prepared loaders.
 
@@ -112,17 +139,32 @@ class PreparedLoaderMixin:
 
     def _at_boundary(self) -> None:
         """A step boundary: the last batch is done, the next one not handed out (preemption saves here)."""
-        for callback in list(self.__dict__.get("_boundary_callbacks", ())):
-            callback(self)
+        callbacks = self.__dict__.get("_boundary_callbacks")
+        if callbacks:
+            for callback in list(callbacks):
+                callback(self)
 
     def _at_step(self, step: int, last: bool) -> None:
         """Bookkeeping just before a batch is handed to the user."""
+        plan = self._plan
+        if plan is not None and plan.records:
+            plan.forget_before(step)
+        # Straight into __dict__: DataLoader.__setattr__ is a Python-level check run on every
+        # assignment, which adds up to microseconds per step for small models.
+        attrs = self.__dict__
         if last:
-            self.end_of_dataloader = True
-        if self._plan is not None:
-            self._plan.forget_before(step)
-        self._step, self._gfm_calls = step, 0
-        self._position += 1
+            attrs["end_of_dataloader"] = True
+        attrs["_step"], attrs["_gfm_calls"] = step, 0
+        attrs["_position"] += 1
+
+    def _mover(self) -> Optional[Callable[[Any], Any]]:
+        """How batches reach ``self.device`` this pass; None when they are there already (a CPU run
+        on a machine without accelerators: every tensor is a CPU tensor)."""
+        device = self.device
+        if device is None or (getattr(device, "type", None) == "cpu" and not _accelerator_present()):
+            return None
+        non_blocking = self._non_blocking
+        return lambda batch: place(batch, device, non_blocking)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch`` (shuffle order, dataset epoch) from the next pass on."""
@@ -325,7 +367,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         if peek is not None:
             yield from self._run_lazily(iterator, peek)
             return
-        stream = position.stateful_stream(self)
+        stream, move = position.stateful_stream(self), self._mover()
         tracker, base = None, 0
         if stream is not None:
             state, _, pending = self._stream_after or (None, None, None)
@@ -340,8 +382,8 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         step = 0
         while True:
             current = self._unwrap(current)
-            if self.device is not None and step >= skip:
-                current = send_to_device(current, self.device, non_blocking=self._non_blocking)
+            if step >= skip and move is not None:
+                current = move(current)
             try:
                 upcoming, last = next(iterator), False
             except StopIteration:
@@ -381,7 +423,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
 
     def _run_lazily(self, iterator: Iterator[Any], peek: position.Peekable) -> Iterator[Any]:
         """``num_workers=0``: read each batch only when it is asked for; peek at indices for the end."""
-        step = 0
+        step, move = 0, self._mover()
         while True:
             self._at_boundary()
             try:
@@ -389,8 +431,8 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             except StopIteration:
                 return
             last = not peek.has_next()
-            if self.device is not None:
-                current = send_to_device(current, self.device, non_blocking=self._non_blocking)
+            if move is not None:
+                current = move(current)
             self._at_step(step, last)
             yield current
             if last:

@@ -245,6 +245,10 @@ class BatchSamplerShard(BatchSampler):
         from .position import seek_batches
 
         n = self.num_processes
+        if n == 1 and not skip:  # one process: nothing to share out or pad (and no plan is consulted)
+            yield from self.batch_sampler
+            plan.finish()
+            return
         # Resuming: start at the skipped position directly when the order can be computed at once.
         fast = seek_batches(self.batch_sampler, skip * (1 if self.split_batches else n),
                             1 if self.split_batches else n) if skip else None
