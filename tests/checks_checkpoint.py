@@ -69,7 +69,7 @@ def check_every_process_refuses_a_corrupt_file_of_another():
         acc.unwrap_model(model).weight.add_(1.0)
     before = _weights(acc, model)
     try:
-        acc.load_state(folder)
+        acc.load_state(folder, verify="checksum")
     except CheckpointCorruptError as e:
         error = str(e)
     else:

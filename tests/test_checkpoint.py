@@ -292,6 +292,11 @@ def test_corrupted_file_is_detected_before_anything_changes(fresh, tmp_path):
     with open(path, "wb") as f:
         f.write(data)
     with pytest.raises(CheckpointCorruptError, match="optimizer.safetensors' is corrupted"):
+        acc.load_state(folder, verify="checksum")
+    assert same(snapshot(model, opt), before)
+    with open(path, "ab") as f:  # a file of the wrong size is refused by the default check too
+        f.write(b"\0")
+    with pytest.raises(layout.IncompleteCheckpointError, match="wrong size: optimizer.safetensors"):
         acc.load_state(folder)
     assert same(snapshot(model, opt), before)
 

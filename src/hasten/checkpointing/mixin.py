@@ -317,20 +317,21 @@ class CheckpointMixin:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
-                   verify: str = "checksum", **load_model_func_kwargs: Any) -> str:
+                   verify: str = "size", **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 
         Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
         ``project_dir/checkpoints`` is used, and the numbering of later saves continues after it.
-        Every file is checked against the manifest (``verify="checksum"``: size and checksum;
-        ``"size"``: size only, for speed when the files are known good) and every saved object
-        against the live one (count, class, tensor names and shapes) on every process before
-        anything changes. Pickled registered objects load only with
-        ``load_kwargs={"weights_only": False}``.
+        Before anything changes, on every process: the manifest (format version, file list), every
+        file's size, and every saved object against the live one (count, class, tensor names and
+        shapes). ``verify="checksum"`` also recomputes each file's checksum, which detects damage
+        that keeps the size (bit rot, a bad copy) at the cost of one more pass over the data; the
+        default relies on the commit protocol (every file is fsynced before the manifest exists).
+        Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
         """
         from .loading import load_checkpoint
 
         if verify not in ("checksum", "size"):
-            raise ValueError(f"load_state(verify={verify!r}): use 'checksum' (default) or 'size'")
+            raise ValueError(f"load_state(verify={verify!r}): use 'size' (the default) or 'checksum'")
         load_model_func_kwargs["_verify_checksums"] = verify == "checksum"
         return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)

@@ -249,9 +249,10 @@ class BatchSamplerShard(BatchSampler):
             yield from self.batch_sampler
             plan.finish()
             return
-        # Resuming: start at the skipped position directly when the order can be computed at once.
+        # When the order can be computed at once (one permutation), batches are cut from it: resuming
+        # starts at the skipped position directly, and no Python generator runs per index.
         fast = seek_batches(self.batch_sampler, skip * (1 if self.split_batches else n),
-                            1 if self.split_batches else n) if skip else None
+                            1 if self.split_batches else n)
         start = skip if fast is not None else 0
         source, head = fast[1] if fast else None, fast[0] if fast else None
         steps = (self._split_steps(skip, source, head) if self.split_batches
