@@ -74,7 +74,7 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 @contextmanager
@@ -110,7 +110,7 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     # Makes the rename itself durable; not possible on Windows, and some filesystems refuse it.
     if os.name == "nt":
         return
@@ -404,7 +404,7 @@ def _remove_stale(directory: str, keep: set[str]) -> None:
             except FileNotFoundError:
                 pass
     if removed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 # -- loading --------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import Any, Optional
 
+from ..saving import atomic_write, fsync_dir
+
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
 FORMAT_VERSION = 1
@@ -135,8 +137,6 @@ def newest_complete(root: str) -> Optional[tuple[int, str]]:
 
 def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` into ``folder`` (temp file, fsync, rename, fsync folder)."""
-    from ..saving import atomic_write
-
     with atomic_write(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")
@@ -144,21 +144,6 @@ def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
 
 
 # -- commit and removal ------------------------------------------------------------------------------
-def fsync_dir(directory: str) -> None:
-    if os.name == "nt":
-        return
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 _RENAME_EXCHANGE = 2
 
 
