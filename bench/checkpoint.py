@@ -6,17 +6,21 @@
 Throughput: one process trains a ~200 MB model (fp32 Linear layers) one step with Adam, so the
 optimizer holds two more copies (~600 MB in all). Each round runs the saves, then the loads, each
 group in rotating order:
-  * safetensors save: ``save_file`` of the model's state dict and of the optimizer's tensors into
-    fresh files (the previous ones are deleted outside the timing; no fsync, no manifest: what a
-    hand-written checkpoint does), and the same followed by an fsync of both files (the durability
-    that hasten's save gives);
+  * safetensors save: ``save_file`` of the model's state dict and of the optimizer's tensors (no
+    fsync, no manifest: what a hand-written checkpoint does), and the same followed by an fsync of
+    both files (the durability that hasten's save gives);
   * hasten save: ``accelerator.save_state`` (fsync of every file, checksums, manifest, atomic rename);
+  * hasten save, blocking=False: ``save_state(blocking=False)`` timed until it returns (the state is
+    copied into host buffers kept from the previous save, the loop may go on) and until the
+    background thread has committed the checkpoint (``wait_for_checkpoint``);
   * safetensors load: ``load_file`` of both files and copying every tensor into the live model and
     optimizer (``load_file`` alone only maps the file; the copy is the actual reading);
   * hasten load: ``accelerator.load_state`` (verifies the manifest and file sizes first, then
     restores the same tensors plus the small states), and with ``verify="checksum"`` (one more
     pass over the data to recompute every file's checksum);
-and the two default loads again after evicting the files from the page cache (``posix_fadvise``),
+Every save writes fresh files (the previous copy is deleted outside the timing, as when automatic
+naming starts a new folder and retention deletes old ones in the background). The two default
+loads run again after evicting the files from the page cache (``posix_fadvise``),
 i.e. reading from the disk as a resumed job on another node would. Before each timed operation the
 disk is quiesced (``os.sync()``, deletions of replaced checkpoints finished), so one operation's
 writeback does not slow the next one down. Medians over rounds are reported
@@ -82,7 +86,7 @@ def throughput(rounds: int, mb: int, base: str) -> dict:
                    if torch.is_tensor(v) and v.dim() > 0}
     total = model_bytes + sum(v.numel() * v.element_size() for v in opt_tensors.values())
     live_model = dict(model.state_dict())
-    plain, ours = os.path.join(base, "plain"), os.path.join(base, "ours")
+    plain, ours, ours_bg = (os.path.join(base, name) for name in ("plain", "ours", "ours_bg"))
     os.makedirs(plain, exist_ok=True)
 
     def plain_save():
@@ -110,14 +114,26 @@ def throughput(rounds: int, mb: int, base: str) -> dict:
     def ours_save():
         acc.save_state(ours)
 
+    committed: list = []
+
+    def ours_save_background():
+        start = time.perf_counter()
+        acc.save_state(ours_bg, blocking=False)
+        returned = time.perf_counter()
+        acc.wait_for_checkpoint()
+        committed.append(time.perf_counter() - start)
+        return returned - start
+
     def ours_load():
         acc.load_state(ours)
 
     def ours_load_checksums():
         acc.load_state(ours, verify="checksum")
 
-    plain_save(), ours_save()  # warm-up (first write of the files)
+    plain_save(), ours_save(), ours_save_background()  # warm-up (first write of the files)
+    committed.clear()
     runs = {"safetensors save": plain_save, "safetensors save + fsync": plain_save_fsync, "hasten save": ours_save,
+            "hasten save, blocking=False": ours_save_background,
             "safetensors load": plain_load,
             "hasten load": ours_load, "hasten load, verify=checksum": ours_load_checksums}
     cold = (("safetensors load (cold)", plain_load, plain), ("hasten load (cold)", ours_load, ours))
@@ -127,19 +143,25 @@ def throughput(rounds: int, mb: int, base: str) -> dict:
     for r in range(rounds):  # each group rotates, so every operation runs first, second... equally often
         for group in (saves, loads):
             for name in group[r % len(group):] + group[:r % len(group)]:
-                if name.startswith("safetensors save"):  # the most favourable baseline: fresh files
+                # Every save writes fresh files: the previous ones are deleted first, outside the timing
+                # (overwriting costs the filesystem's freeing of the old blocks, on this VM's disk
+                # mounted with "discard" ~0.3 s for 600 MB, and would blur the comparison).
+                if name.startswith("safetensors save"):
                     for old in os.listdir(plain):
                         os.remove(os.path.join(plain, old))
+                elif name.startswith("hasten save"):
+                    shutil.rmtree(ours_bg if "blocking=False" in name else ours, ignore_errors=True)
                 _quiesce()
                 start = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - start)
+                returned = runs[name]()  # the background save times itself: until it returns
+                times[name].append(returned if returned is not None else time.perf_counter() - start)
         for name, fn, folder in cold:
             _quiesce()
             _evict(folder)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    times["hasten save, blocking=False, until committed"] = committed
     out = {"bytes": total, "rounds": rounds, "median_s": {k: statistics.median(v) for k, v in times.items()},
            "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()}}
     med = out["median_s"]
@@ -147,6 +169,8 @@ def throughput(rounds: int, mb: int, base: str) -> dict:
     out["ratio"] = {
         "save": med["safetensors save"] / med["hasten save"],
         "save vs save + fsync": med["safetensors save + fsync"] / med["hasten save"],
+        "save, blocking=False": med["safetensors save"] / med["hasten save, blocking=False"],
+        "save, blocking=False, until committed": med["safetensors save"] / med["hasten save, blocking=False, until committed"],
         "load": med["safetensors load"] / med["hasten load"],
         "load, verify=checksum": med["safetensors load"] / med["hasten load, verify=checksum"],
         "load (cold)": med["safetensors load (cold)"] / med["hasten load (cold)"],
@@ -183,7 +207,7 @@ def seek(samples: int = 1_000_000, batch: int = 32) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=6, help="a multiple of 3 balances the rotation")
+    parser.add_argument("--rounds", type=int, default=6, help="each group of operations rotates its order every round")
     parser.add_argument("--mb", type=int, default=200, help="model size in MB (Adam adds twice as much)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--settle", type=float, default=1.0,

@@ -27,6 +27,9 @@ SCENARIOS = {
     "stream_dispatch": dict(accum=1, workers=0, augment=True, save_at={1: 5, 2: 3}, stream=True, dispatch=True),
     # ... or every process reads the stream and keeps its slice
     "stream_shards": dict(accum=2, workers=0, augment=True, save_at={1: 5, 2: 3}, stream=True, dispatch=False),
+    # save_state(blocking=False) inside an accumulation window: training changes the state while the
+    # files are written (and, on 2 processes, all-reduces while the save exchanges its file lists)
+    "background": dict(accum=3, workers=0, augment=True, save_at={1: 7, 2: 4}, blocking=False),
 }
 STREAM: list = []  # the Stream of the running scenario
 
@@ -124,7 +127,7 @@ def build(name: str, ws: int):
     return acc, model, opt, dl, sched, progress
 
 
-def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS):
+def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS, blocking=True):
     losses, seen = {}, {}
     for epoch in range(dl.iteration, stop_epoch):
         for x, y, idx in dl:
@@ -138,7 +141,7 @@ def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS)
             losses[progress.steps] = loss.item()
             seen[progress.steps] = (epoch, idx.tolist())
             if progress.steps == save_at:
-                acc.save_state()
+                acc.save_state(blocking=blocking)
     weights = {k: v.tolist() for k, v in acc.unwrap_model(model).state_dict().items()}
     return {"losses": losses, "seen": seen, "weights": weights}
 
@@ -148,7 +151,8 @@ def scenario(name: str):
     parts = build(name, ws)
     acc = parts[0]
     if os.environ["CKPT_PHASE"] == "save":
-        out = train(*parts, save_at=SCENARIOS[name]["save_at"][ws])
+        out = train(*parts, save_at=SCENARIOS[name]["save_at"][ws], blocking=SCENARIOS[name].get("blocking", True))
+        acc.wait_for_checkpoint()
         out["checkpoints"] = sorted(os.listdir(os.path.join(project(name, ws), "checkpoints")))
         return out
     folder = acc.load_state()
@@ -182,6 +186,10 @@ def check_stream_dispatch():
 
 def check_stream_shards():
     return scenario("stream_shards")
+
+
+def check_background():
+    return scenario("background")
 
 
 def check_saving_does_not_change_training():

@@ -255,6 +255,50 @@ def test_a_failing_save_commits_nothing(fresh, tmp_path):
     assert os.path.basename(acc.save_state()) == "checkpoint_0"
 
 
+def test_background_save_keeps_the_state_of_the_call_and_commits_behind_the_loop(fresh, tmp_path):
+    acc, model, opt, sched = setup(tmp_path, total_limit=2)
+    train_step(model, opt, sched)
+    before = snapshot(model, opt)
+    target = acc.save_state(blocking=False)
+    for _ in range(3):  # training goes on while the files are written
+        train_step(model, opt, sched)
+    after = snapshot(model, opt)
+    acc.wait_for_checkpoint()
+    assert layout.is_complete(target) and os.path.basename(target) == "checkpoint_0"
+    acc.load_state(target)
+    assert same(snapshot(model, opt), before) and not same(before, after)
+    # back to back: each save waits for the one before; retention applies after each commit
+    for _ in range(3):
+        train_step(model, opt, sched)
+        last = acc.save_state(blocking=False)
+    acc.end_training()  # waits for the last one
+    assert [n for n, _ in layout.numbered(str(tmp_path / "checkpoints"))] == [2, 3]
+    assert layout.newest_complete(str(tmp_path / "checkpoints"))[1] == last
+    acc.load_state()  # the newest, complete
+    assert acc.project_configuration.iteration == 4
+
+
+def test_a_failing_background_save_commits_nothing_and_is_reported(fresh, tmp_path, monkeypatch):
+    from hasten.checkpointing import saver
+
+    acc, model, opt, sched = setup(tmp_path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saver, "write_safetensors", disk_full)
+    acc.save_state(blocking=False)
+    with pytest.raises(RuntimeError, match="(?s)background save to .*checkpoint_0: save_state failed; nothing was committed.*No space left"):
+        acc.wait_for_checkpoint()
+    assert os.listdir(tmp_path / "checkpoints") == []  # no folder, complete or temporary
+    acc.wait_for_checkpoint()  # reported once
+    acc.save_state(blocking=False)
+    with pytest.raises(RuntimeError, match="No space left"):
+        acc.save_state()  # the next save reports the previous failure before starting
+    monkeypatch.undo()
+    assert layout.is_complete(acc.save_state())
+
+
 # -- loading: mismatches, corruption, pickle -------------------------------------------------------------
 def test_mismatches_raise_one_clear_error_and_change_nothing(fresh, tmp_path):
     acc, model, opt, sched = setup(tmp_path)

@@ -512,8 +512,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         """Drop every reference this Accelerator holds (and to ``objects``) and empty device caches."""
         from .utils.memory import release_memory
 
+        self.wait_for_checkpoint()
         for tracker in self.trackers:
             getattr(tracker, "finish", lambda: None)()
+        self.__dict__.pop("_hasten_background_save", None)  # its staging buffers
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._prepared.clear()
         self.step = 0
@@ -522,7 +524,8 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish trackers, wait for every process and tear the process group down."""
+        """Wait for a background save, finish trackers, wait for every process, tear the process group down."""
+        self.wait_for_checkpoint()
         for tracker in self.trackers:
             getattr(tracker, "finish", lambda: None)()
         if self.use_distributed and torch.distributed.is_initialized():  # idempotent

@@ -8,7 +8,10 @@ checkpoint verifies (sizes, checksums) and is internally consistent, retention k
 ``total_limit`` (+1 if the kill fell between commit and retention) complete checkpoints. The next
 child must resume from exactly that checkpoint and continue its numbering. Writes a JSON report.
 
-Usage: python ckpt_killer.py OUT_JSON PROJECT_DIR [ROUNDS] [SEED]
+With MODE "background" the child saves with ``save_state(blocking=False)`` (each save waits for the
+previous one), so most kills land while a background thread writes and training goes on.
+
+Usage: python ckpt_killer.py OUT_JSON PROJECT_DIR [ROUNDS] [SEED] [MODE]
 """
 
 import json
@@ -30,6 +33,7 @@ from hasten.state import AcceleratorState, GradientState  # noqa: E402
 from hasten.utils import ProjectConfiguration  # noqa: E402
 
 TOTAL_LIMIT = 2
+BLOCKING = (sys.argv[5] if len(sys.argv) > 5 else "blocking") != "background"
 
 
 class Step:
@@ -64,7 +68,7 @@ def child(project: str, pipe: int) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float(step.value))
-        acc.save_state()
+        acc.save_state(blocking=BLOCKING)
 
 
 def verify(folder: str) -> int:

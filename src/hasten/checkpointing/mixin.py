@@ -19,37 +19,22 @@ import os
 import signal
 import warnings
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import layout, resume, rng, saver
+from . import commit, layout, resume, rng, saver
+from .commit import gather as _gather  # noqa: F401 - loading imports it from here
 
 _HOOKS_SAVE = "_hasten_save_state_pre_hooks"
 _HOOKS_LOAD = "_hasten_load_state_pre_hooks"
-
-
-def _gather(value: Any) -> list:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return [value]
 
 
 def broadcast_from_main(values: list) -> list:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(values, src=0)
     return values
-
-
-def _raise_if_any(results: list, kind: type, head: str) -> None:
-    problems = [p for r in results for p in (r or [])]
-    if problems:
-        unique = list(dict.fromkeys(problems))
-        raise kind(head + "\n  - " + "\n  - ".join(unique))
 
 
 class CheckpointMixin:
@@ -132,8 +117,8 @@ class CheckpointMixin:
         return handler
 
     # -- save ---------------------------------------------------------------------------------------
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, *,
+                   blocking: bool = True, **save_model_func_kwargs: Any) -> str:
         """Save the whole training state atomically; returns the checkpoint folder.
 
         Holds every prepared model (safetensors), optimizer, scheduler, the gradient scaler, each
@@ -142,6 +127,12 @@ class CheckpointMixin:
         ``register_for_checkpointing``. With ``automatic_checkpoint_naming`` the folder is
         ``project_dir/checkpoints/checkpoint_N`` (``output_dir`` is then ignored) and ``total_limit``
         applies. Every process must call it.
+
+        ``blocking=False`` returns once the state is copied into host memory (buffers kept for the
+        next save) and writes, fsyncs and commits on a background thread while training goes on. The
+        folder appears when the checkpoint is complete; ``wait_for_checkpoint()`` blocks until then
+        and raises if it failed. The next ``save_state``/``load_state``/``end_training`` waits for
+        it too, and so does the interpreter at exit.
         """
         rng_state = rng.capture()  # first: nothing below may move a generator before it is recorded
         pc = self.project_configuration
@@ -157,6 +148,7 @@ class CheckpointMixin:
         pending = auto.unresolved() if auto is not None else None
         if pending:
             raise RuntimeError(pending + "; saving now would overwrite the run's history")
+        self.wait_for_checkpoint()  # one save at a time; a failed background save is reported here
         choice = broadcast_from_main([self._choose_target(output_dir) if self.is_main_process else None])[0]
         if isinstance(choice, str):
             raise ValueError(choice)
@@ -165,12 +157,12 @@ class CheckpointMixin:
         writes_shared, node = self.is_main_process, 0
         if pc.save_on_each_node and self.state.num_machines > 1:
             folder, writes_shared, node = self._node_folder(target, token)
-
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
-        result: Any
         contents: dict[str, Any] = {}
-        pool = ThreadPoolExecutor(2)
-        try:  # everything up to the exchange below may fail on one process only: report, do not hang
+        background = self._background() if not blocking else None
+        group = background.process_group() if background is not None else None
+        prepared: tuple
+        try:  # everything up to the exchange may fail on one process only: report, do not hang
             os.makedirs(folder, exist_ok=True)
             weights = [self.get_state_dict(model) for model in self._models]
             models = list(self._models)
@@ -181,29 +173,46 @@ class CheckpointMixin:
             classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) else []
             contents["models"] = [dict({"file": saver.indexed("model", i)}, **({"class": classes[i]} if classes else {}))
                                   for i in range(len(weights))]
-            writer = saver.Writer(folder, self.process_index, pool)
-            if writes_shared:
-                saver.write_shared(writer, weights, self, contents)
-            writer.state(saver.rank_file(self.process_index), saver.rank_state(self, rng_state))
+            items = saver.shared_items(weights, self, contents) if writes_shared else []
+            items.append(saver.state_item(saver.rank_file(self.process_index), saver.rank_state(self, rng_state)))
             if mid_window:
-                writer.tensors(saver.grads_file(self.process_index), saver.gradients(self))
-            result = ("ok", writer.files, node)
+                items.append(saver.Item(saver.grads_file(self.process_index), saver.gradients(self)))
+            if background is not None:
+                items = background.stager.stage(items)
+            prepared = ("ok", items)
         except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
-            result = ("error", f"process {self.process_index}: {type(e).__name__}: {e}", node)
-        finally:
-            pool.shutdown()
-        results = _gather(result)
-        errors = [r[1] for r in results if r[0] == "error"]
-        status = None
-        if writes_shared:
-            mine = [r for r in results if r[2] == node]  # with a folder per node: that node's files
-            status = self._commit(folder, target, token, number, mine, contents, mid_window, errors)
-        statuses = _gather(status)
-        if errors:
-            raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
-        _raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
+            prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
+        job = commit.SaveJob(folder, target, token, number, self.process_index, node, writes_shared,
+                             self._manifest_head(number, mid_window, contents), pc.total_limit)
+        if background is None:
+            commit.write_and_commit(job, prepared)
+        else:
+            background.start(target, lambda: commit.write_and_commit(job, prepared, group))
         pc.iteration = (number if number is not None else pc.iteration) + 1
         return target
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a ``save_state(blocking=False)`` in progress is committed; raise if it failed."""
+        background = self.__dict__.get("_hasten_background_save")
+        if background is not None:
+            background.wait()
+
+    def _background(self) -> commit.Background:
+        return self.__dict__.setdefault("_hasten_background_save", commit.Background())
+
+    def _manifest_head(self, number: Optional[int], mid_window: bool, contents: dict) -> dict[str, Any]:
+        """The manifest without its file list, as of the moment the save was asked for."""
+        from .. import __version__
+
+        pc = self.project_configuration
+        return {
+            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __version__,
+            "torch_version": torch.__version__, "world_size": self.num_processes,
+            "num_machines": self.state.num_machines, "save_on_each_node": bool(pc.save_on_each_node),
+            "iteration": number if number is not None else pc.iteration, "step": int(self.step),
+            "gradient_accumulation_steps": int(self.gradient_accumulation_steps), "mid_accumulation": mid_window,
+            "mixed_precision": str(self.mixed_precision), "contents": contents,
+        }
 
     def _choose_target(self, output_dir: Optional[str]) -> Any:
         pc = self.project_configuration
@@ -255,66 +264,6 @@ class CheckpointMixin:
             "custom_objects": saver.plan_custom(self._custom_objects) if writes_shared else [],
         }
 
-    def _commit(self, folder: str, target: str, token: str, number: Optional[int], results: list,
-                contents: dict, mid_window: bool, errors: list) -> Optional[str]:
-        """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
-        from .. import __version__
-        from .fileio import MappedFile, checksum_buffer, fsync_path
-
-        if errors:
-            layout.remove_tree(folder)
-            return None
-        try:
-            files: dict[str, Any] = {}
-            for _, listed, _ in results:
-                for name, info in listed.items():
-                    if name in files:
-                        raise RuntimeError(f"two processes wrote {name!r}")
-                    files[name] = info
-            here = self._folder_files(folder)
-            absent = [n for n in files if n not in here]
-            if absent:
-                raise RuntimeError(
-                    f"files written by other processes are not visible to the committing process: {absent[:5]}; the "
-                    "checkpoint folder is not on a filesystem shared by all processes (use "
-                    "ProjectConfiguration(save_on_each_node=True))"
-                )
-            for name in here:  # written by save hooks: make them durable and record them too
-                if name not in files:
-                    full = os.path.join(folder, name)
-                    fsync_path(full)
-                    mapped = MappedFile(full)
-                    files[name] = {"size": mapped.size, "checksum": checksum_buffer(mapped.raw), "rank": "hook"}
-                    del mapped
-            for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
-                fsync_path(os.path.join(folder, sub))
-            pc = self.project_configuration
-            manifest = {
-                "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __version__,
-                "torch_version": torch.__version__, "world_size": self.num_processes,
-                "num_machines": self.state.num_machines, "save_on_each_node": bool(pc.save_on_each_node),
-                "iteration": number if number is not None else pc.iteration, "step": int(self.step),
-                "gradient_accumulation_steps": int(self.gradient_accumulation_steps), "mid_accumulation": mid_window,
-                "mixed_precision": str(self.mixed_precision), "contents": contents, "files": files,
-            }
-            layout.write_manifest(folder, manifest)
-            layout.commit(folder, target, token)
-            if number is not None:
-                layout.apply_total_limit(os.path.dirname(target), pc.total_limit, keep=target)
-            layout.clean_leftovers(os.path.dirname(target), older_than=0, keep=token)
-        except Exception as e:  # noqa: BLE001
-            layout.remove_tree(folder)
-            return f"{type(e).__name__}: {e}"
-        return None
-
-    @staticmethod
-    def _folder_files(folder: str) -> list[str]:
-        out = []
-        for directory, _, names in os.walk(folder):
-            for name in names:
-                out.append(os.path.relpath(os.path.join(directory, name), folder))
-        return out
-
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    verify: str = "size", **load_model_func_kwargs: Any) -> str:
@@ -331,6 +280,7 @@ class CheckpointMixin:
         """
         from .loading import load_checkpoint
 
+        self.wait_for_checkpoint()
         if verify not in ("checksum", "size"):
             raise ValueError(f"load_state(verify={verify!r}): use 'size' (the default) or 'checksum'")
         load_model_func_kwargs["_verify_checksums"] = verify == "checksum"

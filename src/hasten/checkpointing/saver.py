@@ -16,7 +16,7 @@ import json
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -46,8 +46,32 @@ def class_name(obj: Any) -> str:
     return type(inner or obj).__name__
 
 
+class Item(NamedTuple):
+    """One file of a checkpoint, ready to write: tensors + header metadata, or raw bytes (pickle)."""
+
+    name: str
+    tensors: Optional[dict[str, torch.Tensor]] = None
+    metadata: Optional[dict[str, str]] = None
+    data: Optional[bytes] = None
+
+
+def state_item(name: str, state: Any, class_: Optional[str] = None) -> Item:
+    """A state dict as tensors + JSON skeleton (raises ``codec.NotEncodable``)."""
+    skeleton, tensors = codec.encode(state)
+    metadata = {SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"))}
+    if class_ is not None:
+        metadata[CLASS_KEY] = class_
+    return Item(name, tensors, metadata)
+
+
+def pickled_item(name: str, state: Any) -> Item:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return Item(name, data=buffer.getvalue())
+
+
 class Writer:
-    """Writes files into one folder and remembers their sizes and checksums."""
+    """Writes items into one folder and remembers their sizes and checksums."""
 
     def __init__(self, folder: str, rank: int, pool: ThreadPoolExecutor) -> None:
         self.folder = folder
@@ -55,23 +79,13 @@ class Writer:
         self.pool = pool
         self.files: dict[str, dict[str, Any]] = {}
 
-    def tensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> None:
-        size, checksum = write_safetensors(os.path.join(self.folder, name), tensors, metadata, self.pool)
-        self.files[name] = {"size": size, "checksum": checksum, "rank": self.rank}
-
-    def state(self, name: str, state: Any, class_: Optional[str] = None) -> None:
-        """A state dict as tensors + JSON skeleton (raises ``codec.NotEncodable``)."""
-        skeleton, tensors = codec.encode(state)
-        metadata = {SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"))}
-        if class_ is not None:
-            metadata[CLASS_KEY] = class_
-        self.tensors(name, tensors, metadata)
-
-    def pickled(self, name: str, state: Any) -> None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        size, checksum = write_bytes(os.path.join(self.folder, name), buffer.getvalue())
-        self.files[name] = {"size": size, "checksum": checksum, "rank": self.rank}
+    def write(self, item: Item) -> None:
+        path = os.path.join(self.folder, item.name)
+        if item.data is not None:
+            size, checksum = write_bytes(path, item.data)
+        else:
+            size, checksum = write_safetensors(path, item.tensors or {}, item.metadata, self.pool)
+        self.files[item.name] = {"size": size, "checksum": checksum, "rank": self.rank}
 
 
 def model_payload(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -104,24 +118,23 @@ def loader_info(dataloader: Any, num_processes: int) -> dict[str, Any]:
     return info
 
 
-def write_shared(writer: Writer, weights: list[dict], accelerator: Any, contents: dict[str, Any]) -> None:
+def shared_items(weights: list[dict], accelerator: Any, contents: dict[str, Any]) -> list[Item]:
     """Models, optimizers, schedulers, scaler and registered objects (one process per folder)."""
+    items = []
     for i, state_dict in enumerate(weights):
         tensors, metadata = model_payload(state_dict)
-        writer.tensors(contents["models"][i]["file"], tensors, metadata)
+        items.append(Item(contents["models"][i]["file"], tensors, metadata))
     for i, opt in enumerate(accelerator._optimizers):
-        writer.state(contents["optimizers"][i]["file"], opt.state_dict(), contents["optimizers"][i]["class"])
+        items.append(state_item(contents["optimizers"][i]["file"], opt.state_dict(), contents["optimizers"][i]["class"]))
     for i, sched in enumerate(accelerator._schedulers):
-        writer.state(contents["schedulers"][i]["file"], sched.state_dict(), contents["schedulers"][i]["class"])
+        items.append(state_item(contents["schedulers"][i]["file"], sched.state_dict(), contents["schedulers"][i]["class"]))
     if contents["scaler"] is not None:
-        writer.state(contents["scaler"], accelerator.precision.state_dict(), "GradScaler")
+        items.append(state_item(contents["scaler"], accelerator.precision.state_dict(), "GradScaler"))
     for i, obj in enumerate(accelerator._custom_objects):
         entry = contents["custom_objects"][i]
         state = obj.state_dict()
-        if entry["pickle"]:
-            writer.pickled(entry["file"], state)
-        else:
-            writer.state(entry["file"], state, entry["class"])
+        items.append(pickled_item(entry["file"], state) if entry["pickle"] else state_item(entry["file"], state, entry["class"]))
+    return items
 
 
 def plan_custom(objects: list[Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,215 @@
+"""The second half of a save: write the collected files, agree, write the manifest, rename.
+
+``write_and_commit`` runs either inline (``save_state()``) or on a background thread
+(``save_state(blocking=False)``). The background variant first copies every tensor into staging
+buffers (``Stager``), so training may change the live state while the files are written, and it
+talks to the other processes over a process group of its own: collectives of the training loop
+on the default group and those of the save never interleave.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import layout, saver
+
+
+def gather(value: Any, group: Any = None) -> list:
+    """Every process's ``value`` (a list of one value without a process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, value, group=group)
+        return out
+    return [value]
+
+
+def raise_if_any(results: list, kind: type, head: str) -> None:
+    problems = [p for r in results for p in (r or [])]
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise kind(head + "\n  - " + "\n  - ".join(unique))
+
+
+@dataclass
+class SaveJob:
+    """Where one process writes and what the committing process records; fixed when the save starts."""
+
+    folder: str
+    target: str
+    token: str
+    number: Optional[int]
+    rank: int
+    node: int
+    writes_shared: bool
+    manifest: dict[str, Any]  # everything but the file list
+    total_limit: Optional[int]
+
+
+def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
+    """Write ``prepared`` (``("ok", items)`` or ``("error", message)``), then commit on the writer.
+
+    Every process learns every other's outcome, so all of them raise the same error or none does.
+    """
+    pool = ThreadPoolExecutor(2)
+    try:
+        if prepared[0] == "ok":
+            writer = saver.Writer(job.folder, job.rank, pool)
+            for item in prepared[1]:
+                writer.write(item)
+            result = ("ok", writer.files, job.node)
+        else:
+            result = ("error", prepared[1], job.node)
+    except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
+        result = ("error", f"process {job.rank}: {type(e).__name__}: {e}", job.node)
+    finally:
+        pool.shutdown()
+    results = gather(result, group)
+    errors = [r[1] for r in results if r[0] == "error"]
+    status = None
+    if job.writes_shared:
+        mine = [r for r in results if r[2] == job.node]  # with a folder per node: that node's files
+        status = _commit(job, mine, errors)
+    statuses = gather(status, group)
+    if errors:
+        raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
+    raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
+
+
+def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
+    """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
+    from .fileio import MappedFile, checksum_buffer, fsync_path
+
+    folder = job.folder
+    if errors:
+        layout.remove_tree(folder)
+        return None
+    try:
+        files: dict[str, Any] = {}
+        for _, listed, _ in results:
+            for name, info in listed.items():
+                if name in files:
+                    raise RuntimeError(f"two processes wrote {name!r}")
+                files[name] = info
+        here = _folder_files(folder)
+        absent = [n for n in files if n not in here]
+        if absent:
+            raise RuntimeError(
+                f"files written by other processes are not visible to the committing process: {absent[:5]}; the "
+                "checkpoint folder is not on a filesystem shared by all processes (use "
+                "ProjectConfiguration(save_on_each_node=True))"
+            )
+        for name in here:  # written by save hooks: make them durable and record them too
+            if name not in files:
+                full = os.path.join(folder, name)
+                fsync_path(full)
+                mapped = MappedFile(full)
+                files[name] = {"size": mapped.size, "checksum": checksum_buffer(mapped.raw), "rank": "hook"}
+                del mapped
+        for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
+            fsync_path(os.path.join(folder, sub))
+        layout.write_manifest(folder, dict(job.manifest, files=files))
+        layout.commit(folder, job.target, job.token)
+        if job.number is not None:
+            layout.apply_total_limit(os.path.dirname(job.target), job.total_limit, keep=job.target)
+        layout.clean_leftovers(os.path.dirname(job.target), older_than=0, keep=job.token)
+    except Exception as e:  # noqa: BLE001
+        layout.remove_tree(folder)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _folder_files(folder: str) -> list[str]:
+    out = []
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(directory, name), folder))
+    return out
+
+
+class Stager:
+    """Copies of a checkpoint's tensors in host memory, reused from one save to the next.
+
+    Reusing the buffers matters: fresh memory costs a page fault per page on first touch, which
+    makes a first copy several times slower than a copy into buffers touched before. CUDA tensors
+    go to pinned buffers with asynchronous copies and one synchronisation at the end.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def stage(self, items: list) -> list:
+        kept: dict[tuple[str, str], torch.Tensor] = {}
+        staged_items = []
+        cuda = False
+        for item in items:
+            if item.tensors is None:
+                staged_items.append(item)  # bytes: already a copy
+                continue
+            staged = {}
+            for key, tensor in item.tensors.items():
+                tensor = tensor.detach()
+                buffer = self.buffers.get((item.name, key))
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                    pin = tensor.device.type == "cuda"
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                on_cuda = tensor.device.type == "cuda"
+                buffer.copy_(tensor, non_blocking=on_cuda)
+                cuda = cuda or on_cuda
+                staged[key] = kept[(item.name, key)] = buffer
+            staged_items.append(item._replace(tensors=staged))
+        if cuda:
+            torch.cuda.synchronize()
+        self.buffers = kept  # buffers of tensors that are gone are freed
+        return staged_items
+
+
+class Background:
+    """At most one save running on a thread; its failure is raised by the next ``wait``."""
+
+    def __init__(self) -> None:
+        self.thread: Optional[threading.Thread] = None
+        self.target: Optional[str] = None
+        self.error: Optional[BaseException] = None
+        self.stager = Stager()
+        self.group: Any = None
+
+    def process_group(self) -> Any:
+        """A gloo group of every process for the save's exchanges (created once, by all processes)."""
+        if self.group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+    def start(self, target: str, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - kept for the caller's next wait()
+                self.error = e
+                from ..logging import get_logger
+
+                get_logger(__name__).warning("background save to %s: %s", target, e,
+                                             main_process_only=False)
+
+        self.target, self.error = target, None
+        # Not a daemon: an interpreter that is exiting waits for the commit instead of abandoning it.
+        self.thread = threading.Thread(target=run, name="hasten-checkpoint-save")
+        self.thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"background save to {self.target}: {error}") from error
