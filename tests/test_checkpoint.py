@@ -278,6 +278,19 @@ def test_background_save_keeps_the_state_of_the_call_and_commits_behind_the_loop
     assert acc.project_configuration.iteration == 4
 
 
+def test_a_script_that_ends_right_after_a_background_save_still_commits_it(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "ckpt"
+    code = ("import torch, hasten; acc = hasten.Accelerator(cpu=True); "
+            "m = acc.prepare(torch.nn.Linear(256, 256)); "
+            f"print(acc.save_state({str(target)!r}, blocking=False), flush=True)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(target) and layout.is_complete(str(target))
+
+
 def test_a_failing_background_save_commits_nothing_and_is_reported(fresh, tmp_path, monkeypatch):
     from hasten.checkpointing import saver
 

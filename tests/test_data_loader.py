@@ -117,6 +117,37 @@ def test_batch_sampler_shard_custom_variable_batches():
     assert b == [[[0], [3, 4, 5], [10]], [[1, 2], [6, 7, 8, 9]]]
 
 
+class Listed:
+    """A batch sampler without a batch size (not seekable: a resume walks it)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self):
+        return len(self.batches)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_batch_sampler_shard_resumed_anywhere_ends_like_the_uninterrupted_pass(seekable):
+    # 5 batches on 2 processes, even_batches=False: the last step has a batch for process 0 only,
+    # also when the pass resumes right at that step (it is not the epoch's only step).
+    def make(rank):
+        if seekable:
+            return BatchSamplerShard(BatchSampler(SequentialSampler(range(10)), 2, False), 2, rank, even_batches=False)
+        return BatchSamplerShard(Listed([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]), 2, rank, even_batches=False)
+
+    full = [list(make(r)) for r in range(2)]
+    assert full == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7]]]
+    for rank in range(2):
+        for skip in range(4):
+            shard = make(rank)
+            shard.skip_batches = skip
+            assert list(shard) == full[rank][skip:], (rank, skip)
+
+
 def test_batch_sampler_shard_bad_arguments():
     sampler = BatchSampler(SequentialSampler(range(10)), 3, False)
     with pytest.raises(ValueError, match="batch_size=3 is not a multiple of 2"):

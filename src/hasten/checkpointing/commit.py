@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -57,10 +56,9 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
 
     Every process learns every other's outcome, so all of them raise the same error or none does.
     """
-    pool = ThreadPoolExecutor(2)
     try:
         if prepared[0] == "ok":
-            writer = saver.Writer(job.folder, job.rank, pool)
+            writer = saver.Writer(job.folder, job.rank)
             for item in prepared[1]:
                 writer.write(item)
             result = ("ok", writer.files, job.node)
@@ -68,8 +66,6 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             result = ("error", prepared[1], job.node)
     except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
         result = ("error", f"process {job.rank}: {type(e).__name__}: {e}", job.node)
-    finally:
-        pool.shutdown()
     results = gather(result, group)
     errors = [r[1] for r in results if r[0] == "error"]
     status = None

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -73,10 +72,9 @@ def pickled_item(name: str, state: Any) -> Item:
 class Writer:
     """Writes items into one folder and remembers their sizes and checksums."""
 
-    def __init__(self, folder: str, rank: int, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, folder: str, rank: int) -> None:
         self.folder = folder
         self.rank = rank
-        self.pool = pool
         self.files: dict[str, dict[str, Any]] = {}
 
     def write(self, item: Item) -> None:
@@ -84,7 +82,7 @@ class Writer:
         if item.data is not None:
             size, checksum = write_bytes(path, item.data)
         else:
-            size, checksum = write_safetensors(path, item.tensors or {}, item.metadata, self.pool)
+            size, checksum = write_safetensors(path, item.tensors or {}, item.metadata)
         self.files[item.name] = {"size": size, "checksum": checksum, "rank": self.rank}
 
 

@@ -21,7 +21,7 @@ from ..state import PartialState
 from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin
-from .samplers import EpochPlan, count_steps
+from .samplers import EpochPlan, count_steps, whole_steps
 
 
 # -- rows of nested batches -------------------------------------------------------------------------
@@ -375,27 +375,8 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
                 yield batch
 
     def _whole_groups(self, stream: Iterator[Any], head: list, emitted: int = 0) -> Iterator[tuple]:
-        n, size = self.num_processes, self._base_batch_size
-        group: list = []
-        for batch in stream:
-            if len(group) == n:  # held back for its short last batch; more data came, so it is not the end
-                yield group, [count_rows(b) for b in group], False
-                group, emitted = [], emitted + 1
-            group.append(batch)
-            if len(group) == n and (size is None or count_rows(batch) == size):
-                yield group, [count_rows(b) for b in group], False
-                group, emitted = [], emitted + 1
-        if not group:
-            return
-        real = [count_rows(b) for b in group] + [0] * (n - len(group))
-        if n == 1 or (len(group) == n and not self._padding_possible()):
-            yield group, real[:n], True
-        elif self._drop_last:
-            return
-        elif not self.even_batches and emitted:
-            yield group + [None] * (n - len(group)), real, True
-        else:  # even batches, or a lone step that would leave some process without any batch
-            yield self._complete(group, head, short_too=self.even_batches), real, True
+        return whole_steps(stream, self.num_processes, self._base_batch_size, count_rows, emitted, self._drop_last,
+                           self.even_batches, lambda group, short_too: self._complete(group, head, short_too))
 
     def _complete(self, group: list, head: list, short_too: bool = True) -> list:
         n, size = self.num_processes, self._base_batch_size

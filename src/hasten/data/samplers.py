@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
@@ -146,6 +146,40 @@ def count_steps(total: int, num_processes: int, rank: int, split_batches: bool, 
     return full + 1 if rank < extra else full
 
 
+def whole_steps(batches: Iterable[Any], n: int, size: Optional[int], rows: Callable[[Any], Optional[int]],
+                emitted: int, drop_last: bool, even_batches: bool,
+                complete: Callable[[list, bool], list]) -> Iterator[tuple[list, list, bool]]:
+    """Group whole batches into steps of ``n`` (one per process): (batches, real rows, is-final).
+
+    A group whose last batch is short is held until more data shows it is not the end. The final
+    incomplete group is kept (one process, or full with nothing to pad), dropped (``drop_last``),
+    left short with ``None`` for the processes without a batch (``even_batches=False``, unless it
+    is the epoch's only step: then nobody would get anything), or else completed by
+    ``complete(group, pad_short_batch)``. ``emitted`` counts the steps of the epoch before
+    ``batches`` (a resumed pass), so a resumed pass ends exactly as the uninterrupted one.
+    """
+    group: list = []
+    for batch in batches:
+        if len(group) == n:  # held back for its short last batch; more data came, so it is not the end
+            yield group, [rows(b) for b in group], False
+            group, emitted = [], emitted + 1
+        group.append(batch)
+        if len(group) == n and (size is None or rows(batch) == size):
+            yield group, [rows(b) for b in group], False
+            group, emitted = [], emitted + 1
+    if not group:
+        return
+    real = [rows(b) for b in group] + [0] * (n - len(group))
+    if n == 1 or (len(group) == n and not (even_batches and not drop_last)):
+        yield group, real[:n], True
+    elif drop_last:
+        return
+    elif not even_batches and emitted:
+        yield group + [None] * (n - len(group)), real, True
+    else:
+        yield complete(group, even_batches), real, True
+
+
 def _cycle_take(source: list, start: int, count: int) -> list:
     """``count`` items of ``source`` repeated end to end, starting at position ``start``."""
     if count <= 0:
@@ -270,35 +304,21 @@ class BatchSamplerShard(BatchSampler):
 
     # Each generator below yields (per-process batches, per-process real counts, is-final) per step.
     def _group_steps(self, skip: int, source: Optional[Iterator] = None,
-                     head: Optional[list] = None) -> Iterator[tuple[list, list]]:
+                     head: Optional[list] = None) -> Iterator[tuple[list, list, bool]]:
         """``source``/``head``: batches from step ``skip`` on and the first batches (a seek)."""
-        n, size = self.num_processes, self.batch_size
+        n = self.num_processes
         keep_head = n > 1 and not self.drop_last
         head = list(head or [])  # the first n batches: the padding source
-        group: list = []
-        emitted = skip if source is not None else 0
-        for batch in self.batch_sampler if source is None else source:
-            batch = list(batch)
-            if keep_head and len(head) < n:
-                head.append(batch)
-            if len(group) == n:  # a complete group held back because its last batch was short
-                yield group, [len(b) for b in group], False
-                group, emitted = [], emitted + 1
-            group.append(batch)
-            if len(group) == n and (size is None or len(batch) == size):
-                yield group, [len(b) for b in group], False
-                group, emitted = [], emitted + 1
-        if not group:
-            return
-        real = [len(b) for b in group] + [0] * (n - len(group))
-        if n == 1 or (len(group) == n and not (self.even_batches and not self.drop_last)):
-            yield group, real[:n], True
-        elif self.drop_last:
-            return
-        elif not self.even_batches and emitted != skip:
-            yield group + [None] * (n - len(group)), real, True
-        else:  # even batches, or a lone step that would leave some process without any batch
-            yield self._complete_group(group, head, short_too=self.even_batches), real, True
+
+        def batches() -> Iterator[list]:
+            for batch in self.batch_sampler if source is None else source:
+                batch = list(batch)
+                if keep_head and len(head) < n:
+                    head.append(batch)
+                yield batch
+
+        return whole_steps(batches(), n, self.batch_size, len, skip if source is not None else 0, self.drop_last,
+                           self.even_batches, lambda group, short_too: self._complete_group(group, head, short_too))
 
     def _complete_group(self, group: list, head: list, short_too: bool = True) -> list:
         n, size = self.num_processes, self.batch_size
