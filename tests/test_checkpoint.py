@@ -146,6 +146,55 @@ def test_files_are_plain_safetensors_and_checksums_match(tmp_path):
     assert checksum_buffer(MappedFile(str(corrupt)).raw) != checksum
 
 
+def _mixed_tensors():
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(37 + i, 53, generator=g) for i in range(5)}
+    tensors.update(b=torch.randn(3).bfloat16(), i=torch.arange(11, dtype=torch.int16), empty=torch.zeros(0))
+    return tensors
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
+def test_direct_writes_equal_buffered_writes(tmp_path, monkeypatch):
+    from hasten.checkpointing import fileio
+
+    # Small buffers and threshold: many buffer flushes, pieces across buffer borders, a padded tail.
+    monkeypatch.setattr(fileio, "_DIRECT_MIN", 1)
+    monkeypatch.setattr(fileio, "_DIRECT_BUFFER", 2 * fileio._ALIGN)
+    monkeypatch.setattr(fileio, "_NO_DIRECT", set())
+    tensors = _mixed_tensors()
+    direct = write_safetensors(str(tmp_path / "direct.safetensors"), tensors, {"k": "v"})
+    if fileio._NO_DIRECT:
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
+    monkeypatch.setattr(fileio, "_DIRECT_MIN", 1 << 62)
+    buffered = write_safetensors(str(tmp_path / "buffered.safetensors"), tensors, {"k": "v"})
+    assert direct == buffered and direct[0] % fileio._ALIGN  # same size and checksum; size not aligned
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+    loaded = load_file(str(tmp_path / "direct.safetensors"))
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
+def test_a_filesystem_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    from hasten.checkpointing import fileio
+
+    tensors = _mixed_tensors()
+    monkeypatch.setattr(fileio, "_DIRECT_MIN", 1 << 62)
+    buffered = write_safetensors(str(tmp_path / "buffered.safetensors"), tensors, {"k": "v"})
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fileio, "_DIRECT_MIN", 1)
+    monkeypatch.setattr(fileio, "_NO_DIRECT", set())
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert write_safetensors(str(tmp_path / "fallback.safetensors"), tensors, {"k": "v"}) == buffered
+    assert (tmp_path / "fallback.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+    assert fileio._NO_DIRECT == {os.stat(tmp_path).st_dev}
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_incremental_checksum_equals_whole_file_checksum(seed):
     g = torch.Generator().manual_seed(seed)

@@ -3,8 +3,8 @@
 Every file of a checkpoint is a safetensors file (tensors plus a JSON "skeleton" in the header
 metadata, see ``codec.py``), so nothing in a checkpoint is unpickled by default. We write the
 format ourselves instead of calling ``safetensors.torch.save_file`` because that function first
-copies every tensor into a ``bytes`` object; writing straight from tensor memory pays for the
-fsync and the checksum. The files are plain safetensors (tests read them with the safetensors
+copies every tensor into a ``bytes`` object, and because big files are written past the page
+cache (O_DIRECT), which makes a durable save about as fast as the disk. The files are plain safetensors (tests read them with the safetensors
 library) with tensors ordered by decreasing item size, so every tensor is aligned for its dtype.
 
 Checksum ("bsum64"): the file is read as little-endian 64-bit words (the last one zero-padded), the
@@ -17,10 +17,12 @@ tampering.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
 import sys
+import threading
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -234,24 +236,127 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % 8)  # data starts 8-aligned
     head = len(text).to_bytes(8, "little") + text
+    pieces = [head] + [raw for raw in (_as_bytes_tensor(prepared[name]) for name in order) if raw.numel()]
+    size = len(head) + offset
     summer = BlockSummer()
-    summer.update(head)
+    if size < _DIRECT_MIN or not _write_direct(path, pieces, size, summer):
+        summer = BlockSummer()
+        _write_buffered(path, pieces, summer)
+    return size, summer.digest()
+
+
+def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
+    """Through the page cache: writeback of each chunk is started at once, then one fsync."""
     with open(path, "wb", buffering=0) as f:
-        f.write(head)
-        position = len(head)
-        for name in order:
-            raw = _as_bytes_tensor(prepared[name])
-            if not raw.numel():
-                continue
-            summer.update(raw)
-            view = memoryview(raw.numpy())
+        position = 0
+        for piece in pieces:
+            summer.update(piece)
+            view = memoryview(piece.numpy()) if isinstance(piece, torch.Tensor) else memoryview(piece)
             while view:
                 written = f.write(view[:_CHUNK])
                 _kick_writeback(f.fileno(), position, written)
                 position += written
                 view = view[written:]
         _fsync(f.fileno())
-    return len(head) + offset, summer.digest()
+
+
+# Big files bypass the page cache (O_DIRECT, Linux): the data goes from an aligned buffer to the
+# disk once, instead of being copied into the page cache and flushed by the fsync, which on the
+# machines we measured made durable saves faster and much steadier, and checkpoints stop evicting
+# the training job's cached data. Filesystems that refuse O_DIRECT get the buffered path.
+_DIRECT_MIN = 16 << 20
+_DIRECT_BUFFER = 8 << 20
+_ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
+_NO_DIRECT: set = set()  # devices where O_DIRECT failed
+
+
+def _write_direct(path: str, pieces: list, size: int, summer: BlockSummer) -> bool:
+    """Write ``pieces`` with O_DIRECT and fsync; False (nothing left behind) where unsupported.
+
+    Two aligned buffers: while a thread writes one to the disk, the next is filled and its
+    checksum computed (from the buffer, still in the CPU cache, instead of a second pass over the
+    tensors in memory).
+    """
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        device = os.stat(os.path.dirname(path) or ".").st_dev
+    except OSError:
+        return False
+    if device in _NO_DIRECT:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError:
+        _NO_DIRECT.add(device)
+        return False
+    buffers = [mmap.mmap(-1, _DIRECT_BUFFER) for _ in range(2)]  # page-aligned
+    views = [memoryview(b) for b in buffers]
+    pending: list = []  # [thread, error list]
+
+    def flush(index: int, length: int, position: int) -> None:
+        summer.update(torch.frombuffer(buffers[index], dtype=torch.uint8, count=length))
+        wait()
+        errors: list = []
+        padded = -(-length // _ALIGN) * _ALIGN  # the tail is padded; the file is cut to size below
+        if padded > length:
+            views[index][length:padded] = bytes(padded - length)
+
+        def run() -> None:
+            try:
+                _pwrite_all(fd, views[index][:padded], position)
+            except OSError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=run, name="hasten-direct-write")
+        thread.start()
+        pending[:] = [thread, errors]
+
+    def wait() -> None:
+        if pending:
+            pending[0].join()
+            if pending[1]:
+                raise pending[1][0]
+            pending.clear()
+
+    try:
+        index, filled, position = 0, 0, 0
+        for piece in pieces:
+            view = memoryview(piece.numpy()) if isinstance(piece, torch.Tensor) else memoryview(piece)
+            while view:
+                take = min(len(view), _DIRECT_BUFFER - filled)
+                views[index][filled:filled + take] = view[:take]
+                filled, view = filled + take, view[take:]
+                if filled == _DIRECT_BUFFER:
+                    flush(index, filled, position)
+                    index, filled, position = 1 - index, 0, position + _DIRECT_BUFFER
+        if filled:
+            flush(index, filled, position)
+        wait()
+        os.ftruncate(fd, size)
+        _fsync(fd)
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # a real failure (disk full, I/O error): report it
+            raise
+        _NO_DIRECT.add(device)  # the filesystem accepted the flag but not the writes
+        return False
+    finally:
+        if pending:
+            pending[0].join()
+        for view in views:
+            view.release()
+        for buffer in buffers:
+            buffer.close()
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, position: int) -> int:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], position + done)
+    return done
 
 
 def write_bytes(path: str, data: bytes) -> tuple[int, str]:
