@@ -280,6 +280,14 @@ def test_saving_into_the_same_folder_replaces_it_atomically(fresh, tmp_path):
     assert first["files"]["model.safetensors"]["checksum"] != second["files"]["model.safetensors"]["checksum"]
     layout.wait_for_deletions()  # the replaced checkpoint is deleted in the background
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary or old folder left
+    # A crashed save of this folder is cleaned up; another job's save in progress beside it is not.
+    crashed = tmp_path / ".ckpt.tmp-0123456789abcdef0123456789abcdef"
+    neighbour = tmp_path / ".other_run.tmp-fedcba9876543210fedcba9876543210"
+    crashed.mkdir(), neighbour.mkdir()
+    (neighbour / "model.safetensors").write_bytes(b"being written")
+    acc.save_state(target)
+    layout.wait_for_deletions()
+    assert sorted(os.listdir(tmp_path)) == [".other_run.tmp-fedcba9876543210fedcba9876543210", "ckpt"]
     other = tmp_path / "not_a_checkpoint"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

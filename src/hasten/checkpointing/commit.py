@@ -114,7 +114,9 @@ def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
         layout.commit(folder, job.target, job.token)
         if job.number is not None:
             layout.apply_total_limit(os.path.dirname(job.target), job.total_limit, keep=job.target)
-        layout.clean_leftovers(os.path.dirname(job.target), older_than=0, keep=job.token)
+        name = os.path.basename(job.target)
+        ours = layout.automatic_name if job.number is not None else (lambda other: other == name)
+        layout.clean_leftovers(os.path.dirname(job.target), job.token, ours)
     except Exception as e:  # noqa: BLE001
         layout.remove_tree(folder)
         return f"{type(e).__name__}: {e}"

@@ -16,9 +16,8 @@ import os
 import re
 import shutil
 import threading
-import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..saving import atomic_write, fsync_dir
 
@@ -241,28 +240,28 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
     return deleted
 
 
-def clean_leftovers(parent: str, older_than: float = 0.0, keep: Optional[str] = None) -> list[str]:
+def clean_leftovers(parent: str, keep: str, ours: Callable[[str], bool]) -> list[str]:
     """Remove temporary, trash and old folders left in ``parent`` by interrupted saves/deletions.
 
-    ``keep``: the token of a save in progress, whose folders stay.
+    ``keep``: the token of the save in progress. ``ours(name)``: whether a leftover for the
+    checkpoint called ``name`` belongs to this run; others are left alone, since another job
+    saving beside ours (a sweep writing ``runs/a`` and ``runs/b``) may be writing them right now.
     """
     removed = []
     if not os.path.isdir(parent):
         return removed
-    now = time.time()
     for name in os.listdir(parent):
         match = _TEMP.fullmatch(name)
-        if not match or match.group(3) == keep:
+        if not match or match.group(3) == keep or not ours(match.group(1)):
             continue
         path = os.path.join(parent, name)
-        try:
-            if now - os.path.getmtime(path) < older_than:
-                continue
-        except OSError:
-            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def automatic_name(name: str) -> bool:
+    return _NUMBERED.fullmatch(name) is not None
 
 
 def find_leftover(target: str) -> list[str]:
