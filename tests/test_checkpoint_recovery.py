@@ -2,7 +2,8 @@
 
 - kill -9 of the saving process at 20 random moments: the newest complete checkpoint always
   verifies and loads, training resumes from it and its numbering continues (scripts/ckpt_killer.py),
-  with saves in the foreground and with ``save_state(blocking=False)``;
+  with saves in the foreground (page-cache writes) and with ``save_state(blocking=False)`` (O_DIRECT
+  writes);
 - `hasten launch --max_restarts 1`: a worker SIGKILLed inside a save is restarted, resumes with
   ``resume="auto"`` and ends with the uninterrupted run's weights;
 - SIGTERM to one worker with ``save_on_preemption()``: every worker saves at the same step boundary and
@@ -56,11 +57,11 @@ def uninterrupted(tmp_path_factory, env):
     return seen
 
 
-@pytest.mark.parametrize("mode", ["blocking", "background"])
-def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path, mode):
+@pytest.mark.parametrize("mode,writes", [("blocking", "buffered"), ("background", "direct")])
+def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path, mode, writes):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "ckpt_killer.py"), out, tmp_path / "project",
-                           "20", "11", mode], capture_output=True, text=True, timeout=300,
+                           "20", "11", mode, writes], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

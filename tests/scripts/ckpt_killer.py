@@ -11,7 +11,10 @@ child must resume from exactly that checkpoint and continue its numbering. Write
 With MODE "background" the child saves with ``save_state(blocking=False)`` (each save waits for the
 previous one), so most kills land while a background thread writes and training goes on.
 
-Usage: python ckpt_killer.py OUT_JSON PROJECT_DIR [ROUNDS] [SEED] [MODE]
+With WRITES "direct" every file goes through the O_DIRECT path (by default only files of 16 MiB
+and more do, and this model's are smaller).
+
+Usage: python ckpt_killer.py OUT_JSON PROJECT_DIR [ROUNDS] [SEED] [MODE] [WRITES]
 """
 
 import json
@@ -34,6 +37,10 @@ from hasten.utils import ProjectConfiguration  # noqa: E402
 
 TOTAL_LIMIT = 2
 BLOCKING = (sys.argv[5] if len(sys.argv) > 5 else "blocking") != "background"
+if (sys.argv[6] if len(sys.argv) > 6 else "buffered") == "direct":
+    from hasten.checkpointing import fileio
+
+    fileio._DIRECT_MIN = 1
 
 
 class Step:
