@@ -153,11 +153,10 @@ class Stager:
             staged = {}
             for key, tensor in item.tensors.items():
                 tensor = tensor.detach()
+                on_cuda = tensor.device.type == "cuda"
                 buffer = self.buffers.get((item.name, key))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    pin = tensor.device.type == "cuda"
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-                on_cuda = tensor.device.type == "cuda"
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
                 buffer.copy_(tensor, non_blocking=on_cuda)
                 cuda = cuda or on_cuda
                 staged[key] = kept[(item.name, key)] = buffer
@@ -199,10 +198,6 @@ class Background:
         # Not a daemon: an interpreter that is exiting waits for the commit instead of abandoning it.
         self.thread = threading.Thread(target=run, name="hasten-checkpoint-save")
         self.thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
 
     def wait(self) -> None:
         if self.thread is not None:
