@@ -118,10 +118,12 @@ def test_batch_sampler_shard_custom_variable_batches():
 
 
 class Listed:
-    """A batch sampler without a batch size (not seekable: a resume walks it)."""
+    """A batch sampler of given batches (not seekable: a resume walks it)."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, batch_size=None):
         self.batches = batches
+        if batch_size is not None:
+            self.batch_size, self.drop_last = batch_size, False
 
     def __iter__(self):
         return iter([list(b) for b in self.batches])
@@ -130,14 +132,21 @@ class Listed:
         return len(self.batches)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("seekable", [True, False])
-def test_batch_sampler_shard_resumed_anywhere_ends_like_the_uninterrupted_pass(seekable):
-    # 5 batches on 2 processes, even_batches=False: the last step has a batch for process 0 only,
-    # also when the pass resumes right at that step (it is not the epoch's only step).
+def test_batch_sampler_shard_resumed_anywhere_ends_like_the_uninterrupted_pass(seekable, split):
+    # 2 processes, even_batches=False. Whole batches: 5 batches of 2, the last step has a batch for
+    # process 0 only. Split batches: 3 batches of 4 cut in halves, the short last one [8, 9] is all
+    # process 0's. Both also when the pass resumes right at that step (not the epoch's only one).
     def make(rank):
+        size = 4 if split else 2
         if seekable:
-            return BatchSamplerShard(BatchSampler(SequentialSampler(range(10)), 2, False), 2, rank, even_batches=False)
-        return BatchSamplerShard(Listed([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]), 2, rank, even_batches=False)
+            batches = BatchSampler(SequentialSampler(range(10)), size, False)
+        else:
+            # split batches need a batch size to cut; whole ones are walked without one
+            batches = Listed([list(range(i, min(i + size, 10))) for i in range(0, 10, size)],
+                             batch_size=size if split else None)
+        return BatchSamplerShard(batches, 2, rank, split_batches=split, even_batches=False)
 
     full = [list(make(r)) for r in range(2)]
     assert full == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7]]]

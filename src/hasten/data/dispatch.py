@@ -21,7 +21,7 @@ from ..state import PartialState
 from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin
-from .samplers import EpochPlan, count_steps, whole_steps
+from .samplers import EpochPlan, count_steps, split_steps, whole_steps
 
 
 # -- rows of nested batches -------------------------------------------------------------------------
@@ -394,19 +394,9 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
         return out
 
     def _split_groups(self, stream: Iterator[Any], head: list, emitted: int = 0) -> Iterator[tuple]:
-        size = self._base_batch_size
-        held = None
-        for batch in stream:
-            if held is not None:
-                yield self._cut(held, head, last=False)
-                held, emitted = None, emitted + 1
-            if size is None or count_rows(batch) == size:
-                yield self._cut(batch, head, last=False)
-                emitted += 1
-            else:
-                held = batch
-        if held is not None and not (self._drop_last and self.num_processes > 1):
-            yield self._cut(held, head, last=True, lone=not emitted)
+        return split_steps(stream, self._base_batch_size, count_rows, emitted,
+                           self._drop_last and self.num_processes > 1,
+                           lambda batch, last, lone: self._cut(batch, head, last, lone))
 
     def _cut(self, batch: Any, head: list, last: bool, lone: bool = False) -> tuple:
         n = self.num_processes

@@ -180,6 +180,29 @@ def whole_steps(batches: Iterable[Any], n: int, size: Optional[int], rows: Calla
         yield complete(group, even_batches), real, True
 
 
+def split_steps(batches: Iterable[Any], size: Optional[int], rows: Callable[[Any], Optional[int]], emitted: int,
+                drop_last: bool, cut: Callable[[Any, bool, bool], tuple]) -> Iterator[tuple]:
+    """One step per batch, each cut into one piece per process by ``cut(batch, last, lone)``.
+
+    A short batch is held until more data shows it is not the end. The final short batch is
+    dropped (``drop_last``) or cut as the last step; ``lone`` when it is the epoch's only step (then
+    pieces nobody would get are padded). ``emitted`` counts the steps of the epoch before
+    ``batches`` (a resumed pass), so a resumed pass ends exactly as the uninterrupted one.
+    """
+    held = None
+    for batch in batches:
+        if held is not None:
+            yield cut(held, False, False)
+            held, emitted = None, emitted + 1
+        if size is None or rows(batch) == size:
+            yield cut(batch, False, False)
+            emitted += 1
+        else:
+            held = batch
+    if held is not None and not drop_last:
+        yield cut(held, True, not emitted)
+
+
 def _cycle_take(source: list, start: int, count: int) -> list:
     """``count`` items of ``source`` repeated end to end, starting at position ``start``."""
     if count <= 0:
@@ -337,27 +360,20 @@ class BatchSamplerShard(BatchSampler):
         return out
 
     def _split_steps(self, skip: int, source: Optional[Iterator] = None,
-                     first: Optional[list] = None) -> Iterator[tuple[list, list]]:
-        n, size = self.num_processes, self.batch_size
-        head: Optional[list] = first[0] if first else None
-        held: Optional[list] = None  # a short batch: we learn whether it is the last one later
-        emitted = skip if source is not None else 0
-        for batch in self.batch_sampler if source is None else source:
-            batch = list(batch)
-            if head is None:
-                head = batch
-            if held is not None:
-                yield (*self._cut(held, head, last=False), False)
-                held, emitted = None, emitted + 1
-            if len(batch) == size:
-                yield (*self._cut(batch, head, last=False), False)
-                emitted += 1
-            else:
-                held = batch
-        if held is not None:
-            if self.drop_last and n > 1:
-                return
-            yield (*self._cut(held, head, last=True, lone=emitted == skip), True)
+                     first: Optional[list] = None) -> Iterator[tuple[list, list, bool]]:
+        head: Optional[list] = first[0] if first else None  # the first batch: the padding source
+
+        def batches() -> Iterator[list]:
+            nonlocal head
+            for batch in self.batch_sampler if source is None else source:
+                batch = list(batch)
+                if head is None:
+                    head = batch
+                yield batch
+
+        return split_steps(batches(), self.batch_size, len, skip if source is not None else 0,
+                           self.drop_last and self.num_processes > 1,
+                           lambda batch, last, lone: (*self._cut(batch, head, last, lone), last))
 
     def _cut(self, batch: list, head: list, last: bool, lone: bool = False) -> tuple[list, list]:
         n, size = self.num_processes, self.batch_size
