@@ -4,8 +4,9 @@ Every file of a checkpoint is a safetensors file (tensors plus a JSON "skeleton"
 metadata, see ``codec.py``), so nothing in a checkpoint is unpickled by default. We write the
 format ourselves instead of calling ``safetensors.torch.save_file`` because that function first
 copies every tensor into a ``bytes`` object, and because big files are written past the page
-cache (O_DIRECT), which makes a durable save about as fast as the disk. The files are plain safetensors (tests read them with the safetensors
-library) with tensors ordered by decreasing item size, so every tensor is aligned for its dtype.
+cache (O_DIRECT), which makes a durable save about as fast as the disk. The files are plain
+safetensors (tests read them with the safetensors library) with tensors ordered by decreasing item
+size, so every tensor is aligned for its dtype.
 
 Checksum ("bsum64"): the file is read as little-endian 64-bit words (the last one zero-padded), the
 words are summed modulo 2**64 per 4 KiB block, and the digest is the CRC-32 of those block sums
@@ -238,11 +239,18 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
     head = len(text).to_bytes(8, "little") + text
     pieces = [head] + [raw for raw in (_as_bytes_tensor(prepared[name]) for name in order) if raw.numel()]
     size = len(head) + offset
-    summer = BlockSummer()
-    if size < _DIRECT_MIN or not _write_direct(path, pieces, size, summer):
+    if size >= _DIRECT_MIN:
         summer = BlockSummer()
-        _write_buffered(path, pieces, summer)
+        if _write_direct(path, pieces, size, summer):
+            return size, summer.digest()
+    summer = BlockSummer()  # a refused direct write may have summed some pieces already
+    _write_buffered(path, pieces, summer)
     return size, summer.digest()
+
+
+def _view(piece: Any) -> memoryview:
+    """The bytes of a piece (``bytes`` or a flat uint8 CPU tensor) without a copy."""
+    return memoryview(piece.numpy()) if isinstance(piece, torch.Tensor) else memoryview(piece)
 
 
 def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
@@ -251,7 +259,7 @@ def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
         position = 0
         for piece in pieces:
             summer.update(piece)
-            view = memoryview(piece.numpy()) if isinstance(piece, torch.Tensor) else memoryview(piece)
+            view = _view(piece)
             while view:
                 written = f.write(view[:_CHUNK])
                 _kick_writeback(f.fileno(), position, written)
@@ -323,7 +331,7 @@ def _write_direct(path: str, pieces: list, size: int, summer: BlockSummer) -> bo
     try:
         index, filled, position = 0, 0, 0
         for piece in pieces:
-            view = memoryview(piece.numpy()) if isinstance(piece, torch.Tensor) else memoryview(piece)
+            view = _view(piece)
             while view:
                 take = min(len(view), _DIRECT_BUFFER - filled)
                 views[index][filled:filled + take] = view[:take]
