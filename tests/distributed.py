@@ -23,6 +23,14 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def reset_state() -> None:
+    """Forget the process state and the gradient state, as a new process starts."""
+    from hasten.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

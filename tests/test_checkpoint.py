@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from distributed import reset_state
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -24,17 +25,6 @@ from hasten.checkpointing.fileio import (
     write_safetensors,
 )
 from hasten.saving import CheckpointMismatchError
-
-
-@pytest.fixture
-def fresh():
-    from hasten.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 class Tied(nn.Module):
@@ -209,7 +199,7 @@ def test_incremental_checksum_equals_whole_file_checksum(seed):
 
 
 # -- naming, retention, discovery ------------------------------------------------------------------------
-def test_automatic_naming_retention_and_numbering_after_load(fresh, tmp_path):
+def test_automatic_naming_retention_and_numbering_after_load(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path, total_limit=2)
     paths = []
     for _ in range(4):
@@ -220,10 +210,7 @@ def test_automatic_naming_retention_and_numbering_after_load(fresh, tmp_path):
     layout.wait_for_deletions()
     assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]  # the newest kept, nothing else left
     expected = snapshot(model, opt)
-    from hasten.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_state()
     acc, model, opt, sched = setup(tmp_path, total_limit=2)  # a new run: iteration starts at 0 again
     assert acc.load_state() == str(root / "checkpoint_3")
     assert same(snapshot(model, opt), expected) and sched.get_last_lr() == [0.1 * 0.5 ** 4]
@@ -231,7 +218,7 @@ def test_automatic_naming_retention_and_numbering_after_load(fresh, tmp_path):
     assert os.path.basename(acc.save_state()) == "checkpoint_4"  # never collides with an existing one
 
 
-def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh, tmp_path):
+def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     train_step(model, opt, sched)
     good = acc.save_state()
@@ -269,7 +256,7 @@ def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh, t
     assert not any(n.startswith(".") for n in os.listdir(root))  # the crashed save's leftover is cleaned up
 
 
-def test_saving_into_the_same_folder_replaces_it_atomically(fresh, tmp_path):
+def test_saving_into_the_same_folder_replaces_it_atomically(fresh_state, tmp_path):
     acc, model, opt, sched = setup(auto=False)
     target = tmp_path / "ckpt"
     acc.save_state(target)
@@ -298,7 +285,7 @@ def test_saving_into_the_same_folder_replaces_it_atomically(fresh, tmp_path):
         acc.save_state()
 
 
-def test_a_failing_save_commits_nothing(fresh, tmp_path):
+def test_a_failing_save_commits_nothing(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
 
     def broken_hook(models, weights, folder):
@@ -312,7 +299,7 @@ def test_a_failing_save_commits_nothing(fresh, tmp_path):
     assert os.path.basename(acc.save_state()) == "checkpoint_0"
 
 
-def test_background_save_keeps_the_state_of_the_call_and_commits_behind_the_loop(fresh, tmp_path):
+def test_background_save_keeps_the_state_of_the_call_and_commits_behind_the_loop(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path, total_limit=2)
     train_step(model, opt, sched)
     before = snapshot(model, opt)
@@ -348,7 +335,7 @@ def test_a_script_that_ends_right_after_a_background_save_still_commits_it(tmp_p
     assert proc.stdout.strip() == str(target) and layout.is_complete(str(target))
 
 
-def test_a_failing_background_save_commits_nothing_and_is_reported(fresh, tmp_path, monkeypatch):
+def test_a_failing_background_save_commits_nothing_and_is_reported(fresh_state, tmp_path, monkeypatch):
     from hasten.checkpointing import saver
 
     acc, model, opt, sched = setup(tmp_path)
@@ -370,15 +357,12 @@ def test_a_failing_background_save_commits_nothing_and_is_reported(fresh, tmp_pa
 
 
 # -- loading: mismatches, corruption, pickle -------------------------------------------------------------
-def test_mismatches_raise_one_clear_error_and_change_nothing(fresh, tmp_path):
+def test_mismatches_raise_one_clear_error_and_change_nothing(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     acc.register_for_checkpointing(Counter(1))
     train_step(model, opt, sched)
     folder = acc.save_state()
-    from hasten.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_state()
     acc, model, opt, sched = setup(tmp_path, hidden=9)  # other shapes, and no registered object
     train_step(model, opt, sched)
     before = snapshot(model, opt)
@@ -394,7 +378,7 @@ def test_mismatches_raise_one_clear_error_and_change_nothing(fresh, tmp_path):
     assert same(snapshot(model, opt), before) and counter.value == 7 and sched.get_last_lr() == [0.05]
 
 
-def test_corrupted_file_is_detected_before_anything_changes(fresh, tmp_path):
+def test_corrupted_file_is_detected_before_anything_changes(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     train_step(model, opt, sched)
     folder = acc.save_state()
@@ -425,7 +409,7 @@ class Boom:
         return (open, (self.marker, "w"))
 
 
-def test_malicious_pickle_in_a_checkpoint_is_never_executed(fresh, tmp_path):
+def test_malicious_pickle_in_a_checkpoint_is_never_executed(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     acc.register_for_checkpointing(Opaque())
     with pytest.warns(UserWarning, match="needs pickle"):
@@ -448,7 +432,7 @@ def test_malicious_pickle_in_a_checkpoint_is_never_executed(fresh, tmp_path):
     assert not marker.exists() and same(snapshot(model, opt), before)
 
 
-def test_pickled_object_loads_with_the_explicit_opt_in(fresh, tmp_path):
+def test_pickled_object_loads_with_the_explicit_opt_in(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     obj = Opaque()
     acc.register_for_checkpointing(obj)
@@ -462,7 +446,7 @@ def test_pickled_object_loads_with_the_explicit_opt_in(fresh, tmp_path):
     assert obj.thing.value == 5
 
 
-def test_tied_weights_survive(fresh, tmp_path):
+def test_tied_weights_survive(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     train_step(model, opt, sched)
     folder = acc.save_state()
@@ -476,7 +460,7 @@ def test_tied_weights_survive(fresh, tmp_path):
 
 
 # -- hooks and resume="auto" -----------------------------------------------------------------------------
-def test_pre_hooks_see_models_and_can_add_files(fresh, tmp_path):
+def test_pre_hooks_see_models_and_can_add_files(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     calls = []
 
@@ -500,9 +484,7 @@ def test_pre_hooks_see_models_and_can_add_files(fresh, tmp_path):
     assert calls == [("save", 1, 1, True), ("load", 1, "checkpoint_0")]
 
 
-def test_resume_auto_starts_fresh_then_continues(fresh, tmp_path):
-    from hasten.state import AcceleratorState, GradientState
-
+def test_resume_auto_starts_fresh_then_continues(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path, resume="auto")
     counter = Counter(0)
     acc.register_for_checkpointing(counter)
@@ -511,15 +493,13 @@ def test_resume_auto_starts_fresh_then_continues(fresh, tmp_path):
     counter.value = 11
     acc.save_state()
     expected = snapshot(model, opt)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_state()
     acc, model, opt, sched = setup(tmp_path, resume="auto")  # prepare() restored everything
     assert same(snapshot(model, opt), expected) and acc.save_iteration == 1
     counter = Counter(0)
     acc.register_for_checkpointing(counter)  # registered later: restored when registered
     assert counter.value == 11
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_state()
     with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
         setup(tmp_path, auto=False, resume="auto")
     with pytest.raises(ValueError, match="resume='sometimes' is neither 'auto' nor an existing checkpoint folder"):
@@ -527,7 +507,7 @@ def test_resume_auto_starts_fresh_then_continues(fresh, tmp_path):
 
 
 # -- seeking ---------------------------------------------------------------------------------------------
-def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fresh):
+def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fresh_state):
     from torch.utils.data import BatchSampler, SequentialSampler
 
     import hasten.data.position as position

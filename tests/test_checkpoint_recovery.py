@@ -18,19 +18,9 @@ import sys
 import time
 
 import pytest
-from scripts.launch_common import clean_env, free_port, hasten, script
+from scripts.launch_common import clean_env, free_port, hasten, ranks, script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _ranks(folder, n=2):
-    out = []
-    for rank in range(n):
-        path = os.path.join(folder, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote nothing; files: {os.listdir(folder)}"
-        with open(path) as f:
-            out.append(json.load(f))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def _launch(env, out, project, mode, restarts=0):
 def uninterrupted(tmp_path_factory, env):
     root = tmp_path_factory.mktemp("clean")
     rc, out, err, _ = hasten(_launch(env, root / "out", root / "project", "clean"), env, timeout=300)
-    seen = _ranks(root / "out")
+    seen = ranks(root / "out", 2)
     assert [s["steps"] for s in seen] == [12, 12], err
     return seen
 
@@ -80,7 +70,7 @@ def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path
 def test_restart_after_kill_through_the_launcher_gives_the_uninterrupted_weights(tmp_path, env, uninterrupted):
     rc, out, err, _ = hasten(_launch(env, tmp_path / "out", tmp_path / "project", "kill", restarts=1), env,
                              timeout=300)
-    seen = _ranks(tmp_path / "out")
+    seen = ranks(tmp_path / "out", 2)
     assert [s["attempt"] for s in seen] == [1, 1], err
     assert [s["resumed_at"] for s in seen] == [4, 4]  # the save at step 6 died half-way: step 4's is newest
     for rank in range(2):
@@ -111,7 +101,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, env, uninter
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["mid_accumulation"]  # saved between micro-steps
     rc, text, err, _ = hasten(_launch(env, tmp_path / "again", project, "clean"), env, timeout=300)
-    seen = _ranks(tmp_path / "again")
+    seen = ranks(tmp_path / "again", 2)
     assert [s["resumed_at"] for s in seen] == [5, 5], err
     for rank in range(2):
         assert seen[rank]["weights"] == uninterrupted[rank]["weights"]

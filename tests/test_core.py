@@ -31,17 +31,6 @@ def test_core_two_processes(two_ranks, name):
         assert values == [["main"], ["last", "p1"]]
 
 
-@pytest.fixture
-def fresh_state():
-    from hasten.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.mark.parametrize(
     "kwargs, words",
     [

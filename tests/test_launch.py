@@ -13,17 +13,7 @@ import time
 
 import pytest
 
-from scripts.launch_common import clean_env, free_port, hasten, script
-
-
-def ranks(folder, n, prefix="rank"):
-    out = []
-    for rank in range(n):
-        path = os.path.join(folder, f"{prefix}{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote nothing; files: {os.listdir(folder)}"
-        with open(path) as f:
-            out.append(json.load(f))
-    return out
+from scripts.launch_common import clean_env, free_port, hasten, ranks, script
 
 
 def alive(pid):

@@ -1,5 +1,6 @@
 """Helpers shared by the CLI/launch tests: a clean environment and running the real command."""
 
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,17 @@ def clean_env(config_file, **extra):
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def ranks(folder, n, prefix="rank"):
+    """What each of ``n`` ranks reported in ``folder/<prefix><rank>.json`` (asserting each wrote one)."""
+    out = []
+    for rank in range(n):
+        path = os.path.join(folder, f"{prefix}{rank}.json")
+        assert os.path.exists(path), f"rank {rank} wrote nothing; files: {os.listdir(folder)}"
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
 
 
 def free_port():
