@@ -23,6 +23,10 @@ _EXPORTS = {
     "InitProcessGroupKwargs": ".utils.dataclasses",
     "AutocastKwargs": ".utils.dataclasses",
     "ProjectConfiguration": ".utils.dataclasses",
+    "AORecipeKwargs": ".utils.dataclasses",
+    "TERecipeKwargs": ".utils.dataclasses",
+    "MSAMPRecipeKwargs": ".utils.dataclasses",
+    "FP8RecipeKwargs": ".utils.dataclasses",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

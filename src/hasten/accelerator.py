@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .checkpointing import CheckpointMixin
+from .fp8 import plan_for as fp8_plan
 from .optimizer import AcceleratedOptimizer
 from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
 from .precision import Precision
@@ -26,6 +27,7 @@ from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    FP8BackendType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -43,7 +45,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
 
     Args:
         device_placement: move prepared models and batches to ``accelerator.device``.
-        mixed_precision: "no", "fp16", "bf16" (or "fp8", which fails clearly for now).
+        mixed_precision: "no", "fp16", "bf16" or "fp8" (torchao; see ``AORecipeKwargs``).
         gradient_accumulation_steps: micro-steps per optimizer step (>= 1).
         cpu: force the CPU even when an accelerator is present.
         dataloader_config: how prepared dataloaders shard data (``DataLoaderConfiguration``).
@@ -53,7 +55,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         gradient_accumulation_plugin: full control of accumulation (exclusive with the steps argument).
         step_scheduler_with_optimizer: step prepared schedulers only when the optimizer really steps.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
-            ``InitProcessGroupKwargs``, ``AutocastKwargs``.
+            ``InitProcessGroupKwargs``, ``AutocastKwargs``, one fp8 recipe (``AORecipeKwargs``, ...).
         dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
     """
 
@@ -94,6 +96,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                                       fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
         self.gradient_state = GradientState(plugin)
+        self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device)
         self.precision = Precision(self.state.mixed_precision, self.state.device,
                                    handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs))
         self.strategy = select_strategy(self.state, ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
@@ -134,6 +137,15 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
     @property
     def scaler(self) -> Optional[torch.amp.GradScaler]:
         return self.precision.scaler
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return self.fp8 is not None
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """The library running fp8 (``FP8BackendType.NO`` without fp8)."""
+        return self.fp8.backend if self.fp8 is not None else FP8BackendType.NO
 
     @property
     def native_amp(self) -> bool:
@@ -246,6 +258,8 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
             device_placement = self.device_placement
         if device_placement and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
+        if self.fp8 is not None:
+            self.fp8.convert(model)
         self.precision.wrap_forward(model)
         prepared = model if evaluation_mode else self.strategy.wrap_model(model)
         dynamo = self.state.dynamo_plugin

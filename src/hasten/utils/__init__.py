@@ -8,6 +8,7 @@ _EXPORTS = {
         "DistributedType", "PrecisionType", "RNGType", "DDPCommunicationHookType", "KwargsHandler",
         "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
         "GradientAccumulationPlugin", "DataLoaderConfiguration", "ProjectConfiguration", "TorchDynamoPlugin",
+        "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",
     )},
     # collectives and nested-structure helpers
     **{name: ".operations" for name in (

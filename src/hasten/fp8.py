@@ -1,0 +1,287 @@
+"""fp8 training: choosing the backend, checking the hardware, converting a model's layers.
+
+``Accelerator(mixed_precision="fp8")`` builds one ``Float8Plan`` from the recipe handler it was
+given (``AORecipeKwargs``, ``TERecipeKwargs``, ``MSAMPRecipeKwargs`` or the deprecated
+``FP8RecipeKwargs``), or from ``HASTEN_FP8_BACKEND``, or from the first backend installed. The plan
+refuses hardware that cannot do fp8 (never a quiet fallback to bf16) and converts each prepared
+model before the strategy wraps it. Around the converted layers the model runs under bf16 autocast
+(``Precision`` treats "fp8" as bf16), as Accelerate does: torchao's float8 matmuls then return bf16.
+
+Only torchao is driven here. Transformer Engine and MS-AMP cannot be installed without CUDA;
+missing, they fail with the install command; present, with a clear "not driven yet" error.
+torchao is imported only when fp8 is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .logging import get_logger
+from .utils.dataclasses import (
+    AORecipeKwargs,
+    FP8BackendType,
+    FP8RecipeKwargs,
+    MSAMPRecipeKwargs,
+    TERecipeKwargs,
+)
+from .utils.environment import env_names, get_env
+
+logger = get_logger(__name__)
+
+RECIPE_CLASSES = (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs)
+PACKAGES = {  # backend -> (import name, what to tell the user)
+    "AO": ("torchao", "torchao: pip install torchao (or pip install 'hasten[fp8]')"),
+    "TE": ("transformer_engine", "NVIDIA Transformer Engine: pip install 'transformer_engine[pytorch]' (needs CUDA)"),
+    "MSAMP": ("msamp", "MS-AMP: see https://azure.github.io/MS-AMP/docs/getting-started/installation (needs CUDA)"),
+}
+# torch._scaled_mm with float8 inputs needs Ada (8.9) or Hopper (9.0) tensor cores and newer.
+MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def backend_installed(backend: str) -> bool:
+    return importlib.util.find_spec(PACKAGES[backend][0]) is not None
+
+
+def require_backend(backend: str, who: str) -> None:
+    """Raise one ImportError naming the missing package and how to install it."""
+    if not backend_installed(backend):
+        raise ImportError(f"{who} needs {PACKAGES[backend][1]}; it is not installed. Install it, or use "
+                          "AORecipeKwargs (torchao), or mixed_precision='bf16'")
+
+
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """torchao warns, on import, about each CUDA-only kernel library it cannot load and about a
+    missing triton; neither matters to float8 training, and CPU users would see them every run."""
+    class DropImportNoise(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            text = str(record.msg)
+            return not (text.startswith("Failed to load") or "Detected no triton" in text)
+
+    quiet = DropImportNoise()
+    # Filters on a logger do not apply to records of its children: put it on each one that warns.
+    targets = [logging.getLogger(name) for name in ("torchao", "torchao.kernel.intmm")]
+    for target in targets:
+        target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.removeFilter(quiet)
+
+
+def import_torchao_float8() -> Any:
+    """``torchao.float8``, imported on first use."""
+    require_backend("AO", "mixed_precision='fp8' with the torchao backend")
+    with _quiet_torchao_import():
+        import torchao.float8 as float8
+    return float8
+
+
+def build_ao_config(config: Any, pad_inner_dim: Optional[bool], fsdp_all_gather: Optional[bool]) -> Any:
+    """A ``Float8LinearConfig`` from ``AORecipeKwargs``' fields (a recipe name is accepted too)."""
+    float8 = import_torchao_float8()
+    if isinstance(config, str):
+        names = [r.value for r in float8.Float8LinearRecipeName]
+        if config.lower() not in names:
+            raise ValueError(f"AORecipeKwargs(config={config!r}) is not a torchao recipe; use one of {names} "
+                             "or a torchao.float8.Float8LinearConfig")
+        config = float8.Float8LinearConfig.from_recipe_name(config.lower())
+    if config is None:
+        pad = _env_flag("FP8_PAD_INNER_DIM", True) if pad_inner_dim is None else pad_inner_dim
+        gather = _env_flag("FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", True) if fsdp_all_gather is None else fsdp_all_gather
+        return float8.Float8LinearConfig(pad_inner_dim=bool(pad), enable_fsdp_float8_all_gather=bool(gather))
+    if not isinstance(config, float8.Float8LinearConfig):
+        raise TypeError(f"AORecipeKwargs(config=...) got a {type(config).__name__}; pass a "
+                        "torchao.float8.Float8LinearConfig, a recipe name ('tensorwise', 'rowwise') or None")
+    # Accelerate ignores these two next to a config; silently dropping a setting is worse.
+    for field_name, value in (("pad_inner_dim", pad_inner_dim), ("enable_fsdp_float8_all_gather", fsdp_all_gather)):
+        if value is not None and value != getattr(config, field_name):
+            raise ValueError(f"AORecipeKwargs({field_name}={value}) contradicts config.{field_name}="
+                             f"{getattr(config, field_name)}; set it in the Float8LinearConfig only")
+    return config
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    from .utils.environment import parse_flag
+
+    return parse_flag(name, default)
+
+
+# -- choosing the recipe ---------------------------------------------------------------------------
+def select_recipe(handlers: dict[type, Any], mixed_precision: str) -> Optional[Any]:
+    """The fp8 recipe handler to use (None without fp8); validates the combination."""
+    recipes = [h for h in handlers.values() if isinstance(h, RECIPE_CLASSES)]
+    if len(recipes) > 1:
+        names = ", ".join(type(r).__name__ for r in recipes)
+        raise ValueError(f"kwargs_handlers holds several fp8 recipes ({names}); pass only the one for your backend")
+    recipe = recipes[0] if recipes else None
+    if mixed_precision != "fp8":
+        if recipe is not None:
+            raise ValueError(f"{type(recipe).__name__} was passed in kwargs_handlers but mixed_precision="
+                             f"{mixed_precision!r}; set mixed_precision='fp8' (or drop the recipe)")
+        return None
+    if isinstance(recipe, FP8RecipeKwargs):
+        return recipe.to_recipe()
+    if recipe is not None:
+        return recipe
+    backend = get_env("FP8_BACKEND")
+    if backend:
+        backend = backend.strip().upper()
+        if backend not in PACKAGES:
+            raise ValueError(f"{env_names('FP8_BACKEND')[0]}={backend.lower()!r} is not an fp8 backend; "
+                             "use ao (torchao), te (Transformer Engine) or msamp (MS-AMP)")
+    else:
+        backend = next((b for b in PACKAGES if backend_installed(b)), None)
+        if backend is None:
+            raise ImportError("mixed_precision='fp8' needs an fp8 backend and none is installed; install "
+                              f"{PACKAGES['AO'][1]}, or use mixed_precision='bf16'")
+        logger.info(f"fp8: using {PACKAGES[backend][0]}, the first fp8 backend found installed")
+    return {"AO": AORecipeKwargs, "TE": TERecipeKwargs, "MSAMP": MSAMPRecipeKwargs}[backend]()
+
+
+def backend_of(recipe: Any) -> FP8BackendType:
+    if isinstance(recipe, AORecipeKwargs):
+        return FP8BackendType.AO
+    return FP8BackendType.TE if isinstance(recipe, TERecipeKwargs) else FP8BackendType.MSAMP
+
+
+# -- the hardware ----------------------------------------------------------------------------------
+def check_fp8_device(backend: FP8BackendType, device: torch.device) -> None:
+    """Raise if ``device`` cannot run fp8 with ``backend``.
+
+    "Can run" means: on CUDA, compute capability 8.9 or newer; on any device, a float8
+    ``torch._scaled_mm`` actually runs there (CPU builds of torch 2.13 have one; MPS does not).
+    """
+    if backend != FP8BackendType.AO and device.type != "cuda":
+        raise ValueError(f"mixed_precision='fp8' with {PACKAGES[backend.value][0]} needs a CUDA GPU; "
+                         f"this process runs on {device.type}. Use the torchao backend (AORecipeKwargs) "
+                         "or mixed_precision='bf16'")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CUDA_CAPABILITY:
+            raise ValueError(
+                f"mixed_precision='fp8' needs a GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. Use mixed_precision='bf16'"
+            )
+    if backend == FP8BackendType.AO:
+        _probe_scaled_mm(device)
+
+
+def _probe_scaled_mm(device: torch.device) -> None:
+    try:
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        b = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"mixed_precision='fp8' cannot run on {device}: a float8 matrix multiply "
+                         f"(torch._scaled_mm) fails there ({reason}). Use mixed_precision='bf16'") from None
+
+
+# -- converting a model ----------------------------------------------------------------------------
+def first_and_last_linear(model: nn.Module) -> tuple[Optional[str], Optional[str]]:
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return (names[0], names[-1]) if names else (None, None)
+
+
+def default_module_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """Accelerate's rule: convert every Linear except the first, the last, and any whose in or out
+    dimension is not a multiple of 16 (the first and last layers are the most sensitive to fp8)."""
+    keep = set(first_and_last_linear(model))
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if isinstance(module, nn.Linear) and (module.in_features % 16 or module.out_features % 16):
+            return False
+        return fqn not in keep
+
+    return convert
+
+
+class Float8Plan:
+    """What ``mixed_precision="fp8"`` does to each prepared model.
+
+    Args:
+        recipe: the fp8 recipe handler (see ``select_recipe``).
+        device: the device the processes train on (checked here).
+        sharded: whether a sharding strategy (FSDP2) will wrap the models; float8 all-gather
+            only means something then.
+    """
+
+    def __init__(self, recipe: Any, device: torch.device, sharded: bool = False) -> None:
+        self.recipe = recipe
+        self.backend = backend_of(recipe)
+        require_backend(self.backend.value, f"mixed_precision='fp8' with {type(recipe).__name__}")
+        check_fp8_device(self.backend, device)
+        if self.backend != FP8BackendType.AO:
+            raise NotImplementedError(
+                f"hasten drives fp8 through torchao only for now; {PACKAGES[self.backend.value][0]} is installed "
+                "but not supported yet. Use AORecipeKwargs (torchao) instead"
+            )
+        self.config = recipe.config
+        if not sharded and self.config.enable_fsdp_float8_all_gather:
+            # The all-gather wrapper replaces each weight Parameter, so an optimizer built before
+            # prepare() would keep updating the old ones (Accelerate 1.15 trains nothing in the
+            # converted layers this way). Without FSDP the wrapper does nothing else: leave it out.
+            import dataclasses
+
+            self.config = dataclasses.replace(self.config, enable_fsdp_float8_all_gather=False)
+
+    def convert(self, model: nn.Module) -> list[str]:
+        """Swap the chosen ``nn.Linear`` layers of ``model`` for float8 ones, in place; returns their names.
+
+        A model that already holds float8 layers (converted by the user) is left as it is.
+        """
+        float8 = import_torchao_float8()
+        from torchao.float8.float8_linear import Float8Linear
+
+        already = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+        if already:
+            logger.info(f"fp8: the model already has {len(already)} float8 layer(s); not converting it again")
+            return already
+        linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+        chosen = self.recipe.module_filter_func or default_module_filter(model)
+        params_before = {id(p) for p in model.parameters()}
+        float8.convert_to_float8_training(model, config=self.config, module_filter_fn=chosen)
+        if {id(p) for p in model.parameters()} != params_before:
+            raise RuntimeError("converting to float8 replaced the model's parameters, so an optimizer built "
+                               "before prepare() would not train them; report this as a hasten bug")
+        converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+        kept = [n for n in linear if n not in converted]
+        recipe_name = _recipe_label(self.config)
+        logger.info(f"fp8 (torchao, {recipe_name}): {len(converted)} of {len(linear)} Linear layer(s) converted "
+                    f"to float8: {', '.join(converted) or 'none'}; kept in high precision: {', '.join(kept) or 'none'}")
+        if not converted:
+            logger.warning("fp8: no layer was converted to float8 (the filter kept every Linear in high "
+                           "precision), so this model trains in bf16")
+        return converted
+
+
+def _recipe_label(config: Any) -> str:
+    granularity = str(getattr(config.cast_config_weight, "scaling_granularity", "")).lower()
+    return "rowwise" if "axiswise" in granularity else "tensorwise"
+
+
+def plan_for(handlers: dict[type, Any], mixed_precision: str, device: torch.device,
+             sharded: bool = False) -> Optional[Float8Plan]:
+    """The fp8 plan for an Accelerator's settings, or None when fp8 is not used."""
+    recipe = select_recipe(handlers, mixed_precision)
+    return None if recipe is None else Float8Plan(recipe, device, sharded=sharded)
+
+
+def has_float8_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds torchao float8 layers (False when torchao was never imported)."""
+    import sys
+
+    if "torchao.float8" not in sys.modules:
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    return any(isinstance(m, Float8Linear) for m in model.modules())
