@@ -35,7 +35,6 @@ def test_core_two_processes(two_ranks, name):
     "kwargs, words",
     [
         ({"mixed_precision": "fp32"}, ["'fp32'", "bf16"]),
-        ({"mixed_precision": "fp8"}, ["fp8", "bf16"]),
         ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps=0", ">= 1"]),
         ({"gradient_accumulation_steps": 2.5}, ["2.5", ">= 1"]),
         ({"log_with": "wandb"}, ["wandb", "log_with"]),

@@ -385,7 +385,7 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
 
         warnings.warn("FP8RecipeKwargs is deprecated; use AORecipeKwargs (torchao), TERecipeKwargs or "
                       "MSAMPRecipeKwargs", FutureWarning, stacklevel=3)
-        from ..fp8 import backend_installed
+        from ..fp8 import backend_installed, require_backend
 
         default = "MSAMP" if backend_installed("MSAMP") else "TE"
         self.backend = _fp8_choice("FP8RecipeKwargs", "backend", self.backend, "FP8_BACKEND", default,
@@ -394,6 +394,7 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
             self._check_te_fields("FP8RecipeKwargs")
         elif self.backend == "MSAMP":
             self._check_msamp_fields("FP8RecipeKwargs")
+        require_backend(self.backend, f"FP8RecipeKwargs(backend={self.backend!r})")
 
     def to_recipe(self) -> KwargsHandler:
         """The recipe handler of ``backend`` with this object's settings."""

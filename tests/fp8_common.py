@@ -1,0 +1,39 @@
+"""Tiny models, data and a plain-PyTorch fp8 reference shared by the fp8 tests (in-process and DDP)."""
+
+import torch
+from torch import nn
+
+DIM = 32
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    """Four Linear layers: the default filter converts the two inner ones (dimensions 32)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.ReLU(),
+                         nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, 4))
+
+
+def make_data(n: int = 64, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    y = torch.tanh(x[:, :4] * 2) + 0.05 * torch.randn(n, 4, generator=g)
+    return x, y
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def reference_model(recipe: str = "tensorwise", seed: int = 0) -> nn.Module:
+    """What hasten should build, made by hand: torchao conversion of the two inner layers."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = make_model(seed)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda module, fqn: fqn in ("2", "4"))
+    return model
+
+
+def reference_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x).float()
