@@ -62,11 +62,12 @@ def _quiet_torchao_import() -> Iterator[None]:
     class DropImportNoise(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             text = str(record.msg)
-            return not (text.startswith("Failed to load") or "Detected no triton" in text)
+            return not (text.startswith("Failed to load") or "Detected no triton" in text
+                        or "is an Enum subclass and is now natively supported" in text)
 
     quiet = DropImportNoise()
     # Filters on a logger do not apply to records of its children: put it on each one that warns.
-    targets = [logging.getLogger(name) for name in ("torchao", "torchao.kernel.intmm")]
+    targets = [logging.getLogger(name) for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")]
     for target in targets:
         target.addFilter(quiet)
     try:

@@ -220,7 +220,27 @@ def ask_config(ask: Asker) -> dict[str, Any]:
     else:
         cfg["gradient_accumulation_steps"] = steps
     cfg["mixed_precision"] = ask.choice("Mixed precision?", [(p, p) for p in MIXED_PRECISION], "no")
+    if cfg["mixed_precision"] == "fp8":
+        cfg["fp8_config"] = _ask_fp8(ask, fsdp=cfg["distributed_type"] == "FSDP")
     return cfg
+
+
+def _ask_fp8(ask: Asker, fsdp: bool) -> dict[str, Any]:
+    backends = [("AO", "torchao (works on CPU and on GPUs with compute capability 8.9+)"),
+                ("TE", "NVIDIA Transformer Engine"), ("MSAMP", "MS-AMP")]
+    fp8: dict[str, Any] = {"backend": ask.choice("Which fp8 backend?", backends, "AO")}
+    if fp8["backend"] == "AO":
+        fp8["pad_inner_dim"] = ask.yes_no("Pad matmul dimensions to multiples of 16 (pad_inner_dim)?", True)
+        if fsdp:
+            fp8["enable_fsdp_float8_all_gather"] = ask.yes_no("All-gather FSDP shards in float8?", True)
+    elif fp8["backend"] == "TE":
+        fp8["fp8_format"] = ask.choice("fp8 format?", [(f, f) for f in ("HYBRID", "E4M3", "E5M2")], "HYBRID")
+        fp8["amax_history_len"] = ask.number("Amax history length?", 1024, minimum=1)
+        fp8["amax_compute_algo"] = ask.choice("Amax algorithm?", [(a, a) for a in ("max", "most_recent")],
+                                              "most_recent")
+    else:
+        fp8["opt_level"] = ask.choice("MS-AMP optimisation level?", [("O1", "O1"), ("O2", "O2")], "O2")
+    return fp8
 
 
 def _check_ids(ids: str, per_node: int) -> str:

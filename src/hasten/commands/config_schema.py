@@ -32,6 +32,7 @@ FSDP_WRAP = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 FSDP_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 FSDP_STATE_DICT = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+FP8_BACKENDS = ("AO", "TE", "MSAMP")
 DS_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")
 
 _TRUE = {"true", "yes", "y", "on", "1"}
@@ -225,9 +226,25 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("deepspeed_multinode_launcher", "choice", None, DS_LAUNCHERS),
         Key("deepspeed_moe_layer_cls_names", "str", None),
     ),
+    # Accelerate's fp8 keys (its questionnaire writes the three legacy spellings in FP8_LEGACY).
+    "fp8_config": _keys(
+        Key("backend", "choice", None, FP8_BACKENDS),
+        Key("use_autocast_during_eval", "bool", None),
+        Key("margin", "int", None, minimum=0),
+        Key("interval", "int", None, minimum=1),
+        Key("fp8_format", "choice", None, ("HYBRID", "E4M3", "E5M2")),
+        Key("amax_history_len", "int", None, minimum=1),
+        Key("amax_compute_algo", "choice", None, ("max", "most_recent")),
+        Key("override_linear_precision", "str", None),
+        Key("opt_level", "choice", None, ("O1", "O2")),
+        Key("enable_fsdp_float8_all_gather", "bool", None),
+        Key("pad_inner_dim", "bool", None),
+    ),
 }
+FP8_LEGACY = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo",
+              "optimization_level": "opt_level"}
 # Sections hasten stores but does not read yet: any content is kept as-is.
-FREE_SECTIONS = {"fp8_config", "parallelism_config", "megatron_lm_config", "mpirun_config", "ipex_config"}
+FREE_SECTIONS = {"parallelism_config", "megatron_lm_config", "mpirun_config", "ipex_config"}
 
 # What `hasten config` writes, in this order (sorted, like Accelerate's files).
 WRITTEN = (
@@ -312,6 +329,8 @@ def _validate_section(name: str, section: dict, where: str) -> dict:
     known = SECTIONS[name]
     out = {}
     for key, value in section.items():
+        if name == "fp8_config" and key in FP8_LEGACY and FP8_LEGACY[key] not in section:
+            key = FP8_LEGACY[key]
         if key not in known:
             hint = did_you_mean(str(key), list(known))
             raise HastenCLIError(f"{where}: unknown key {name}.{key}{hint or '; remove it'}")

@@ -305,6 +305,8 @@ def _child_env(res: Resolved, device: str, per_node: int, gpu_ids: Optional[str]
             continue
         if setting.group.startswith("FSDP") and not fsdp or setting.group.startswith("DeepSpeed") and not deepspeed:
             continue
+        if setting.group.startswith("fp8") and res["mixed_precision"] != "fp8":
+            continue
         if name.startswith("dynamo_") and name != "dynamo_backend" and res["dynamo_backend"] in (None, "NO"):
             continue
         value = res[name]
@@ -335,6 +337,7 @@ def explain(plan: Plan) -> str:
     shown = [n for n, s in SETTINGS.items()
              if not (s.group.startswith("FSDP") and not res["use_fsdp"] and n != "use_fsdp")
              and not (s.group.startswith("DeepSpeed") and not res["use_deepspeed"] and n != "use_deepspeed")
+             and not (s.group.startswith("fp8") and res["mixed_precision"] != "fp8")
              and not s.hidden]
     for name in shown:
         v = res.values[name]

@@ -159,7 +159,28 @@ _DS = [
     for name in SECTIONS["deepspeed_config"] if name != "gradient_accumulation_steps"
 ]
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS}
+G_FP8 = "fp8 (with --mixed_precision fp8; passed to the processes)"
+_FP8_HELP = {
+    "backend": "ao (torchao), te (Transformer Engine) or msamp (MS-AMP); default: the first installed.",
+    "use_autocast_during_eval": "te: fp8 in eval mode too.", "margin": "te: scaling margin.",
+    "interval": "te: steps between scale updates.", "fp8_format": "te: HYBRID, E4M3 or E5M2.",
+    "amax_history_len": "te: amax history length.", "amax_compute_algo": "te: max or most_recent.",
+    "override_linear_precision": "te: fprop,dgrad,wgrad in high precision, e.g. false,false,true.",
+    "opt_level": "msamp: O1 or O2.", "enable_fsdp_float8_all_gather": "ao: all-gather FSDP2 shards in float8.",
+    "pad_inner_dim": "ao: pad matmul dimensions to multiples of 16.",
+}
+
+
+def _fp8_setting(key: str) -> Setting:
+    name = key if key.startswith("fp8_") else f"fp8_{key}"  # --fp8_format, not --fp8_fp8_format
+    env = env_names(name.upper())  # HASTEN_FP8_MARGIN, then Accelerate's ACCELERATE_FP8_MARGIN
+    return _s(name, G_FP8, _FP8_HELP[key], config=("fp8_config", key), env=env, child_env=env[0],
+              store_true=key == "use_autocast_during_eval")
+
+
+_FP8 = [_fp8_setting(key) for key in SECTIONS["fp8_config"]]
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _FP8}
 
 
 @dataclass
