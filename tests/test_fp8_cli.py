@@ -10,18 +10,8 @@ import yaml
 from hasten.commands.cli import build_parser, main
 from hasten.commands.config_schema import read_config
 from hasten.commands.launch import build_plan
-from scripts.launch_common import LEAKY_NAMES, LEAKY_PREFIXES, clean_env, hasten, ranks, script
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith(LEAKY_PREFIXES) or key in LEAKY_NAMES:
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HASTEN_CONFIG_FILE", str(tmp_path / "absent.yaml"))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("print('hi')\n")
+from scripts.launch_common import clean_env, hasten, ranks, script
+from test_cli import clean  # noqa: F401  (autouse: no launcher variables, no config file, cwd in tmp)
 
 
 def child_env(*argv):
