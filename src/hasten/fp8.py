@@ -276,13 +276,3 @@ def plan_for(handlers: dict[type, Any], mixed_precision: str, device: torch.devi
     recipe = select_recipe(handlers, mixed_precision)
     return None if recipe is None else Float8Plan(recipe, device, sharded=sharded)
 
-
-def has_float8_layers(model: nn.Module) -> bool:
-    """Whether ``model`` holds torchao float8 layers (False when torchao was never imported)."""
-    import sys
-
-    if "torchao.float8" not in sys.modules:
-        return False
-    from torchao.float8.float8_linear import Float8Linear
-
-    return any(isinstance(m, Float8Linear) for m in model.modules())
