@@ -168,6 +168,7 @@ def read_dcp(folder: str) -> tuple[dict[str, Any], list[str]]:
 
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = dcp.FileSystemReader(folder)
     try:
@@ -187,10 +188,11 @@ def read_dcp(folder: str) -> tuple[dict[str, Any], list[str]]:
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-        except Exception as e:  # noqa: BLE001 - missing or truncated .distcp files
-            text = str(e).strip().splitlines()
-            raise HastenCLIError(f"cannot read the weights in {folder!r}: {type(e).__name__}: "
-                                 f"{text[-1] if text else ''}; the checkpoint is incomplete or damaged") from None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
+            # DCP's exception (a BaseException) carries each rank's traceback: its last line is the cause.
+            text = [line for line in str(e).strip().splitlines() if line.strip()]
+            raise HastenCLIError(f"cannot read the weights in {folder!r}: {text[-1].strip() if text else type(e).__name__}"
+                                 "; the checkpoint is incomplete or damaged") from None
     return {selected[k]: v for k, v in buffers.items()}, skipped
 
 
