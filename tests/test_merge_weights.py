@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from distributed import run_checks
 from hasten.commands.cli import main
+from test_cli import one_line_error
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
@@ -134,14 +135,6 @@ def test_hasten_checkpoint_of_two_models(tmp_path, fresh_state, capsys):
         assert torch.equal(twin.state_dict()[name], value), name
     assert_same(load_file(tmp_path / "out" / "model_1" / "model.safetensors"), second.state_dict())
     assert os.path.isdir(tmp_path / "ck")  # kept without --remove_checkpoint_dir
-
-
-def one_line_error(capsys, argv):
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith("hasten: error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
-    return err
 
 
 def test_bad_inputs(sharded, tmp_path, capsys):

@@ -25,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
         "estimate-memory",
         help="Estimate the training memory per process of a model (local config or class), per dtype and strategy.",
         description="Build MODEL on the meta device (no download, no memory) and print, per dtype, the bytes of "
-                    "parameters, gradients and Adam state per process for single/DDP, ZeRO-1/2/3 and FSDP2 over "
+                    "parameters, gradients and Adam state per process for one process, DDP, ZeRO-1/2/3 and FSDP2 over "
                     "--num_processes processes, and the largest layer. MODEL is a local transformers config (a "
                     "folder holding config.json, or the file) or a class path package.module:Class.",
     )

@@ -9,6 +9,8 @@
   is also what hasten's autocast (fp32 weights and gradients, no separate master copy) and FSDP2's
   ``MixedPrecisionPolicy`` (fp32 shards) hold; only the split between the columns differs.
 - int8/int4: loading only (no gradients or optimizer state for quantised weights).
+- DDP holds every gradient twice: in ``.grad`` and in its communication buckets (one copy with
+  ``DistributedDataParallelKwargs(gradient_as_bucket_view=True)``).
 - ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights (flat
   split: ceil(n / N) each); FSDP2 shards every parameter along its first dimension, padded to a
   multiple of N (the largest shard, rank 0's, is reported). ZeRO-3 and FSDP2 also hold one gathered
@@ -26,7 +28,7 @@ from typing import Any
 DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 TRAINABLE_DTYPES = ("float32", "float16", "bfloat16")
 BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5}
-STRATEGIES = ("single/DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
+STRATEGIES = ("single", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
 COLUMNS = ("parameters", "gradients", "optimizer", "gathered_layer", "total")
 
 ASSUMPTIONS = (
@@ -35,6 +37,8 @@ ASSUMPTIONS = (
     "per parameter (the same 16-byte total as hasten's autocast, fp32 weights and gradients, and FSDP2's fp32 "
     "shards; only the split differs)",
     "int8/int4: loading only, no training",
+    "DDP: gradients twice, in .grad and in the communication buckets (once with "
+    "DistributedDataParallelKwargs(gradient_as_bucket_view=True))",
     "ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 and FSDP2 also the weights; ZeRO-3 and "
     "FSDP2 add one gathered layer (its weights and unreduced gradients; prefetching can hold two)",
     "buffers replicated; activations, temporary buffers and the framework's own memory not included",
@@ -97,7 +101,9 @@ def estimate(sizes: ModelSizes, dtype: str, num_processes: int) -> dict[str, dic
     fsdp_params = fsdp2_shard(sizes.trainable, n) + fsdp2_shard(sizes.frozen, n)
     fsdp_trainable = fsdp2_shard(sizes.trainable, n)
     rows = {
-        "single/DDP": (total_params * b + buffers, trainable * b, trainable * state, 0),
+        "single": (total_params * b + buffers, trainable * b, trainable * state, 0),
+        # DDP copies every gradient into its communication buckets (unless gradient_as_bucket_view=True).
+        "DDP": (total_params * b + buffers, 2 * trainable * b, trainable * state, 0),
         "ZeRO-1": (total_params * b + buffers, trainable * b, flat * state, 0),
         "ZeRO-2": (total_params * b + buffers, flat * b, flat * state, 0),
         "ZeRO-3": ((flat + -(-frozen // n)) * b + buffers, flat * b, flat * state, layer),
