@@ -39,6 +39,8 @@ def check_fsdp2_dcp_checkpoints():
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(out, "nested"))
     dcp.save(msd, checkpoint_id=os.path.join(out, "plain"))
     dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(out, "optimizer_only"))
+    # hasten's own layout for sharded strategies: <checkpoint>/sharded with model_<i> / optimizer_<i> keys.
+    dcp.save({"model_0": msd, "model_1": msd, "optimizer_0": osd}, checkpoint_id=os.path.join(out, "hasten_layout"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         save_file({k: v.clone().contiguous() for k, v in full.items()}, os.path.join(out, "reference.safetensors"))

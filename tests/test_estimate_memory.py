@@ -17,19 +17,20 @@ def test_arithmetic_per_strategy():
     sizes = ModelSizes("m", trainable=[(30, 10), (10, 10)], frozen=[(10, 5)], float_buffers=4,
                        other_buffer_bytes=8, largest_layer=("lin", 40))
     fp32 = estimate(sizes, "float32", 4)
-    assert fp32["single"] == {"parameters": 50 * 4 + 16 + 8, "gradients": 160, "optimizer": 320,
-                              "gathered_layer": 0, "total": 224 + 160 + 320}
+    steps = 2 * 4  # Adam's step counter per parameter tensor
+    assert fp32["single"] == {"parameters": 50 * 4 + 16 + 8, "gradients": 160, "optimizer": 320 + steps,
+                              "gathered_layer": 0, "total": 224 + 160 + 320 + steps}
     assert fp32["DDP"]["gradients"] == 2 * 160 and fp32["DDP"]["total"] == fp32["single"]["total"] + 160
-    assert fp32["ZeRO-1"]["optimizer"] == 10 * 8 and fp32["ZeRO-1"]["gradients"] == 160
+    assert fp32["ZeRO-1"]["optimizer"] == 10 * 8 + steps and fp32["ZeRO-1"]["gradients"] == 160
     assert fp32["ZeRO-2"]["gradients"] == 40 and fp32["ZeRO-2"]["parameters"] == 224
     assert fp32["ZeRO-3"]["parameters"] == (10 + 3) * 4 + 24 and fp32["ZeRO-3"]["gathered_layer"] == 2 * 40 * 4
     # FSDP2 pads dim 0 to a multiple of 4: rows 3 of 10 -> 9 + 3 elements, 2 of 5 -> 4.
     assert fsdp2_shard(sizes.trainable, 4) == 12 and fsdp2_shard(sizes.frozen, 4) == 4
-    assert fp32["FSDP2"]["parameters"] == 16 * 4 + 24 and fp32["FSDP2"]["optimizer"] == 12 * 8
+    assert fp32["FSDP2"]["parameters"] == 16 * 4 + 24 and fp32["FSDP2"]["optimizer"] == 12 * 8 + steps
     bf16 = estimate(sizes, "bfloat16", 4)
-    assert bf16["single"]["parameters"] == 50 * 2 + 8 + 8 and bf16["single"]["optimizer"] == 40 * 12
+    assert bf16["single"]["parameters"] == 50 * 2 + 8 + 8 and bf16["single"]["optimizer"] == 40 * 12 + steps
     # The 16-byte rule: mixed precision costs as much per trainable parameter as float32.
-    assert bf16["single"]["gradients"] + bf16["single"]["optimizer"] + 40 * 2 == 40 * 16
+    assert bf16["single"]["gradients"] + bf16["single"]["optimizer"] + 40 * 2 == 40 * 16 + steps
     assert estimate(sizes, "int4", 4) == {"load": {"parameters": 25 + 2 + 8, "gradients": 0, "optimizer": 0,
                                                    "gathered_layer": 0, "total": 35}}
     assert estimate(sizes, "float32", 1)["FSDP2"] == dict(fp32["single"], gathered_layer=0)
@@ -61,7 +62,7 @@ def test_local_transformers_config(configs, capsys, monkeypatch):
     assert report["parameters"] == count and report["model"].endswith("(LlamaForCausalLM)")
     buffers = sum(b.numel() * 4 for b in real.buffers())
     fp32 = report["bytes_per_process"]["float32"]
-    assert fp32["single"]["total"] == 16 * count + buffers
+    assert fp32["single"]["total"] == 16 * count + buffers + 4 * len(list(real.parameters()))
     assert set(report["bytes_per_process"]) == {"float32", "float16", "bfloat16", "int8", "int4"}
     # Untied 1000 x 64 embedding and head: the root group outweighs one decoder layer.
     assert report["largest_layer"]["name"].startswith("(root") and report["largest_layer"]["parameters"] == 128064
@@ -78,7 +79,7 @@ def test_class_path(capsys):
     report = run_json(capsys, "torch.nn:Linear", "--model_kwargs", '{"in_features": 10, "out_features": 7}',
                       "--num_processes", "3", "--dtypes", "float32")
     rows = report["bytes_per_process"]["float32"]
-    assert report["parameters"] == 77 and rows["single"]["optimizer"] == 77 * 8
+    assert report["parameters"] == 77 and rows["single"]["optimizer"] == 77 * 8 + 2 * 4
     assert rows["FSDP2"]["parameters"] == (3 * 10 + 3) * 4  # 7 rows over 3 processes: 3 on rank 0
     assert report["largest_layer"] == {"name": "(root)", "parameters": 77,
                                        "rule": "the module with the most parameters of its own (no _no_split_modules)"}

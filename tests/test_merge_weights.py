@@ -77,25 +77,29 @@ def test_sharded_output_with_index_and_unsafe_serialization(sharded, tmp_path, c
     assert_same(torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True), expected)
 
 
-def _hasten_checkpoint_around(dcp_folder, folder):
-    """A hasten checkpoint whose model entry is a DCP folder (what sharded strategies save)."""
+def _hasten_checkpoint_around(dcp_folder, folder, models=1):
+    """A hasten checkpoint as sharded strategies write it: DCP shards in ``sharded/`` keyed
+    ``model_<i>`` / ``optimizer_<i>``, the manifest naming each model's key."""
     from hasten.checkpointing import layout
 
-    shutil.copytree(dcp_folder, folder / "model")
-    files = {}
-    for name in os.listdir(folder / "model"):
-        files[f"model/{name}"] = {"size": os.path.getsize(folder / "model" / name)}
-    layout.write_manifest(str(folder), {"format": layout.FORMAT, "format_version": layout.FORMAT_VERSION,
-                                        "files": files, "contents": {"models": [{"file": "model"}]}})
+    shutil.copytree(dcp_folder, folder / "sharded")
+    files = {f"sharded/{n}": {"size": os.path.getsize(folder / "sharded" / n)} for n in os.listdir(folder / "sharded")}
+    layout.write_manifest(str(folder), {"format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "files": files,
+                                        "contents": {"models": [{"dcp": f"model_{i}"} for i in range(models)]}})
 
 
-def test_hasten_checkpoint_with_dcp_model_and_remove_checkpoint_dir(sharded, tmp_path, capsys):
+def test_hasten_sharded_checkpoint_and_remove_checkpoint_dir(sharded, tmp_path, capsys):
     checkpoint = tmp_path / "checkpoint_3"
     checkpoint.mkdir()
-    _hasten_checkpoint_around(os.path.join(sharded[0]["dir"], "nested"), checkpoint)
+    _hasten_checkpoint_around(os.path.join(sharded[0]["dir"], "hasten_layout"), checkpoint)
     assert main(["merge-weights", str(checkpoint), str(tmp_path / "out"), "--remove_checkpoint_dir"]) == 0
     assert not checkpoint.exists() and os.listdir(tmp_path) == ["out"]
     assert_same(load_file(tmp_path / "out" / "model.safetensors"), reference(sharded))
+    # The DCP folder alone holds two models: one output folder each, the optimizer left out.
+    assert main(["merge-weights", os.path.join(sharded[0]["dir"], "hasten_layout"), str(tmp_path / "two")]) == 0
+    assert sorted(os.listdir(tmp_path / "two")) == ["model_0", "model_1"]
+    for name in ("model_0", "model_1"):
+        assert_same(load_file(tmp_path / "two" / name / "model.safetensors"), reference(sharded))
 
 
 def test_fsdp2_shard_estimate_is_exact(sharded):
@@ -169,10 +173,12 @@ def test_damaged_checkpoints_are_refused(sharded, tmp_path, capsys):
     assert "cannot read the DCP metadata" in one_line_error(capsys, ["merge-weights", str(broken), str(tmp_path / "o")])
     ck = tmp_path / "ck"
     ck.mkdir()
-    _hasten_checkpoint_around(os.path.join(sharded[0]["dir"], "nested"), ck)
-    os.remove(ck / "model" / "__0_0.distcp")
+    _hasten_checkpoint_around(os.path.join(sharded[0]["dir"], "hasten_layout"), ck, models=3)
     err = one_line_error(capsys, ["merge-weights", str(ck), str(tmp_path / "o")])
-    assert "is incomplete: missing files: model/__0_0.distcp" in err
+    assert "holds no entry 'model_2'" in err and not (tmp_path / "o").exists()  # checked before writing
+    os.remove(ck / "sharded" / "__0_0.distcp")
+    err = one_line_error(capsys, ["merge-weights", str(ck), str(tmp_path / "o")])
+    assert "is incomplete: missing files: sharded/__0_0.distcp" in err
 
 
 def test_wrapper_prefixes_are_removed():

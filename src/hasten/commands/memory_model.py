@@ -3,7 +3,8 @@
 ``hasten estimate-memory`` measures a model built on the meta device into a ``ModelSizes`` and
 ``estimate`` turns it into bytes per process. The rules, also printed with the table:
 
-- float32 training: weights 4 bytes, gradients 4 bytes and Adam's two states 8 bytes per parameter.
+- float32 training: weights 4 bytes, gradients 4 bytes and Adam's two states 8 bytes per parameter
+  (and a 4-byte step counter per parameter tensor).
 - float16/bfloat16 (mixed precision): weights and gradients in that dtype (2 + 2 bytes) and Adam
   holding an fp32 master copy and two fp32 states (12 bytes). The total, 16 bytes per parameter,
   is also what hasten's autocast (fp32 weights and gradients, no separate master copy) and FSDP2's
@@ -32,7 +33,8 @@ STRATEGIES = ("single", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")
 COLUMNS = ("parameters", "gradients", "optimizer", "gathered_layer", "total")
 
 ASSUMPTIONS = (
-    "Adam; float32: weights 4 + gradients 4 + two fp32 states 8 bytes per parameter",
+    "Adam; float32: weights 4 + gradients 4 + two fp32 states 8 bytes per parameter (+ a 4-byte step counter per "
+    "parameter tensor)",
     "float16/bfloat16 (mixed precision): weights 2 + gradients 2 + fp32 master copy and two fp32 states 12 bytes "
     "per parameter (the same 16-byte total as hasten's autocast, fp32 weights and gradients, and FSDP2's fp32 "
     "shards; only the split differs)",
@@ -100,6 +102,7 @@ def estimate(sizes: ModelSizes, dtype: str, num_processes: int) -> dict[str, dic
     layer = _ceil(2 * sizes.largest_layer[1] * b) if n > 1 else 0
     fsdp_params = fsdp2_shard(sizes.trainable, n) + fsdp2_shard(sizes.frozen, n)
     fsdp_trainable = fsdp2_shard(sizes.trainable, n)
+    steps = 4 * len(sizes.trainable)  # Adam's fp32 step counter per parameter tensor, on every process
     rows = {
         "single": (total_params * b + buffers, trainable * b, trainable * state, 0),
         # DDP copies every gradient into its communication buckets (unless gradient_as_bucket_view=True).
@@ -111,7 +114,7 @@ def estimate(sizes: ModelSizes, dtype: str, num_processes: int) -> dict[str, dic
     }
     out = {}
     for name, (params, grads, optim, gathered) in rows.items():
-        cols = [_ceil(params), _ceil(grads), _ceil(optim), gathered]
+        cols = [_ceil(params), _ceil(grads), _ceil(optim) + steps, gathered]
         out[name] = dict(zip(COLUMNS, cols + [sum(cols)]))
     return out
 

@@ -17,7 +17,8 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, NamedTuple
+import re
+from typing import Any, NamedTuple, Optional
 
 from .errors import HastenCLIError
 
@@ -26,6 +27,7 @@ MANIFEST = "manifest.json"  # hasten.checkpointing.layout.MANIFEST, repeated to 
 # Top-level keys of a saved ``{"model": ..., "optimizer": ...}`` dict that hold no weights.
 _OPTIMIZER_KEYS = ("optimizer", "optimizers", "optim", "optimizer_state", "optimizer_state_dict")
 _MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")
+_NUMBERED_MODEL = re.compile(r"model_\d+")  # hasten's sharded checkpoints: model_0, model_1, ...
 _LEADING_WRAPPERS = ("module.", "_orig_mod.")
 _INNER_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -55,14 +57,24 @@ def add_parser(subparsers: Any) -> None:
 
 
 class Source(NamedTuple):
-    """One model's weights inside a checkpoint: a DCP folder or a safetensors file."""
+    """One model's weights inside a checkpoint: a DCP folder (and the top-level key of that model in
+    it, when it holds several objects) or a safetensors file."""
 
     kind: str  # "dcp" | "safetensors"
     path: str
+    key: Optional[str] = None
 
 
 def _is_dcp(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def _dcp_folders(folder: str) -> list[str]:
+    """``folder`` when it is a DCP folder, else its DCP subfolders that do not hold an optimizer."""
+    if _is_dcp(folder):
+        return [folder]
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+            if _is_dcp(os.path.join(folder, n)) and not n.startswith(_OPTIMIZER_KEYS)]
 
 
 def find_sources(checkpoint: str) -> tuple[list[Source], bool]:
@@ -73,18 +85,17 @@ def find_sources(checkpoint: str) -> tuple[list[Source], bool]:
         raise HastenCLIError(f"CHECKPOINT {checkpoint!r} is a file; pass the checkpoint folder")
     if os.path.isfile(os.path.join(checkpoint, MANIFEST)):
         return _hasten_sources(checkpoint), True
-    if _is_dcp(checkpoint):
-        return [Source("dcp", checkpoint)], False
-    inner = sorted(name for name in os.listdir(checkpoint)
-                   if _is_dcp(os.path.join(checkpoint, name)) and not name.startswith(_OPTIMIZER_KEYS))
-    if inner:
-        return [Source("dcp", os.path.join(checkpoint, name)) for name in inner], False
+    folders = _dcp_folders(checkpoint)
+    if folders:
+        return [Source("dcp", f) for f in folders], False
     raise HastenCLIError(f"CHECKPOINT {checkpoint!r} is not a checkpoint: it has no {DCP_METADATA} (a "
                          f"torch.distributed.checkpoint folder), no {MANIFEST} (a hasten checkpoint) and no "
                          "subfolder holding model weights in DCP format")
 
 
 def _hasten_sources(folder: str) -> list[Source]:
+    """Model entries of a hasten manifest: ``{"file": "model.safetensors"}`` (single/DDP) or
+    ``{"dcp": "model_0"}``, the model's top-level key in the checkpoint's DCP folder (sharded)."""
     from ..checkpointing.layout import IncompleteCheckpointError, read_manifest
 
     try:
@@ -92,28 +103,41 @@ def _hasten_sources(folder: str) -> list[Source]:
     except (IncompleteCheckpointError, FileNotFoundError) as e:
         raise HastenCLIError(str(e).splitlines()[0]) from None
     entries = (manifest.get("contents") or {}).get("models") or []
+    dcp_folders = _dcp_folders(folder)
     sources = []
     for i, entry in enumerate(entries):
-        names = [entry.get(k) for k in ("file", "folder", "dcp", "path", "dir") if isinstance(entry, dict)]
-        found = None
-        for name in (n for n in names if isinstance(n, str)):
-            full = os.path.join(folder, name)
-            if _is_dcp(full):
-                found = Source("dcp", full)
-            elif os.path.isfile(full) and name.endswith(".safetensors"):
-                found = Source("safetensors", full)
-            if found:
-                break
-        if found is None:
+        entry = entry if isinstance(entry, dict) else {}
+        file, key = entry.get("file"), entry.get("dcp")
+        if isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
+            sources.append(Source("safetensors", os.path.join(folder, file)))
+        elif isinstance(key, str) and _is_dcp(os.path.join(folder, key)):  # a folder per model
+            sources.append(Source("dcp", os.path.join(folder, key)))
+        elif isinstance(key, str) and len(dcp_folders) == 1:
+            sources.append(Source("dcp", dcp_folders[0], key))
+        else:
             raise HastenCLIError(f"hasten checkpoint {folder!r}: model {i} ({json.dumps(entry)}) names no "
-                                 "safetensors file or DCP folder this hasten can read; upgrade hasten")
-        sources.append(found)
-    if not sources:
-        sources = [Source("dcp", os.path.join(folder, n)) for n in sorted(os.listdir(folder))
-                   if _is_dcp(os.path.join(folder, n)) and not n.startswith(_OPTIMIZER_KEYS)]
+                                 "safetensors file or DCP shards this hasten can read; upgrade hasten")
     if not sources:
         raise HastenCLIError(f"hasten checkpoint {folder!r} holds no model weights (save_state was given no model)")
     return sources
+
+
+def _expand(source: Source, metadata: Any) -> list[Source]:
+    """One source per model when a DCP folder holds several (``model_0``, ``model_1``, ...)."""
+    if source.kind != "dcp" or source.key is not None:
+        return [source]
+    paths = _paths(metadata)
+    if not all(len(p) > 1 for p in paths.values()):
+        return [source]
+    tops = sorted({p[0] for p in paths.values() if isinstance(p[0], str) and _NUMBERED_MODEL.fullmatch(p[0])},
+                  key=lambda t: int(t.rpartition("_")[2]))
+    return [source._replace(key=t) for t in tops] if len(tops) > 1 else [source]
+
+
+def _paths(metadata: Any) -> dict[str, tuple]:
+    # DCP flattens a nested state dict; planner_data keeps each flat key's path.
+    planner = getattr(metadata, "planner_data", None) or {}
+    return {k: tuple(planner.get(k, (k,))) for k in metadata.state_dict_metadata}
 
 
 def strip_wrappers(name: str) -> str:
@@ -129,57 +153,67 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def select_model_keys(metadata: Any) -> tuple[dict[str, str], list[str]]:
+def select_model_keys(metadata: Any, key: Optional[str] = None) -> tuple[dict[str, str], list[str]]:
     """``({stored key: weight name}, skipped non-tensor keys)`` of a DCP checkpoint's model weights.
 
-    DCP flattens a nested state dict; ``planner_data`` keeps each key's path. A ``{"model": ...}``
-    entry (Accelerate, torchtitan, hasten) is taken alone; a single top-level key is unwrapped;
-    optimizer entries are dropped in every case.
+    With ``key``, the entries under that top-level key. Otherwise a ``{"model": ...}`` (Accelerate,
+    torchtitan) or ``{"model_0": ...}`` entry is taken alone, a single top-level key is unwrapped, and
+    optimizer entries (``optimizer*``, or a bare ``optimizer.state_dict()``) are dropped.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    planner = getattr(metadata, "planner_data", None) or {}
-    paths = {k: tuple(planner.get(k, (k,))) for k in metadata.state_dict_metadata}
+    paths = _paths(metadata)
     tops = {p[0] for p in paths.values()}
     nested = all(len(p) > 1 for p in paths.values())
-    keep_top = next((t for t in _MODEL_KEYS if t in tops and nested), None)
-    if keep_top is None and nested and len(tops) == 1 and next(iter(tops)) not in _OPTIMIZER_KEYS:
-        keep_top = next(iter(tops))
+    keep_top = key
+    if keep_top is None and nested:
+        keep_top = next((t for t in (*_MODEL_KEYS, "model_0") if t in tops), None)
+        if keep_top is None and len(tops) == 1 and not str(next(iter(tops))).startswith(_OPTIMIZER_KEYS):
+            keep_top = next(iter(tops))
     raw_optimizer = {"state", "param_groups"} <= tops  # an optimizer.state_dict() saved on its own
     selected: dict[str, str] = {}
     skipped = []
-    for key, path in paths.items():
+    for flat, path in paths.items():
         if keep_top is not None:
             if path[0] != keep_top:
                 continue
             path = path[1:]
-        elif path[0] in _OPTIMIZER_KEYS or (raw_optimizer and path[0] in ("state", "param_groups")):
+        elif str(path[0]).startswith(_OPTIMIZER_KEYS) or (raw_optimizer and path[0] in ("state", "param_groups")):
             continue
-        if not isinstance(metadata.state_dict_metadata[key], TensorStorageMetadata):
-            skipped.append(key)
+        if not isinstance(metadata.state_dict_metadata[flat], TensorStorageMetadata):
+            skipped.append(flat)
             continue
-        selected[key] = ".".join(str(p) for p in path)
+        selected[flat] = ".".join(str(p) for p in path)
     return selected, skipped
 
 
-def read_dcp(folder: str) -> tuple[dict[str, Any], list[str]]:
-    """The model weights of a DCP folder as full CPU tensors, read in this process alone."""
+def read_metadata(folder: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(folder).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign .metadata file
+        raise HastenCLIError(f"cannot read the DCP metadata of {folder!r} ({type(e).__name__}: {e}); "
+                             "the checkpoint is damaged or was written by another torch") from None
+
+
+def plan_dcp(folder: str, metadata: Any, key: Optional[str] = None) -> tuple[dict[str, str], list[str]]:
+    """``select_model_keys``, refusing a source without weights (checked before anything is written)."""
+    selected, skipped = select_model_keys(metadata, key)
+    if not selected:
+        what = f"no entry {key!r}" if key else "no model weights (only optimizer state or non-tensor values)"
+        raise HastenCLIError(f"{folder!r} holds {what}; pass the model's checkpoint folder")
+    return selected, skipped
+
+
+def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, Any]:
+    """The ``selected`` weights of a DCP folder as full CPU tensors, read in this process alone."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = dcp.FileSystemReader(folder)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign .metadata file
-        raise HastenCLIError(f"cannot read the DCP metadata of {folder!r} ({type(e).__name__}: {e}); "
-                             "the checkpoint is damaged or was written by another torch") from None
-    selected, skipped = select_model_keys(metadata)
-    if not selected:
-        raise HastenCLIError(f"{folder!r} holds no model weights (only optimizer state or non-tensor values); "
-                             "pass the model's checkpoint folder")
     buffers = {}
     for key in selected:
         meta = metadata.state_dict_metadata[key]
@@ -193,7 +227,7 @@ def read_dcp(folder: str) -> tuple[dict[str, Any], list[str]]:
             text = [line for line in str(e).strip().splitlines() if line.strip()]
             raise HastenCLIError(f"cannot read the weights in {folder!r}: {text[-1].strip() if text else type(e).__name__}"
                                  "; the checkpoint is incomplete or damaged") from None
-    return {selected[k]: v for k, v in buffers.items()}, skipped
+    return {selected[k]: v for k, v in buffers.items()}
 
 
 def read_safetensors(path: str) -> dict[str, Any]:
@@ -257,13 +291,17 @@ def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True,
         raise HastenCLIError(str(e).replace("max_shard_size=", "--max_shard_size ")) from None
     sources, is_hasten = find_sources(checkpoint)
     _check_output(output, checkpoint, remove_checkpoint_dir)
+    metadata = {s.path: read_metadata(s.path) for s in sources if s.kind == "dcp"}
+    sources = [part for s in sources for part in _expand(s, metadata.get(s.path))]
+    plans = [plan_dcp(s.path, metadata[s.path], s.key) if s.kind == "dcp" else None for s in sources]
     from ..saving import save_model
 
     written = []
-    for i, source in enumerate(sources):
+    for i, (source, plan) in enumerate(zip(sources, plans)):
         target = output if len(sources) == 1 else os.path.join(output, f"model_{i}")
-        if source.kind == "dcp":
-            state, skipped = read_dcp(source.path)
+        if plan is not None:
+            selected, skipped = plan
+            state = read_dcp(source.path, metadata[source.path], selected)
             if skipped:
                 print(f"hasten merge-weights: left out {len(skipped)} non-tensor entries of {source.path} "
                       f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})", file=sys.stderr)
