@@ -1,4 +1,4 @@
-"""The ``hasten`` command: ``config``, ``launch``, ``env``, ``test``.
+"""The ``hasten`` command: ``config``, ``launch``, ``env``, ``test``, ``estimate-memory``, ``merge-weights``.
 
 Everything up to the moment processes start is torch-free, so ``hasten --help`` and
 ``hasten launch --help`` answer at once. A user error prints one line and exits with status 2.
@@ -15,11 +15,11 @@ from typing import Optional, Sequence
 from .errors import HastenCLIError, did_you_mean
 from .launch_settings import ArgParser
 
-COMMANDS = ("config", "launch", "env", "test")
+COMMANDS = ("config", "launch", "env", "test", "estimate-memory", "merge-weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import config, env, launch, test
+    from . import config, env, estimate, launch, merge, test
 
     parser = ArgParser(
         prog="hasten",
@@ -29,11 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"hasten {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,env,test}", parser_class=ArgParser)
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=ArgParser)
     config.add_parser(subparsers)
     launch.add_parser(subparsers)
     env.add_parser(subparsers)
     test.add_parser(subparsers)
+    estimate.add_parser(subparsers)
+    merge.add_parser(subparsers)
     return parser
 
 
@@ -54,12 +56,14 @@ def explain_parse_error(parser: argparse.ArgumentParser, message: str) -> str:
     m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message)
     if m:
         flag, problem = m.group(1), m.group(2)
-        if flag in ("command", "{config,launch,env,test}") or problem.startswith("invalid choice"):
+        if flag in ("command", "{" + ",".join(COMMANDS) + "}") or problem.startswith("invalid choice"):
             c = re.search(r"invalid choice: '([^']*)'", problem)
             if c:
                 word = c.group(1)
                 choices = re.findall(r"'([^']*)'", problem.split("choose from", 1)[-1])
                 hint = did_you_mean(word, choices)
+                if flag.startswith("-"):  # an option's value, not a (sub)command
+                    return f"{flag}: {word!r} is not a choice{hint or '; choose from ' + ', '.join(choices)}"
                 return f"unknown command {cmd}{word!r}{hint or '; choose from ' + ', '.join(choices)}"
         if problem.startswith("expected one argument"):
             return f"{flag} needs a value; e.g. {flag} {_example(flag)}"

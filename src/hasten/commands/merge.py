@@ -1,0 +1,336 @@
+"""``hasten merge-weights``: consolidated safetensors from a sharded checkpoint, without a process group.
+
+CHECKPOINT may be a torch.distributed.checkpoint (DCP) folder (``.metadata`` + ``*.distcp``), a
+folder holding such folders (Accelerate's ``pytorch_model_fsdp_0``), or a hasten checkpoint
+(``manifest.json``), whose model entries are DCP folders (sharded strategies) or safetensors files
+(single/DDP). Only the model weights are read (the optimizer state is never loaded), wrapper
+prefixes (``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``)
+are removed, and the result is written with ``hasten.saving.save_model``: atomic files,
+transformers' names, shards plus an index above ``--max_shard_size``. Peak memory: one copy of
+the model's weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import re
+from typing import Any, NamedTuple, Optional
+
+from .errors import HastenCLIError
+
+DCP_METADATA = ".metadata"
+MANIFEST = "manifest.json"  # hasten.checkpointing.layout.MANIFEST, repeated to keep --help light
+# Top-level keys of a saved ``{"model": ..., "optimizer": ...}`` dict that hold no weights.
+_OPTIMIZER_KEYS = ("optimizer", "optimizers", "optim", "optimizer_state", "optimizer_state_dict")
+_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")
+_NUMBERED_MODEL = re.compile(r"model_\d+")  # hasten's sharded checkpoints: model_0, model_1, ...
+_LEADING_WRAPPERS = ("module.", "_orig_mod.")
+_INNER_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "merge-weights",
+        help="Write consolidated safetensors weights from a sharded (DCP) or hasten checkpoint.",
+        description="Read the model weights of CHECKPOINT (a torch.distributed.checkpoint folder, or a hasten "
+                    "checkpoint folder) in this one process, without a process group, and write them to the "
+                    "folder OUTPUT as model.safetensors (or shards and model.safetensors.index.json), loadable "
+                    "with from_pretrained or load_checkpoint_in_model. Optimizer state is left out. Needs enough "
+                    "memory for one copy of the weights.",
+    )
+    p.add_argument("checkpoint_directory", metavar="CHECKPOINT",
+                   help="A DCP folder (with .metadata), a folder holding one, or a hasten checkpoint folder.")
+    p.add_argument("output_path", metavar="OUTPUT",
+                   help="Folder to write the weights into (created; must not hold weight files already). With "
+                        "several models in a hasten checkpoint: OUTPUT/model_0, OUTPUT/model_1, ...")
+    p.add_argument("--unsafe_serialization", "--unsafe-serialization", action="store_true",
+                   help="Write pytorch_model.bin (pickle) instead of safetensors (not recommended).")
+    p.add_argument("--remove_checkpoint_dir", "--remove-checkpoint-dir", action="store_true",
+                   help="Delete CHECKPOINT after the weights are written.")
+    p.add_argument("--max_shard_size", "--max-shard-size", default="10GB", metavar="SIZE",
+                   help="Largest weight file before splitting into shards with an index (default: 10GB).")
+    p.set_defaults(func=merge_command)
+
+
+class Source(NamedTuple):
+    """One model's weights inside a checkpoint: a DCP folder (and the top-level key of that model in
+    it, when it holds several objects) or a safetensors file."""
+
+    kind: str  # "dcp" | "safetensors"
+    path: str
+    key: Optional[str] = None
+
+
+def _is_dcp(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def _dcp_folders(folder: str) -> list[str]:
+    """``folder`` when it is a DCP folder, else its DCP subfolders that do not hold an optimizer."""
+    if _is_dcp(folder):
+        return [folder]
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+            if _is_dcp(os.path.join(folder, n)) and not n.startswith(_OPTIMIZER_KEYS)]
+
+
+def find_sources(checkpoint: str) -> tuple[list[Source], bool]:
+    """The model sources of ``checkpoint`` and whether it is a hasten checkpoint; raises ``HastenCLIError``."""
+    if not os.path.exists(checkpoint):
+        raise HastenCLIError(f"CHECKPOINT {checkpoint!r} does not exist; pass the checkpoint folder")
+    if not os.path.isdir(checkpoint):
+        raise HastenCLIError(f"CHECKPOINT {checkpoint!r} is a file; pass the checkpoint folder")
+    if os.path.isfile(os.path.join(checkpoint, MANIFEST)):
+        return _hasten_sources(checkpoint), True
+    folders = _dcp_folders(checkpoint)
+    if folders:
+        return [Source("dcp", f) for f in folders], False
+    raise HastenCLIError(f"CHECKPOINT {checkpoint!r} is not a checkpoint: it has no {DCP_METADATA} (a "
+                         f"torch.distributed.checkpoint folder), no {MANIFEST} (a hasten checkpoint) and no "
+                         "subfolder holding model weights in DCP format")
+
+
+def _hasten_sources(folder: str) -> list[Source]:
+    """Model entries of a hasten manifest: ``{"file": "model.safetensors"}`` (single/DDP) or
+    ``{"dcp": "model_0"}``, the model's top-level key in the checkpoint's DCP folder (sharded)."""
+    from ..checkpointing.layout import IncompleteCheckpointError, read_manifest
+
+    try:
+        manifest = read_manifest(folder)
+    except (IncompleteCheckpointError, FileNotFoundError) as e:
+        raise HastenCLIError(str(e).splitlines()[0]) from None
+    entries = (manifest.get("contents") or {}).get("models") or []
+    dcp_folders = _dcp_folders(folder)
+    sources = []
+    for i, entry in enumerate(entries):
+        entry = entry if isinstance(entry, dict) else {}
+        file, key = entry.get("file"), entry.get("dcp")
+        if isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
+            sources.append(Source("safetensors", os.path.join(folder, file)))
+        elif isinstance(key, str) and _is_dcp(os.path.join(folder, key)):  # a folder per model
+            sources.append(Source("dcp", os.path.join(folder, key)))
+        elif isinstance(key, str) and len(dcp_folders) == 1:
+            sources.append(Source("dcp", dcp_folders[0], key))
+        else:
+            raise HastenCLIError(f"hasten checkpoint {folder!r}: model {i} ({json.dumps(entry)}) names no "
+                                 "safetensors file or DCP shards this hasten can read; upgrade hasten")
+    if not sources:
+        raise HastenCLIError(f"hasten checkpoint {folder!r} holds no model weights (save_state was given no model)")
+    return sources
+
+
+def _expand(source: Source, metadata: Any) -> list[Source]:
+    """One source per model when a DCP folder holds several (``model_0``, ``model_1``, ...)."""
+    if source.kind != "dcp" or source.key is not None:
+        return [source]
+    paths = _paths(metadata)
+    if not all(len(p) > 1 for p in paths.values()):
+        return [source]
+    tops = sorted({p[0] for p in paths.values() if isinstance(p[0], str) and _NUMBERED_MODEL.fullmatch(p[0])},
+                  key=lambda t: int(t.rpartition("_")[2]))
+    return [source._replace(key=t) for t in tops] if len(tops) > 1 else [source]
+
+
+def _paths(metadata: Any) -> dict[str, tuple]:
+    # DCP flattens a nested state dict; planner_data keeps each flat key's path.
+    planner = getattr(metadata, "planner_data", None) or {}
+    return {k: tuple(planner.get(k, (k,))) for k in metadata.state_dict_metadata}
+
+
+def strip_wrappers(name: str) -> str:
+    """A parameter name without the prefixes DDP, torch.compile, FSDP1 and activation checkpointing add."""
+    for inner in _INNER_WRAPPERS:
+        name = name.replace(inner, "")
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _LEADING_WRAPPERS:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name
+
+
+def select_model_keys(metadata: Any, key: Optional[str] = None) -> tuple[dict[str, str], list[str]]:
+    """``({stored key: weight name}, skipped non-tensor keys)`` of a DCP checkpoint's model weights.
+
+    With ``key``, the entries under that top-level key. Otherwise a ``{"model": ...}`` (Accelerate,
+    torchtitan) or ``{"model_0": ...}`` entry is taken alone, a single top-level key is unwrapped, and
+    optimizer entries (``optimizer*``, or a bare ``optimizer.state_dict()``) are dropped.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = _paths(metadata)
+    tops = {p[0] for p in paths.values()}
+    nested = all(len(p) > 1 for p in paths.values())
+    keep_top = key
+    if keep_top is None and nested:
+        keep_top = next((t for t in (*_MODEL_KEYS, "model_0") if t in tops), None)
+        if keep_top is None and len(tops) == 1 and not str(next(iter(tops))).startswith(_OPTIMIZER_KEYS):
+            keep_top = next(iter(tops))
+    raw_optimizer = {"state", "param_groups"} <= tops  # an optimizer.state_dict() saved on its own
+    selected: dict[str, str] = {}
+    skipped = []
+    for flat, path in paths.items():
+        if keep_top is not None:
+            if path[0] != keep_top:
+                continue
+            path = path[1:]
+        elif str(path[0]).startswith(_OPTIMIZER_KEYS) or (raw_optimizer and path[0] in ("state", "param_groups")):
+            continue
+        if not isinstance(metadata.state_dict_metadata[flat], TensorStorageMetadata):
+            skipped.append(flat)
+            continue
+        selected[flat] = ".".join(str(p) for p in path)
+    return selected, skipped
+
+
+def read_metadata(folder: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(folder).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign .metadata file
+        raise HastenCLIError(f"cannot read the DCP metadata of {folder!r} ({type(e).__name__}: {e}); "
+                             "the checkpoint is damaged or was written by another torch") from None
+
+
+def plan_dcp(folder: str, metadata: Any, key: Optional[str] = None) -> tuple[dict[str, str], list[str]]:
+    """``select_model_keys``, refusing a source without weights (checked before anything is written)."""
+    selected, skipped = select_model_keys(metadata, key)
+    if not selected:
+        what = f"no entry {key!r}" if key else "no model weights (only optimizer state or non-tensor values)"
+        raise HastenCLIError(f"{folder!r} holds {what}; pass the model's checkpoint folder")
+    return selected, skipped
+
+
+def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, Any]:
+    """The ``selected`` weights of a DCP folder as full CPU tensors, read in this process alone."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    buffers = {}
+    for key in selected:
+        meta = metadata.state_dict_metadata[key]
+        buffers[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
+            # DCP's exception (a BaseException) carries each rank's traceback: its last line is the cause.
+            text = [line for line in str(e).strip().splitlines() if line.strip()]
+            raise HastenCLIError(f"cannot read the weights in {folder!r}: {text[-1].strip() if text else type(e).__name__}"
+                                 "; the checkpoint is incomplete or damaged") from None
+    return {selected[k]: v for k, v in buffers.items()}
+
+
+def read_safetensors(path: str) -> dict[str, Any]:
+    """A hasten checkpoint's model file, with the tied names it stored once restored."""
+    from safetensors import safe_open
+
+    from ..saving import ALIASES_KEY
+
+    tensors = {}
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        for name in f.keys():
+            tensors[name] = f.get_tensor(name)
+    for alias, canonical in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
+        if canonical in tensors:
+            tensors[alias] = tensors[canonical]  # the same tensor: save_model records the tie again
+    return tensors
+
+
+def _unwrapped(state: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        clean = strip_wrappers(name)
+        if clean in out:
+            raise HastenCLIError(f"{where}: {name!r} and another entry are both {clean!r} once wrapper prefixes "
+                                 "are removed; the checkpoint mixes wrapped and plain names")
+        out[clean] = value
+    return out
+
+
+def _check_output(output: str, checkpoint: str, remove: bool) -> None:
+    from ..saving import _WEIGHT_FILE
+
+    out_real, ck_real = os.path.realpath(output), os.path.realpath(checkpoint)
+    if out_real == ck_real or out_real.startswith(ck_real + os.sep):
+        raise HastenCLIError(f"OUTPUT {output!r} is inside CHECKPOINT {checkpoint!r}; pick a folder outside it")
+    if ck_real.startswith(out_real + os.sep) and remove:
+        raise HastenCLIError(f"OUTPUT {output!r} contains CHECKPOINT, which --remove_checkpoint_dir would delete; "
+                             "pick another OUTPUT")
+    if os.path.lexists(output) and not os.path.isdir(output):
+        raise HastenCLIError(f"OUTPUT {output!r} exists and is a file; pass a folder path (it is created)")
+    if os.path.isdir(output):
+        present = sorted(n for n in os.listdir(output)
+                         if _WEIGHT_FILE.fullmatch(n) or n.startswith("model_") and os.path.isdir(os.path.join(output, n)))
+        if present:
+            raise HastenCLIError(f"OUTPUT {output!r} already holds {', '.join(present[:3])}; pass a new folder or "
+                                 "remove them first (merge-weights does not overwrite weights)")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise HastenCLIError(f"the folder {parent!r} that should hold OUTPUT does not exist; create it first")
+
+
+def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True, remove_checkpoint_dir: bool = False,
+                  max_shard_size: Any = "10GB") -> list[tuple[str, int, int]]:
+    """Write the model weights of ``checkpoint`` to ``output``; ``[(folder, tensors, bytes)]`` per model."""
+    from ..saving import parse_size
+
+    try:
+        parse_size(max_shard_size)
+    except (TypeError, ValueError) as e:
+        raise HastenCLIError(str(e).replace("max_shard_size=", "--max_shard_size ")) from None
+    sources, is_hasten = find_sources(checkpoint)
+    _check_output(output, checkpoint, remove_checkpoint_dir)
+    metadata = {s.path: read_metadata(s.path) for s in sources if s.kind == "dcp"}
+    sources = [part for s in sources for part in _expand(s, metadata.get(s.path))]
+    plans = [plan_dcp(s.path, metadata[s.path], s.key) if s.kind == "dcp" else None for s in sources]
+    from ..saving import save_model
+
+    written = []
+    for i, (source, plan) in enumerate(zip(sources, plans)):
+        target = output if len(sources) == 1 else os.path.join(output, f"model_{i}")
+        if plan is not None:
+            selected, skipped = plan
+            state = read_dcp(source.path, metadata[source.path], selected)
+            if skipped:
+                print(f"hasten merge-weights: left out {len(skipped)} non-tensor entries of {source.path} "
+                      f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})", file=sys.stderr)
+        else:
+            state = read_safetensors(source.path)
+        state = _unwrapped(state, source.path)
+        os.makedirs(target, exist_ok=True)
+        save_model(state, target, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
+                   is_main_process=True)
+        unique = {id(v): v for v in state.values()}
+        written.append((target, len(state), sum(v.numel() * v.element_size() for v in unique.values())))
+        del state, unique
+    if remove_checkpoint_dir:
+        if is_hasten:
+            from ..checkpointing.layout import remove_tree
+
+            remove_tree(checkpoint)  # renamed first, so it never looks complete while half deleted
+        else:
+            shutil.rmtree(checkpoint)
+    return written
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    from .memory_model import human_bytes
+
+    written = merge_weights(args.checkpoint_directory, args.output_path, not args.unsafe_serialization,
+                            args.remove_checkpoint_dir, args.max_shard_size)
+    for folder, count, nbytes in written:
+        print(f"hasten merge-weights: wrote {count} tensors ({human_bytes(nbytes)}) to {folder}")
+    if args.remove_checkpoint_dir:
+        print(f"hasten merge-weights: removed {args.checkpoint_directory}")
+    return 0
