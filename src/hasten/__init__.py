@@ -23,6 +23,10 @@ _EXPORTS = {
     "InitProcessGroupKwargs": ".utils.dataclasses",
     "AutocastKwargs": ".utils.dataclasses",
     "ProjectConfiguration": ".utils.dataclasses",
+    "DDPCommunicationHookType": ".utils.dataclasses",
+    "load_checkpoint_in_model": ".model_loading",
+    "synchronize_rng_states": ".utils.random",
+    "is_rich_available": ".utils.imports",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)
