@@ -26,6 +26,7 @@ from .options import (
     merge_legacy_data_kwargs,
     unsupported_parallelism,
 )
+from .parallelism import ParallelLayoutMixin
 from .precision import Precision
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
@@ -45,7 +46,7 @@ from .utils.deepspeed import check_not_dummy
 from .utils.environment import parse_flag
 
 
-class Accelerator(CheckpointMixin, ProcessControlMixin):
+class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
     """Adapts a plain PyTorch training loop to the current hardware and number of processes.
 
     The arguments keep Accelerate's names, order and defaults (hasten's own, ``resume``, are
@@ -214,6 +215,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
     @property
     def non_blocking(self) -> bool:
         return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
 
     @property
     def project_dir(self) -> Optional[str]:

@@ -205,15 +205,15 @@ class DataLoaderConfiguration:
     split_batches: the loader's batch size is the global one and is split across processes.
     dispatch_batches: rank 0 reads every batch and sends each rank its slice (default: True for
     iterable datasets, False otherwise). even_batches: pad the end so every rank gets the same
-    number of batches. use_seedable_sampler: kept for compatibility; hasten always makes shuffling
-    reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
+    number of batches. use_seedable_sampler: accepted for compatibility and ignored: hasten's shuffling
+    is always reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
     across ranks at prepare time). non_blocking: asynchronous host-to-device copies.
     """
 
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
     even_batches: bool = True
-    use_seedable_sampler: bool = True
+    use_seedable_sampler: bool = False
     data_seed: Optional[int] = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
@@ -259,7 +259,7 @@ class TorchDynamoPlugin(KwargsHandler):
     the rest of the model is compiled piece by piece the same way.
     """
 
-    backend: Optional[str] = None
+    backend: Any = None  # a name (str or DynamoBackend) or a backend callable
     mode: Optional[str] = None
     fullgraph: Optional[bool] = None
     dynamic: Optional[bool] = None
@@ -271,7 +271,11 @@ class TorchDynamoPlugin(KwargsHandler):
         from .environment import get_env, parse_flag
 
         backend = self.backend if self.backend is not None else get_env("DYNAMO_BACKEND") or "no"
-        self.backend = str(backend.value if isinstance(backend, enum.Enum) else backend).lower()
+        if isinstance(backend, enum.Enum):
+            backend = backend.value
+        if isinstance(backend, str):  # a callable (a custom backend) is passed to torch.compile as is
+            backend = backend.lower()
+        self.backend = backend
         if self.mode is None:
             self.mode = get_env("DYNAMO_MODE") or "default"
         if self.fullgraph is None:
