@@ -159,3 +159,42 @@ def gather_object_names(saved_to, loaded_from):
 
     everyone = gather_object([(saved_to, loaded_from)])
     return [saved == everyone[0][0] and loaded == everyone[0][0] for saved, loaded in everyone]
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Dict samples, like a tokenised dataset; 22 items do not split evenly into 2 x batches of 4."""
+
+    def __len__(self):
+        return 22
+
+    def __getitem__(self, i):
+        if isinstance(i, list):  # a BatchSampler given as sampler= hands over a batch of indices
+            return [self[j] for j in i]
+        return {"index": i, "label": i % 2, "noise": torch.rand(1).item()}
+
+
+def check_every_loader_shape_yields_each_sample_once():
+    """Plain, shuffled, batch_sampler=, and a BatchSampler passed as sampler= (batch_size=None), with a
+    worker process: gather_for_metrics returns each sample exactly once."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+    from torch.utils.data.dataloader import default_collate
+
+    acc = Accelerator(cpu=True)
+    data = Indexed()
+    shapes = {
+        "plain": DataLoader(data, batch_size=4, num_workers=1),
+        "shuffled": DataLoader(data, batch_size=4, shuffle=True, num_workers=1),
+        "batch_sampler": DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, False), num_workers=1),
+        "sampler_is_batch_sampler": DataLoader(data, sampler=BatchSampler(RandomSampler(data), 4, False),
+                                               batch_size=None, collate_fn=default_collate, num_workers=1),
+    }
+    seen = {}
+    for name, loader in shapes.items():
+        prepared = acc.prepare(loader)
+        got = []
+        for batch in prepared:
+            index, label = acc.gather_for_metrics((batch["index"], batch["label"]))
+            assert torch.equal(label, index % 2)
+            got.extend(index.tolist())
+        seen[name] = sorted(got)
+    return seen

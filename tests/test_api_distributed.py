@@ -43,3 +43,8 @@ def test_regional_compilation_under_ddp_matches_one_process(two):
 
 def test_save_and_load_state_with_a_folder_per_process(two):
     assert two.assert_passed("check_save_and_load_state_with_a_folder_per_process") == [[True, True], [True, True]]
+
+
+def test_every_loader_shape_yields_each_sample_once(two):
+    for seen in two.assert_passed("check_every_loader_shape_yields_each_sample_once"):
+        assert seen == {name: list(range(22)) for name in seen} and len(seen) == 4
