@@ -316,7 +316,7 @@ def check_properties():
 def check_save_model_from_ddp():
     import os
 
-    from hasten.saving import load_checkpoint_in_model
+    from hasten.model_loading import load_checkpoint_in_model
 
     acc = Accelerator(cpu=True)
     model, = [acc.prepare(make_model())]

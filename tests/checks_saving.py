@@ -6,7 +6,8 @@ import os
 import torch
 from torch import nn
 
-from hasten.saving import load_checkpoint_in_model, save, save_model
+from hasten.model_loading import load_checkpoint_in_model
+from hasten.saving import save, save_model
 from hasten.state import PartialState
 
 

@@ -14,11 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hasten import saving
+from hasten.model_loading import load_checkpoint_in_model
 from hasten.saving import (
     ALIASES_KEY,
     CheckpointMismatchError,
     atomic_write,
-    load_checkpoint_in_model,
     parse_size,
     save,
     save_model,
@@ -275,14 +275,15 @@ def test_mismatch_raises_before_changing_the_model(tmp_path):
     target = seeded(1, tie=False, hidden=12)  # body/out shapes differ
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(CheckpointMismatchError) as info:
-        load_checkpoint_in_model(target, tmp_path)
+        load_checkpoint_in_model(target, tmp_path, strict=True)
     message = str(info.value)
     for name in ("body.weight", "out.weight", "norm.bias", "extra.weight", "[12, 8]", "model unchanged"):
         assert name in message, name
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
-    # Without strict, missing and unexpected keys are reported and the rest loads.
+    # Without strict (Accelerate's default), missing and unexpected keys are a warning and the rest loads.
     other = seeded(1, tie=False)
-    result = load_checkpoint_in_model(other, tmp_path, strict=False)
+    with pytest.warns(UserWarning, match="norm.bias.*extra.weight"):
+        result = load_checkpoint_in_model(other, tmp_path)
     assert result.missing_keys == ["norm.bias"] and result.unexpected_keys == ["extra.weight"]
     assert torch.equal(other.body.weight, source.body.weight)
     with pytest.raises(CheckpointMismatchError, match="body.weight"):  # shapes are never skipped

@@ -27,6 +27,10 @@ _EXPORTS = {
     "TERecipeKwargs": ".utils.dataclasses",
     "MSAMPRecipeKwargs": ".utils.dataclasses",
     "FP8RecipeKwargs": ".utils.dataclasses",
+    "DDPCommunicationHookType": ".utils.dataclasses",
+    "load_checkpoint_in_model": ".model_loading",
+    "synchronize_rng_states": ".utils.random",
+    "is_rich_available": ".utils.imports",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

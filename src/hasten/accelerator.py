@@ -16,8 +16,18 @@ from torch import nn
 
 from .checkpointing import CheckpointMixin
 from .fp8 import plan_for as fp8_plan
+from .compilation import compile_regions
 from .optimizer import AcceleratedOptimizer
-from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
+from .options import (
+    UNSET,
+    accumulation_plugin,
+    check_trackers,
+    collect_handlers,
+    dynamo_from_env,
+    merge_legacy_data_kwargs,
+    unsupported_parallelism,
+)
+from .parallelism import ParallelLayoutMixin
 from .precision import Precision
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
@@ -34,17 +44,20 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .utils.deepspeed import check_not_dummy
 from .utils.environment import parse_flag
 
 
-class Accelerator(CheckpointMixin, ProcessControlMixin):
+class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
     """Adapts a plain PyTorch training loop to the current hardware and number of processes.
 
-    The arguments keep Accelerate's names and defaults. Settings left at their default are read
-    from ``HASTEN_*`` (else ``ACCELERATE_*``) environment variables set by ``hasten launch``.
+    The arguments keep Accelerate's names, order and defaults (hasten's own, ``resume``, are
+    keyword-only). Settings left at their default are read from ``HASTEN_*`` (else
+    ``ACCELERATE_*``) environment variables set by ``hasten launch``.
 
     Args:
         device_placement: move prepared models and batches to ``accelerator.device``.
+        split_batches: deprecated, use ``DataLoaderConfiguration(split_batches=...)``.
         mixed_precision: "no", "fp16", "bf16" or "fp8" (torchao; see ``AORecipeKwargs``).
         gradient_accumulation_steps: micro-steps per optimizer step (>= 1).
         cpu: force the CPU even when an accelerator is present.
@@ -57,17 +70,23 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``InitProcessGroupKwargs``, ``AutocastKwargs``, one fp8 recipe (``AORecipeKwargs``, ...).
         dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
+        deepspeed_plugin(s) / fsdp_plugin: sharded training.
+        torch_tp_plugin, megatron_lm_plugin, parallelism_config: not supported yet (an error if given).
+        resume: ``None``, ``"auto"`` or a checkpoint folder to resume from (see ``hasten.checkpointing``).
     """
 
     def __init__(
         self,
         device_placement: bool = True,
+        split_batches: bool = UNSET,  # type: ignore[assignment] - deprecated: DataLoaderConfiguration
         mixed_precision: Optional[str] = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
         dataloader_config: Optional[DataLoaderConfiguration] = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
         rng_types: Optional[Sequence[str]] = None,
         log_with: Any = None,
         project_dir: Optional[str] = None,
@@ -77,9 +96,22 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         kwargs_handlers: Optional[Sequence[Any]] = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: Any = None,
+        *,
         resume: Any = None,
         **legacy: Any,
     ) -> None:
+        unsupported_parallelism(torch_tp_plugin=torch_tp_plugin, megatron_lm_plugin=megatron_lm_plugin,
+                                parallelism_config=parallelism_config)
+        if split_batches is not UNSET:
+            legacy["split_batches"] = split_batches
+        if deepspeed_plugins is not None:
+            if deepspeed_plugin is not None:
+                raise ValueError("pass deepspeed_plugin or deepspeed_plugins, not both")
+            deepspeed_plugin = deepspeed_plugins
+        if dynamo_backend is not None and dynamo_plugin is not None:
+            raise ValueError("pass dynamo_backend or dynamo_plugin, not both (set the backend in the plugin)")
         handlers = collect_handlers(kwargs_handlers)
         dataloader_config = merge_legacy_data_kwargs(dataloader_config, legacy)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
@@ -197,6 +229,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         return self.dataloader_config.non_blocking
 
     @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
+
+    @property
     def project_dir(self) -> Optional[str]:
         return self.project_configuration.project_dir
 
@@ -216,6 +252,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         model), then schedulers (which follow the prepared optimizers). Anything else is returned
         unchanged. Preparing an already prepared object returns it as is.
         """
+        check_not_dummy(args, self.distributed_type)
         if device_placement is None:
             device_placement = [None] * len(args)
         elif len(device_placement) != len(args):
@@ -261,9 +298,12 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         if self.fp8 is not None:
             self.fp8.convert(model)
         self.precision.wrap_forward(model)
-        prepared = model if evaluation_mode else self.strategy.wrap_model(model)
         dynamo = self.state.dynamo_plugin
-        if dynamo is not None and not dynamo.disable:
+        regional = dynamo is not None and not dynamo.disable and dynamo.use_regional_compilation
+        if regional:  # in place, before wrapping: the wrappers' hooks stay on the call path
+            compile_regions(model, **dynamo.to_compile_kwargs())
+        prepared = model if evaluation_mode else self.strategy.wrap_model(model)
+        if dynamo is not None and not dynamo.disable and not regional:
             prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
         self._models.append(prepared)
         return self._remember(model, prepared)

@@ -17,8 +17,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,6 +25,7 @@ from .commands import failures as failure_report
 from .commands.config_schema import MIXED_PRECISION
 from .commands.hardware import cpu_count, cuda_device_count
 from .topology import DEFAULT_PORT
+from .utils.environment import patch_environment
 
 __all__ = ["notebook_launcher", "debug_launcher", "LaunchError"]
 
@@ -96,20 +96,6 @@ def _native_threads() -> int:
         return -1
     python = {t.native_id for t in threading.enumerate()}
     return len(tasks - python)
-
-
-@contextmanager
-def _patched_env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _reset_hasten_state() -> None:
@@ -189,7 +175,7 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
                      # torch.cuda.is_available() (the agent calls it) must not initialise CUDA here
                      PYTORCH_NVML_BASED_CUDA_CHECK="1")
     try:
-        with _patched_env(**child_env):
+        with patch_environment(**child_env):
             config = LaunchConfig(
                 min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nprocs, run_id=rdzv_id,
                 rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{port}",
@@ -235,7 +221,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: Optio
         raise ValueError(f"num_processes={num_processes!r} must be a positive whole number")
     env = {"HASTEN_MIXED_PRECISION": mixed_precision}
     if num_processes == 1 and num_nodes == 1:
-        with _patched_env(**env):
+        with patch_environment(**env):
             function(*args)
         return
     port = _port(use_port, master_addr, num_nodes, node_rank) if not rdzv_endpoint else 0

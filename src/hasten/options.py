@@ -14,18 +14,26 @@ from .utils.dataclasses import (
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
-from .utils.environment import get_env, parse_flag, parse_int
+from .utils.environment import parse_int
 
 _LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+# Default of Accelerator(split_batches=...): tells "not given" from an explicit False.
+UNSET: Any = object()
 
 
 def dynamo_from_env() -> Optional[TorchDynamoPlugin]:
-    backend = (get_env("DYNAMO_BACKEND") or "no").lower()
-    if backend == "no":
-        return None
-    return TorchDynamoPlugin(backend=backend, mode=get_env("DYNAMO_MODE"),
-                             fullgraph=parse_flag("DYNAMO_USE_FULLGRAPH"),
-                             dynamic=parse_flag("DYNAMO_USE_DYNAMIC") if get_env("DYNAMO_USE_DYNAMIC") else None)
+    plugin = TorchDynamoPlugin()  # unset fields come from HASTEN_DYNAMO_* / ACCELERATE_DYNAMO_*
+    return None if plugin.backend == "no" else plugin
+
+
+def unsupported_parallelism(**plugins: Any) -> None:
+    """Tensor, Megatron-LM and N-D parallelism are not implemented: refuse them instead of ignoring them."""
+    for name, value in plugins.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"Accelerator({name}=...) is not supported by hasten yet; remove it (data parallelism, FSDP and "
+                "DeepSpeed are the supported strategies)"
+            )
 
 
 def collect_handlers(kwargs_handlers: Optional[Sequence[Any]]) -> dict[type, Any]:

@@ -63,11 +63,11 @@ class ProcessControlMixin:
         """Give each process its share of ``inputs`` (see ``PartialState.split_between_processes``)."""
         return self.state.split_between_processes(inputs, apply_padding=apply_padding)
 
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: run only on the main process."""
+    def on_main_process(self, function: Optional[Callable] = None) -> Callable:
+        """Decorator: run only on the main process (``@accelerator.on_main_process`` or with ``()``)."""
         return self.state.on_main_process(function)
 
-    def on_local_main_process(self, function: Callable) -> Callable:
+    def on_local_main_process(self, function: Optional[Callable] = None) -> Callable:
         """Decorator: run only on each node's main process."""
         return self.state.on_local_main_process(function)
 

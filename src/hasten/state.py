@@ -205,21 +205,28 @@ class PartialState(SharedDict):
         yield _split(inputs, self.num_processes, self.process_index, apply_padding)
 
     # -- running on some processes only ---------------------------------------------------------
+    # The process is checked when the function is called, not when it is decorated, so a function
+    # decorated before the process group exists still does the right thing. With one process every
+    # decorated function runs (as in Accelerate), whichever process it names.
     def _run_if(self, condition: Callable[[], bool], function: Callable) -> Callable:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if condition():
+            if not self.use_distributed or condition():
                 return function(*args, **kwargs)
             return None
 
         return wrapper
 
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: run only on the main process."""
+    def on_main_process(self, function: Optional[Callable] = None) -> Callable:
+        """Decorator: run only on the main process (``@on_main_process`` or ``@on_main_process()``)."""
+        if function is None:
+            return self.on_main_process
         return self._run_if(lambda: self.is_main_process, function)
 
-    def on_local_main_process(self, function: Callable) -> Callable:
+    def on_local_main_process(self, function: Optional[Callable] = None) -> Callable:
         """Decorator: run only on each node's main process."""
+        if function is None:
+            return self.on_local_main_process
         return self._run_if(lambda: self.is_local_main_process, function)
 
     def on_last_process(self, function: Callable) -> Callable:
@@ -227,15 +234,17 @@ class PartialState(SharedDict):
         return self._run_if(lambda: self.is_last_process, function)
 
     def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None) -> Callable:
-        """Decorator: run only on process ``process_index``."""
+        """Decorator: run only on process ``process_index`` (``@on_process(process_index=1)``)."""
         if function is None:
             return functools.partial(self.on_process, process_index=process_index)
+        _check_index("on_process", "process_index", process_index)
         return self._run_if(lambda: self.process_index == process_index, function)
 
     def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None) -> Callable:
         """Decorator: run only on local process ``local_process_index`` of each node."""
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        _check_index("on_local_process", "local_process_index", local_process_index)
         return self._run_if(lambda: self.local_process_index == local_process_index, function)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -256,6 +265,11 @@ class PartialState(SharedDict):
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
+
+
+def _check_index(decorator: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{decorator}: {name}={value!r} is not a process index; write @{decorator}({name}=1)")
 
 
 def _split(inputs: Any, n: int, index: int, pad: bool) -> Any:

@@ -50,7 +50,9 @@ def _agree(problems: list[tuple[str, str]], folder: str) -> None:
 def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     pc = accelerator.project_configuration
     if input_dir is not None:
-        return os.path.abspath(os.path.expanduser(os.fspath(input_dir)))
+        # As in save_state, the main process names the folder: a script that passes each process its
+        # own (e.g. a per-process tempfile.TemporaryDirectory) reads back what save_state wrote.
+        return broadcast_from_main([os.path.abspath(os.path.expanduser(os.fspath(input_dir)))])[0]
     if not pc.automatic_checkpoint_naming:
         raise ValueError(
             "load_state() without input_dir needs ProjectConfiguration(automatic_checkpoint_naming=True); "

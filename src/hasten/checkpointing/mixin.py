@@ -265,7 +265,7 @@ class CheckpointMixin:
         }
 
     # -- load ---------------------------------------------------------------------------------------
-    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, *,
                    verify: str = "size", **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 

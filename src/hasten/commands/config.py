@@ -6,7 +6,8 @@ import argparse
 import ipaddress
 import os
 import re
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 from .config_schema import (
     DYNAMO_BACKENDS, DYNAMO_MODES, FSDP_PREFETCH, FSDP_SHARDING, FSDP_STATE_DICT, FSDP_WRAP, MIXED_PRECISION, SECTIONS,
@@ -71,6 +72,31 @@ def default_config(mixed_precision: str = "no") -> dict[str, Any]:
     else:
         cfg.update(distributed_type="NO", num_processes=1, use_cpu=True)
     return cfg
+
+
+default_config_file = default_config_path()  # Accelerate's name for where `config default` writes
+
+
+def write_basic_config(mixed_precision: str = "no", save_location: str = default_config_file) -> Union[Path, bool]:
+    """Write the config that ``hasten config default`` writes, for use from Python (notebooks, tests).
+
+    mixed_precision: "no", "fp16", "bf16" or "fp8". save_location: the file (default: the file
+    ``hasten launch`` reads, ``$HASTEN_CONFIG_FILE`` else ``~/.cache/hasten/default_config.yaml``).
+    Returns the path written, or ``False`` (with a message) when the file exists already: an
+    existing config is never overwritten.
+    """
+    if save_location == default_config_file:  # left at the default: honour $HASTEN_CONFIG_FILE set since import
+        save_location = default_config_path()
+    path = Path(os.path.expanduser(os.fspath(save_location)))
+    if path.exists():
+        print(f"hasten: a configuration already exists at {path}; it was left unchanged. Run `hasten config` to "
+              "change it, or pass another save_location.")
+        return False
+    choice = str(mixed_precision).lower()
+    if choice not in MIXED_PRECISION:
+        raise ValueError(f"write_basic_config(mixed_precision={mixed_precision!r}): use one of {list(MIXED_PRECISION)}")
+    write_config(str(path), default_config(choice))
+    return path
 
 
 def default_command(args: argparse.Namespace) -> int:

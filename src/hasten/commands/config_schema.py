@@ -13,18 +13,14 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ..utils.dataclasses import DistributedType
+from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, did_you_mean
 
 CONFIG_ENV = "HASTEN_CONFIG_FILE"
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-DYNAMO_BACKENDS = (
-    "NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI",
-    "FX2TRT", "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "IPEX", "TVM",
-    "HPU_BACKEND", "NEURON",
-)
+DYNAMO_BACKENDS = tuple(b.value for b in DynamoBackend)
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")

@@ -21,8 +21,10 @@ class DistributedType(str, enum.Enum):
     MULTI_XPU = "MULTI_XPU"
     MULTI_NPU = "MULTI_NPU"
     MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
     MULTI_MUSA = "MULTI_MUSA"
     MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
     DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
     XLA = "XLA"
@@ -44,10 +46,41 @@ class PrecisionType(str, enum.Enum):
 
 
 class RNGType(str, enum.Enum):
+    """A random number generator that ``synchronize_rng_state`` can copy from process 0."""
+
     TORCH = "torch"
     CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
     XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
     GENERATOR = "generator"
+
+
+class DynamoBackend(str, enum.Enum):
+    """Names of ``torch.compile`` backends (any backend registered with torch is accepted too)."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    IPEX = "IPEX"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -172,15 +205,15 @@ class DataLoaderConfiguration:
     split_batches: the loader's batch size is the global one and is split across processes.
     dispatch_batches: rank 0 reads every batch and sends each rank its slice (default: True for
     iterable datasets, False otherwise). even_batches: pad the end so every rank gets the same
-    number of batches. use_seedable_sampler: kept for compatibility; hasten always makes shuffling
-    reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
+    number of batches. use_seedable_sampler: accepted for compatibility and ignored: hasten's shuffling
+    is always reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
     across ranks at prepare time). non_blocking: asynchronous host-to-device copies.
     """
 
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
     even_batches: bool = True
-    use_seedable_sampler: bool = True
+    use_seedable_sampler: bool = False
     data_seed: Optional[int] = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
@@ -216,21 +249,51 @@ class ProjectConfiguration:
 
 @dataclass
 class TorchDynamoPlugin(KwargsHandler):
-    """Settings for ``torch.compile`` of prepared models (backend "no" disables it)."""
+    """Settings for ``torch.compile`` of prepared models.
 
-    backend: str = "no"
+    A field left at ``None`` is read from the launcher's ``HASTEN_DYNAMO_*`` (else
+    ``ACCELERATE_DYNAMO_*``) variables: backend (default "no", which disables compilation), mode
+    (default "default"), fullgraph, dynamic, use_regional_compilation. With
+    ``use_regional_compilation`` each block of a ``ModuleList`` of identical blocks (the layers of a
+    transformer) is compiled in place, so the compiler traces one block and reuses it for the others;
+    the rest of the model is compiled piece by piece the same way.
+    """
+
+    backend: Any = None  # a name (str or DynamoBackend) or a backend callable
     mode: Optional[str] = None
-    fullgraph: bool = False
+    fullgraph: Optional[bool] = None
     dynamic: Optional[bool] = None
     options: Any = None
     disable: bool = False
+    use_regional_compilation: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        self.backend = str(self.backend).lower()
+        from .environment import get_env, parse_flag
+
+        backend = self.backend if self.backend is not None else get_env("DYNAMO_BACKEND") or "no"
+        if isinstance(backend, enum.Enum):
+            backend = backend.value
+        if isinstance(backend, str):  # a callable (a custom backend) is passed to torch.compile as is
+            backend = backend.lower()
+        self.backend = backend
+        if self.mode is None:
+            self.mode = get_env("DYNAMO_MODE") or "default"
+        if self.fullgraph is None:
+            self.fullgraph = parse_flag("DYNAMO_USE_FULLGRAPH")
+        if self.dynamic is None and get_env("DYNAMO_USE_DYNAMIC") is not None:
+            self.dynamic = parse_flag("DYNAMO_USE_DYNAMIC")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = parse_flag("DYNAMO_USE_REGIONAL_COMPILATION")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        kwargs = super().to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        return kwargs
 
     def to_compile_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
-        if self.mode is not None:
+        """The keyword arguments for ``torch.compile``."""
+        kw: dict[str, Any] = {"backend": self.backend, "fullgraph": bool(self.fullgraph), "dynamic": self.dynamic}
+        if self.mode not in (None, "default"):  # torch refuses a mode together with options
             kw["mode"] = self.mode
         if self.options is not None:
             kw["options"] = self.options

@@ -8,7 +8,8 @@ This module must stay torch-free: the CLI imports it.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional
 
 PREFIXES = ("HASTEN_", "ACCELERATE_")
 
@@ -68,3 +69,36 @@ def parse_choice(name: str, default: str, environ: Optional[Mapping[str, str]] =
     """A string setting, lower-cased."""
     raw = get_env(name, None, environ)
     return default if raw is None or raw == "" else raw.strip().lower()
+
+
+@contextmanager
+def patch_environment(**kwargs: Any) -> Iterator[None]:
+    """Set environment variables for the duration of a block, then restore the previous values.
+
+    Names are upper-cased and values turned into strings (``patch_environment(master_port=29501)``
+    sets ``MASTER_PORT="29501"``). On exit each variable gets its old value back, or is removed if it
+    did not exist, even when the block raised.
+    """
+    values = {key.upper(): str(value) for key, value in kwargs.items()}
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in previous.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+@contextmanager
+def clear_environment() -> Iterator[None]:
+    """Run a block with an empty ``os.environ``; the original variables come back afterwards."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

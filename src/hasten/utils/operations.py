@@ -296,6 +296,40 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     return recursively_apply(_broadcast_one, tensor, from_process)
 
 
+def copy_tensor_to_devices(tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Send a tensor that exists on one process only to every process; the others pass ``None``.
+
+    Unlike ``broadcast``, the receiving processes need not know the shape or dtype: the owner is
+    found, then its tensor is broadcast. Every process returns a copy on its own device. Exactly
+    one process must pass a tensor. With one process the tensor is returned as is.
+    """
+    state = PartialState()
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"copy_tensor_to_devices takes a tensor or None, got {_type_name(tensor)}")
+    if not state.use_distributed:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices got None on the only process; pass the tensor to copy")
+        return tensor
+    _verify(state, "copy_tensor_to_devices")
+    everyone: list[Any] = [None] * state.num_processes
+    dist.all_gather_object(everyone, None if tensor is None else (tuple(tensor.shape), tensor.dtype))
+    owners = [rank for rank, meta in enumerate(everyone) if meta is not None]
+    if len(owners) != 1:
+        found = f"processes {owners} each passed one" if owners else "every process passed None"
+        raise ValueError(
+            f"copy_tensor_to_devices needs a tensor on exactly one process, but {found}; pass None on the others "
+            "(or use broadcast when every process already holds a tensor of the right shape)"
+        )
+    shape, dtype = everyone[owners[0]]
+    device = _comm_device(state)
+    if tensor is None:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+    else:  # a fresh dense copy: the caller's tensor (maybe a leaf that requires grad) is not written to
+        buffer = tensor.detach().to(device, copy=True).contiguous()
+    dist.broadcast(buffer, src=owners[0])
+    return buffer.to(state.device)
+
+
 def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
     """Replace, in place, the items of ``object_list`` with process ``from_process``'s; returns the list."""
     state = PartialState()

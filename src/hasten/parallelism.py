@@ -1,0 +1,86 @@
+"""The ``Accelerator``'s view of the parallel layout (Accelerate's names).
+
+hasten runs data parallelism (DDP) and, through plugins, sharded data parallelism; tensor, context
+and pipeline parallelism and ``parallelism_config`` are not implemented, so the ranks they would
+define are errors and the device mesh is ``None``. Kept apart so the facade stays about training.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .utils.dataclasses import DistributedType
+
+_DEVICE_TYPES = {
+    DistributedType.MULTI_GPU, DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_NPU, DistributedType.MULTI_XPU, DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON,
+}
+
+
+def _not_configured(kind: str) -> RuntimeError:
+    return RuntimeError(f"{kind} parallelism is not configured: hasten has no parallelism_config (data parallelism "
+                        "only); use accelerator.process_index for the data-parallel rank")
+
+
+class ParallelLayoutMixin:
+    """Read-only facts about how the model is spread over processes, read from ``self.state``."""
+
+    state: Any
+
+    @property
+    def multi_device(self) -> bool:
+        """Several processes, each on its own accelerator device (not CPU processes)."""
+        return bool(self.state.use_distributed) and self.state.distributed_type in _DEVICE_TYPES
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The DeepSpeed plugin in use, or ``None``."""
+        return getattr(self.state, "deepspeed_plugin", None)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether the model is sharded with FSDP (hasten's FSDP is FSDP2, ``fully_shard``)."""
+        return self.state.distributed_type == DistributedType.FSDP
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def parallelism_config(self) -> Optional[Any]:
+        """Always ``None``: N-D parallelism is not supported."""
+        return None
+
+    @property
+    def torch_device_mesh(self) -> Optional[Any]:
+        """Always ``None``: no device mesh without ``parallelism_config``."""
+        return None
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes model files (one per node)."""
+        return self.state.is_local_main_process
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise _not_configured("Data")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise _not_configured("Sharded data")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise _not_configured("Tensor")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise _not_configured("Context")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise _not_configured("Pipeline")
+
+    def verify_device_map(self, model: Any) -> bool:
+        """Whether ``model`` was loaded spread over several devices (an ``hf_device_map`` with >1 entry)."""
+        return any(len(getattr(module, "hf_device_map", None) or ()) > 1 for module in model.modules())
