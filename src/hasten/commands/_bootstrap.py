@@ -80,9 +80,30 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
+def _start_heartbeat() -> None:
+    """Under ``hasten launch`` with a hang timeout: the heartbeat thread (``_heartbeat.py``, loaded
+    by path so that the ``hasten`` package stays unimported) and the SIGUSR1 stack dump."""
+    global _HEARTBEAT
+    folder = os.environ.get("HASTEN_HANG_DIR")
+    if not folder:
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hasten_heartbeat", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "_heartbeat.py"))
+    _HEARTBEAT = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_HEARTBEAT)
+    _HEARTBEAT.start(folder)
+
+
+_HEARTBEAT = None
+
+
 def _finish() -> None:
     """The script succeeded: tear the process group down now (leaving it to interpreter exit
     sometimes aborts in native code) and tell the launcher that this rank's work is complete."""
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.finished()
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -129,6 +150,7 @@ def main(argv: list) -> None:
         sys.exit("usage: _bootstrap.py [-m] script-or-module [args...]")
     target, args = argv[0], argv[1:]
     _die_with_launcher()
+    _start_heartbeat()
     sys.argv = [target, *args]
     if module:
         sys.path.insert(0, os.getcwd())
