@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Progress:
     """Counters and the current phase of this process (read by the heartbeat thread)."""
 
-    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "ddp", "hang_timeout")
+    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout")
 
     def __init__(self) -> None:
         self.ticks = 0  # any progress mark: the watchdog's sign of life
@@ -33,6 +33,7 @@ class Progress:
         self.batches = 0  # batches handed out by prepared dataloaders
         self.where: Optional[str] = None  # hasten collective, LOADER, BACKWARD, OPTIMIZER, or None
         self.sync_s = 0.0  # seconds spent where ranks wait for each other (collectives, backward)
+        self.sync_since: Optional[float] = None  # start of the sync phase under way, if any
         self.ddp = False  # a prepared model all-reduces its gradients in backward
         self.hang_timeout: Optional[float] = None  # set by the script; overrides the launcher's
 
@@ -42,9 +43,12 @@ STATE = Progress()
 
 def enter(where: str) -> tuple[Optional[str], float]:
     """Mark the start of a phase where the ranks wait for each other; pass the token to :func:`leave`."""
-    outer = STATE.where
-    STATE.where = where
-    return outer, perf_counter()
+    state = STATE
+    outer, start = state.where, perf_counter()
+    state.where = where
+    if outer is None:
+        state.sync_since = start
+    return outer, start
 
 
 def leave(token: tuple[Optional[str], float]) -> None:
@@ -52,6 +56,7 @@ def leave(token: tuple[Optional[str], float]) -> None:
     state = STATE
     if outer is None:  # nested phases (gather_for_metrics -> gather) are timed once
         state.sync_s += perf_counter() - start
+        state.sync_since = None
     state.where = outer
     state.ticks += 1
 
@@ -110,5 +115,7 @@ def set_hang_timeout(seconds: Union[float, timedelta, None]) -> None:
 def snapshot() -> dict[str, Any]:
     """A JSON-able copy of ``STATE`` (called by the heartbeat thread, not on the hot path)."""
     s = STATE
-    return {"ticks": s.ticks, "steps": s.steps, "batches": s.batches, "where": s.where, "sync_s": s.sync_s,
-            "ddp": s.ddp, "hang_timeout": s.hang_timeout}
+    now, since = perf_counter(), s.sync_since
+    sync = s.sync_s + (now - since if since is not None else 0.0)  # a wait under way counts already
+    return {"ticks": s.ticks, "steps": s.steps, "batches": s.batches, "where": s.where, "sync_s": sync,
+            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout}

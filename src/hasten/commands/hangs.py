@@ -127,7 +127,7 @@ def describe_rank(beat: dict, idle_s: float, now: float) -> tuple[str, Optional[
     frame = _user_frame(at)
     line = f"rank {beat['rank']} (pid {beat.get('pid')}): {position}: {what} for {idle_s:.0f} s" + (
         f"; at {frame}" if frame else "")
-    silent = now - float(beat.get("t", now))
+    silent = now - float(beat.get("beat_t", now))
     if silent > 3 * CHECK_S + 2:
         line += f" [no heartbeat for {silent:.0f} s: native code holding the GIL? see its stack]"
     return line, found
@@ -250,10 +250,11 @@ class Watchdog:
         os.replace(tmp, os.path.join(self.folder, "dump"))
         beats = read_beats(self.folder)
         for beat in beats.values():
-            if not beat.get("done"):
+            pid = beat.get("pid")
+            if not beat.get("done") and isinstance(pid, int) and pid > 0:  # never 0: the whole process group
                 try:
-                    os.kill(int(beat["pid"]), signal.SIGUSR1)
-                except (OSError, ValueError, KeyError):
+                    os.kill(pid, signal.SIGUSR1)
+                except OSError:
                     pass
         deadline = time.monotonic() + DUMP_WAIT_S
         while time.monotonic() < deadline:
