@@ -3,9 +3,10 @@
 ``python -u _bootstrap.py [-m] target args...`` behaves like ``python target args`` (or ``-m``),
 and in addition: when the script fails it writes a record (time, rank, host, traceback, whether
 the error only echoes another rank's failure) to the file torch's elastic agent names in
-``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; and it asks
-the kernel to stop this process if the launcher dies (no orphans). Standard library only, and it
-must not import the ``hasten`` package either: the script's imports start from a clean slate.
+``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; it asks
+the kernel to stop this process if the launcher dies (no orphans); and it starts the heartbeat
+(``_heartbeat.py``) that the launcher's hang watchdog reads. Standard library only, and it must
+not import the ``hasten`` package either: the script's imports start from a clean slate.
 """
 
 import os
