@@ -150,11 +150,12 @@ def launch(nproc: int, args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
+    procs, watched = [], []
     for rank in range(nproc):
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if args.watch:
-            env.update(HASTEN_HANG_DIR=tempfile.mkdtemp(prefix="bench-hang-"), TORCH_FR_BUFFER_SIZE="2000")
+            watched.append(tempfile.mkdtemp(prefix="bench-hang-"))
+            env.update(HASTEN_HANG_DIR=watched[-1], TORCH_FR_BUFFER_SIZE="2000")
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -163,6 +164,11 @@ def launch(nproc: int, args) -> dict:
         procs.append(subprocess.Popen(cmd, env=env))
     for p in procs:
         p.wait()
+    if args.watch:
+        import shutil
+
+        for folder in watched:
+            shutil.rmtree(folder, ignore_errors=True)
     with open(out) as f:
         return json.load(f)
 
