@@ -2,6 +2,7 @@
 
     python bench/overhead.py                 # 1 and 2 processes, both workloads
     python bench/overhead.py --procs 2 --rounds 9 --steps 400
+    python bench/overhead.py --watch         # with what `hasten launch` adds: heartbeat + flight recorder
 
 The same training loop (dataloader -> forward -> backward -> step -> zero_grad) runs in each
 implementation inside the same processes, interleaved round by round in a rotating order, so
@@ -91,7 +92,20 @@ def framework_runner(accelerator, factory, dim, batch, steps, world):
     return run
 
 
+def start_watch() -> None:
+    """What `hasten launch` runs in each process: the heartbeat thread (the flight recorder is on via env)."""
+    import importlib.util
+
+    path = os.path.join(HERE, "..", "src", "hasten", "commands", "_heartbeat.py")
+    spec = importlib.util.spec_from_file_location("_hasten_heartbeat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.start(os.environ["HASTEN_HANG_DIR"])
+
+
 def worker(args) -> None:
+    if os.environ.get("HASTEN_HANG_DIR"):
+        start_watch()
     import torch
 
     torch.set_num_threads(1)
@@ -136,9 +150,12 @@ def launch(nproc: int, args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
+    procs, watched = [], []
     for rank in range(nproc):
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        if args.watch:
+            watched.append(tempfile.mkdtemp(prefix="bench-hang-"))
+            env.update(HASTEN_HANG_DIR=watched[-1], TORCH_FR_BUFFER_SIZE="2000")
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -147,6 +164,11 @@ def launch(nproc: int, args) -> dict:
         procs.append(subprocess.Popen(cmd, env=env))
     for p in procs:
         p.wait()
+    if args.watch:
+        import shutil
+
+        for folder in watched:
+            shutil.rmtree(folder, ignore_errors=True)
     with open(out) as f:
         return json.load(f)
 
@@ -178,6 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--workloads", default="null,mlp")
+    parser.add_argument("--watch", action="store_true", help="heartbeat thread + torch flight recorder, as under "
+                        "hasten launch")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()

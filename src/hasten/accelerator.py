@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import progress
 from .checkpointing import CheckpointMixin
 from .fp8 import plan_for as fp8_plan
 from .compilation import compile_regions
@@ -124,7 +125,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
             deepspeed_plugin = "from-environment"
 
-        pg_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs()).to_kwargs()
+        pg_handler = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
+        if pg_handler.hang_timeout is not None:
+            progress.set_hang_timeout(pg_handler.hang_timeout)
+        pg_kwargs = pg_handler.to_kwargs()
         self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                                       fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
         self.gradient_state = GradientState(plugin)
@@ -370,7 +374,11 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         """``loss.backward()`` divided by the accumulation steps and scaled for fp16."""
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+        token = progress.enter(progress.BACKWARD)  # DDP all-reduces the gradients in here
+        try:
+            self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+        finally:
+            progress.leave(token)
 
     def _do_sync(self) -> None:
         gs = self.gradient_state

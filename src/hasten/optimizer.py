@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import progress
 from .precision import Precision
 from .state import GradientState, PartialState
 
@@ -87,6 +88,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._step_was_skipped = False
         else:
             self._step_was_skipped = self.precision.optimizer_step(self.optimizer, closure)
+        progress.stepped()
 
     def train(self) -> None:
         """For optimizers with train/eval modes (e.g. schedule-free ones)."""

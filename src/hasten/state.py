@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from . import progress
 from .topology import Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
 from .utils.environment import parse_choice, parse_flag
@@ -167,6 +168,7 @@ class PartialState(SharedDict):
         )
 
     # -- synchronisation ------------------------------------------------------------------------
+    @progress.collective("wait_for_everyone")
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point."""
         if self.use_distributed:

@@ -3,9 +3,10 @@
 ``python -u _bootstrap.py [-m] target args...`` behaves like ``python target args`` (or ``-m``),
 and in addition: when the script fails it writes a record (time, rank, host, traceback, whether
 the error only echoes another rank's failure) to the file torch's elastic agent names in
-``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; and it asks
-the kernel to stop this process if the launcher dies (no orphans). Standard library only, and it
-must not import the ``hasten`` package either: the script's imports start from a clean slate.
+``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; it asks
+the kernel to stop this process if the launcher dies (no orphans); and it starts the heartbeat
+(``_heartbeat.py``) that the launcher's hang watchdog reads. Standard library only, and it must
+not import the ``hasten`` package either: the script's imports start from a clean slate.
 """
 
 import os
@@ -80,9 +81,30 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
+def _start_heartbeat() -> None:
+    """Under ``hasten launch`` with a hang timeout: the heartbeat thread (``_heartbeat.py``, loaded
+    by path so that the ``hasten`` package stays unimported) and the SIGUSR1 stack dump."""
+    global _HEARTBEAT
+    folder = os.environ.get("HASTEN_HANG_DIR")
+    if not folder:
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hasten_heartbeat", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "_heartbeat.py"))
+    _HEARTBEAT = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_HEARTBEAT)
+    _HEARTBEAT.start(folder)
+
+
+_HEARTBEAT = None
+
+
 def _finish() -> None:
     """The script succeeded: tear the process group down now (leaving it to interpreter exit
     sometimes aborts in native code) and tell the launcher that this rank's work is complete."""
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.finished()
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -129,6 +151,7 @@ def main(argv: list) -> None:
         sys.exit("usage: _bootstrap.py [-m] script-or-module [args...]")
     target, args = argv[0], argv[1:]
     _die_with_launcher()
+    _start_heartbeat()
     sys.argv = [target, *args]
     if module:
         sys.path.insert(0, os.getcwd())

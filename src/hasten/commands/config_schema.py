@@ -1,9 +1,9 @@
 """The launcher's config file: its keys, their types and defaults, reading, checking and writing.
 
 The file uses the keys of Accelerate's ``default_config.yaml`` (so an Accelerate config, legacy keys
-included, is read as-is) plus two hasten keys written only when they differ from their default
-(``gradient_accumulation_steps``, ``num_cpu_threads_per_process``). Torch-free: ``--help`` and
-``hasten config`` must stay fast.
+included, is read as-is) plus hasten keys written only when they differ from their default
+(``gradient_accumulation_steps``, ``num_cpu_threads_per_process``, ``hang_timeout``). Torch-free:
+``--help`` and ``hasten config`` must stay fast.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ TOP = _keys(
     # hasten's own keys (written only when not default)
     Key("gradient_accumulation_steps", "int", 1, minimum=1),
     Key("num_cpu_threads_per_process", "int", None, minimum=1),
+    Key("hang_timeout", "float", 300.0, minimum=0),
 )
 
 # Keys Accelerate used to write; read and converted, never written.
@@ -407,7 +408,7 @@ def to_yaml_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("tpu_use_cluster", "tpu_use_sudo"):
         if cfg.get(name):
             out[name] = True
-    for name in ("gradient_accumulation_steps", "num_cpu_threads_per_process"):
+    for name in ("gradient_accumulation_steps", "num_cpu_threads_per_process", "hang_timeout"):
         if cfg.get(name) not in (None, TOP[name].default):
             out[name] = cfg[name]
     return out

@@ -15,6 +15,7 @@ import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from . import failures as failure_report
+from . import hangs
 from .launch import BOOTSTRAP
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,13 +64,32 @@ def run_elastic(plan: "Plan") -> int:
     node = plan.machine_rank if plan.rdzv_backend == "static" else None
     records = tempfile.mkdtemp(prefix="hasten-failures-")
     os.environ["HASTEN_FAILURE_DIR"] = records
+    watchdog = _start_watchdog(plan)
     try:
-        return _run_agent(plan, config, entrypoint, args, node, records, logs)
+        status = _run_agent(plan, config, entrypoint, args, node, records, logs, watchdog)
     finally:
+        watchdog.close()
         shutil.rmtree(records, ignore_errors=True)
+    if watchdog.report is not None:
+        print(watchdog.report, file=sys.stderr, flush=True)  # its folder is kept: the stacks are in it
+        return hangs.HANG_EXIT_STATUS
+    shutil.rmtree(watchdog.folder, ignore_errors=True)
+    return status
 
 
-def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional[int], records: str, logs) -> int:
+def _start_watchdog(plan: "Plan") -> hangs.Watchdog:
+    """The processes' heartbeat folder, torch's flight recorder settings, and the watchdog thread."""
+    folder = tempfile.mkdtemp(prefix="hasten-hang-")
+    os.environ.update(hangs.child_env(folder, plan.device))
+    value = plan.res.values["hang_timeout"]
+    source = f"{value.source}" if value.source != "default" else "default; --hang_timeout or HASTEN_HANG_TIMEOUT"
+    launcher = os.getpid()
+    return hangs.Watchdog(folder, float(value.value), source, plan.nproc_per_node,
+                          stop=lambda: os.kill(launcher, signal.SIGTERM)).start()  # the agent then stops the processes
+
+
+def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional[int], records: str, logs,
+               watchdog: hangs.Watchdog) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
@@ -78,6 +98,8 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
     try:
         launch_agent(config, entrypoint, args)
     except ChildFailedError as err:
+        if watchdog.report is not None:
+            return hangs.HANG_EXIT_STATUS
         found = failure_report.from_agent(err.failures, node=node, host=socket.gethostname(), records_dir=records)
         if failure_report.only_teardown_crashes(found, failure_report.finished_ranks(records)):
             names = ", ".join(f"rank {f.rank} ({f.signal_name})" for f in found)
@@ -90,6 +112,8 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
         print(failure_report.report(found, quiet=plan.quiet), file=sys.stderr)
         return failure_report.exit_status(failure_report.first_failure(found))
     except SignalException as exc:
+        if watchdog.report is not None:
+            return hangs.HANG_EXIT_STATUS
         sig = getattr(exc, "sigval", signal.SIGTERM)
         print(f"hasten: stopped by {signal.Signals(sig).name}; the processes were stopped too", file=sys.stderr)
         return 128 + int(sig)

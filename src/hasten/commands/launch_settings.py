@@ -106,6 +106,9 @@ _CORE = [
     _s("tee", G_PROC, "Copy output to files in --log_dir as well: 0 none, 1 stdout, 2 stderr, 3 both "
        "(or per rank: 0:3,1:1).", kind="str", config=None, flags=("--tee", "-t")),
     _s("log_dir", G_PROC, "Folder for the per-process log files.", kind="str", config=None),
+    _s("hang_timeout", G_PROC, "Seconds without progress after which the processes' stacks are dumped, a "
+       "report names where each rank is, and the job stops with exit status 124 (default 300; 0: off).",
+       env=("HASTEN_HANG_TIMEOUT",)),
 ]
 
 _FSDP_ENV = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
+from .. import progress
 from ..state import GradientState
 from ..utils.operations import send_to_device
 from . import position
@@ -375,7 +376,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             tracker = position.StreamTracker(stream, iterator, base, state, pending)
             iterator = iter(tracker)
         try:
-            current = next(iterator)
+            current = progress.fetch(iterator)
         except StopIteration:
             self._finish_plan()
             return
@@ -385,7 +386,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             if step >= skip and move is not None:
                 current = move(current)
             try:
-                upcoming, last = next(iterator), False
+                upcoming, last = progress.fetch(iterator), False
             except StopIteration:
                 upcoming, last = None, True
                 self._finish_plan()
@@ -427,7 +428,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         while True:
             self._at_boundary()
             try:
-                current = next(iterator)
+                current = progress.fetch(iterator)
             except StopIteration:
                 return
             last = not peek.has_next()

@@ -9,7 +9,7 @@ import enum
 import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 
 class DistributedType(str, enum.Enum):
@@ -165,14 +165,20 @@ class GradScalerKwargs(KwargsHandler):
 
 @dataclass
 class InitProcessGroupKwargs(KwargsHandler):
-    """Arguments for ``torch.distributed.init_process_group``."""
+    """Arguments for ``torch.distributed.init_process_group``.
+
+    ``hang_timeout`` (hasten only, not passed to torch): seconds without progress after which
+    ``hasten launch`` reports a hang and stops the job (a number or a ``timedelta``; 0 turns the
+    check off); overrides ``--hang_timeout`` for this job. ``None`` keeps the launcher's value.
+    """
 
     backend: Optional[str] = None
     init_method: Optional[str] = None
     timeout: Optional[timedelta] = None
+    hang_timeout: Optional[Union[float, timedelta]] = None
 
     def to_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in self.to_dict().items() if v is not None}
+        return {k: v for k, v in self.to_dict().items() if v is not None and k != "hang_timeout"}
 
 
 @dataclass

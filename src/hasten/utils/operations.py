@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .. import progress
 from ..state import PartialState
 
 REDUCTIONS = ("sum", "mean", "max", "min", "none")
@@ -232,6 +233,7 @@ def _gather_one(tensor: torch.Tensor, state: PartialState) -> torch.Tensor:
     return out
 
 
+@progress.collective("gather")
 def gather(tensor: Any) -> Any:
     """Concatenate (nested) tensors from every process along dim 0, in rank order.
 
@@ -247,6 +249,7 @@ def gather(tensor: Any) -> Any:
     return recursively_apply(_gather_one, tensor, state)
 
 
+@progress.collective("gather_object")
 def gather_object(object: Any) -> list:  # noqa: A002 - Accelerate's argument name
     """Gather picklable objects from every process: each process's list, concatenated in rank order.
 
@@ -285,6 +288,7 @@ def _broadcast_one(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
     return tensor
 
 
+@progress.collective("broadcast")
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Overwrite (nested) tensors in place with process ``from_process``'s values; returns them."""
     state = PartialState()
@@ -296,6 +300,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     return recursively_apply(_broadcast_one, tensor, from_process)
 
 
+@progress.collective("copy_tensor_to_devices")
 def copy_tensor_to_devices(tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Send a tensor that exists on one process only to every process; the others pass ``None``.
 
@@ -330,6 +335,7 @@ def copy_tensor_to_devices(tensor: Optional[torch.Tensor] = None) -> torch.Tenso
     return buffer.to(state.device)
 
 
+@progress.collective("broadcast_object_list")
 def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
     """Replace, in place, the items of ``object_list`` with process ``from_process``'s; returns the list."""
     state = PartialState()
@@ -361,6 +367,7 @@ def _reduce_one(tensor: torch.Tensor, reduction: str, scale: float, state: Parti
     return out
 
 
+@progress.collective("reduce")
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduce (nested) tensors over every process; every process gets the result (new tensors).
 
@@ -405,6 +412,7 @@ def _pad_one(tensor: torch.Tensor, targets: Iterator[int], dim: int, pad_index: 
     return out
 
 
+@progress.collective("pad_across_processes")
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pad (nested) tensors along ``dim`` to the largest size over processes, so they can be gathered.
 

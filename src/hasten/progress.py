@@ -1,0 +1,121 @@
+"""What this process is doing, for ``hasten launch``'s hang watchdog and straggler check (torch-free).
+
+hasten's hooks (a prepared dataloader fetching a batch, ``optimizer.step``, ``backward``, hasten's
+collectives, ``wait_for_everyone``) update a few plain attributes of ``STATE``: no lock, no I/O,
+no communication, so the hot path pays a handful of attribute writes. Under ``hasten launch`` a
+heartbeat thread started by the process wrapper (``commands/_heartbeat.py``) reads them once a
+second through :func:`snapshot` and leaves them where the launcher looks. Without the launcher
+nothing reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from time import perf_counter
+from typing import Any, Callable, Optional, TypeVar, Union
+
+LOADER = "dataloader"
+BACKWARD = "backward"
+OPTIMIZER = "optimizer.step"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Progress:
+    """Counters and the current phase of this process (read by the heartbeat thread)."""
+
+    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout")
+
+    def __init__(self) -> None:
+        self.ticks = 0  # any progress mark: the watchdog's sign of life
+        self.steps = 0  # optimizer.step() calls
+        self.batches = 0  # batches handed out by prepared dataloaders
+        self.where: Optional[str] = None  # hasten collective, LOADER, BACKWARD, OPTIMIZER, or None
+        self.sync_s = 0.0  # seconds spent where ranks wait for each other (collectives, backward)
+        self.sync_since: Optional[float] = None  # start of the sync phase under way, if any
+        self.ddp = False  # a prepared model all-reduces its gradients in backward
+        self.hang_timeout: Optional[float] = None  # set by the script; overrides the launcher's
+
+
+STATE = Progress()
+
+
+def enter(where: str) -> tuple[Optional[str], float]:
+    """Mark the start of a phase where the ranks wait for each other; pass the token to :func:`leave`."""
+    state = STATE
+    outer, start = state.where, perf_counter()
+    state.where = where
+    if outer is None:
+        state.sync_since = start
+    return outer, start
+
+
+def leave(token: tuple[Optional[str], float]) -> None:
+    outer, start = token
+    state = STATE
+    if outer is None:  # nested phases (gather_for_metrics -> gather) are timed once
+        state.sync_s += perf_counter() - start
+        state.sync_since = None
+    state.where = outer
+    state.ticks += 1
+
+
+def collective(op: str) -> Callable[[F], F]:
+    """Decorate a hasten collective so that a hang inside it is reported under its name."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            token = enter(op)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave(token)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def fetch(iterator: Any) -> Any:
+    """``next(iterator)`` for a prepared dataloader, marked as data loading (StopIteration passes)."""
+    state = STATE
+    outer = state.where
+    state.where = LOADER
+    try:
+        item = next(iterator)
+    finally:
+        state.where = outer
+    state.batches += 1
+    state.ticks += 1
+    return item
+
+
+def stepped() -> None:
+    """``optimizer.step()`` returned."""
+    STATE.steps += 1
+    STATE.ticks += 1
+
+
+def set_hang_timeout(seconds: Union[float, timedelta, None]) -> None:
+    """Ask ``hasten launch`` to report a hang after ``seconds`` without progress (0 disables it).
+
+    Overrides ``--hang_timeout`` / ``HASTEN_HANG_TIMEOUT`` for this job; ``None`` keeps the
+    launcher's value. Also reachable as ``InitProcessGroupKwargs(hang_timeout=...)``.
+    """
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0):
+        raise ValueError(f"hang_timeout={seconds!r} must be a number of seconds >= 0 (0 turns the hang check off), "
+                         "e.g. hang_timeout=600")
+    STATE.hang_timeout = None if seconds is None else float(seconds)
+
+
+def snapshot() -> dict[str, Any]:
+    """A JSON-able copy of ``STATE`` (called by the heartbeat thread, not on the hot path)."""
+    s = STATE
+    now, since = perf_counter(), s.sync_since
+    sync = s.sync_s + (now - since if since is not None else 0.0)  # a wait under way counts already
+    return {"ticks": s.ticks, "steps": s.steps, "batches": s.batches, "where": s.where, "sync_s": sync,
+            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout}
