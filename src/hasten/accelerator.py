@@ -18,6 +18,7 @@ from .checkpointing import CheckpointMixin
 from .optimizer import AcceleratedOptimizer
 from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
 from .precision import Precision
+from .prepared import PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
@@ -113,7 +114,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[Any] = []
         self._custom_objects: list[Any] = []
-        self._prepared: dict[int, Any] = {}  # id(input or output) -> output, so prepare is idempotent
+        self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
         self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
 
@@ -223,12 +224,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         return result[0] if len(result) == 1 else tuple(result)
 
     def _already(self, obj: Any) -> Any:
-        return self._prepared.get(id(obj))
+        return self._prepared.get(obj)
 
     def _remember(self, original: Any, prepared: Any) -> Any:
-        self._prepared[id(original)] = prepared
-        self._prepared[id(prepared)] = prepared
-        return prepared
+        return self._prepared.add(original, prepared)
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
