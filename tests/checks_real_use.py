@@ -52,3 +52,37 @@ def check_prepare_every_kind_in_a_loop():
                                           (p_model, p_opt, p_sched, p_loader)))
         del model, optimizer, scheduler, loader, p_model, p_opt, p_sched, p_loader, again
     return [len(acc._models), len(acc._optimizers), len(acc._schedulers), len(acc._dataloaders)]
+
+
+# -- collectives of tensors that require grad ----------------------------------------------------------
+def check_collectives_accept_tensors_that_require_grad():
+    """An evaluation written without no_grad gathers losses that require grad (every collective)."""
+    n, rank = _world()
+    weight = torch.ones(3, requires_grad=True)
+    y = weight * (rank + 1)  # a non-leaf that requires grad
+    out = {
+        "gather": ops.gather(y).tolist(),
+        "gather_leaf": ops.gather(weight).tolist(),
+        "gather_nested": ops.gather({"a": [y]})["a"][0].tolist(),
+        "reduce": ops.reduce(y, "sum").tolist(),
+        "reduce_leaf": ops.reduce(weight, "mean").tolist(),
+        "pad": ops.pad_across_processes(y[: rank + 1]).tolist(),
+        "gather_object": [t.tolist() for t in ops.gather_object([y])],
+    }
+    leaf = torch.full((2, 3), float(rank)).t().contiguous().t().requires_grad_()  # a non-contiguous leaf
+    ops.broadcast(leaf)
+    out["broadcast_leaf"] = leaf.tolist()
+    moved = y.clone()
+    ops.broadcast(moved, from_process=n - 1)
+    out["broadcast"] = moved.tolist()
+    acc = Accelerator(even_batches=False)
+    got = []
+    for batch in acc.prepare(DataLoader(list(range(7)), batch_size=2)):
+        loss = (weight * batch.float().mean()).sum()
+        got += acc.gather_for_metrics(loss.repeat(batch.shape[0])).tolist()  # Accelerate's example does this
+    out["gather_for_metrics"] = got
+    acc.even_batches = True
+    got = [acc.gather_for_metrics((weight.sum() * batch).float()).tolist()
+           for batch in acc.prepare(DataLoader(list(range(5)), batch_size=2))]
+    out["gather_for_metrics_padded"] = got
+    return out

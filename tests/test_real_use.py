@@ -30,3 +30,24 @@ def test_prepare_in_a_loop_never_returns_another_loaders_twin(report):
 
 def test_prepare_in_a_loop_every_kind(report):
     assert report.assert_passed("check_prepare_every_kind_in_a_loop") == [[12, 12, 12, 12]] * report.world_size
+
+
+def test_collectives_accept_tensors_that_require_grad(report):
+    values = report.assert_passed("check_collectives_accept_tensors_that_require_grad")
+    n = report.world_size
+    means = [(0 + 1) / 2, (2 + 3) / 2, (4 + 5) / 2, 6.0]  # the batches of range(7) by 2
+    expected = {
+        "gather": [float(r + 1) for r in range(n) for _ in range(3)],
+        "gather_leaf": [1.0] * 3 * n,
+        "gather_nested": [float(r + 1) for r in range(n) for _ in range(3)],
+        "reduce": [float(sum(range(1, n + 1)))] * 3,
+        "reduce_leaf": [1.0] * 3,
+        "gather_object": [[float(r + 1)] * 3 for r in range(n)],
+        "broadcast_leaf": [[0.0] * 3] * 2,
+        "broadcast": [float(n)] * 3,
+        "gather_for_metrics": [3 * m for m, size in zip(means, (2, 2, 2, 1)) for _ in range(size)],
+        "gather_for_metrics_padded": ([[0.0, 3.0, 6.0, 9.0], [12.0]] if n == 2 else [[0.0, 3.0], [6.0, 9.0], [12.0]]),
+    }
+    pads = [[1.0, 0.0], [2.0, 2.0]] if n == 2 else [[1.0]]  # y[:rank + 1] padded to the longest
+    for value, pad in zip(values, pads):
+        assert value == dict(expected, pad=pad)
