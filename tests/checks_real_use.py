@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 
 from hasten import Accelerator
 from hasten.state import PartialState
+from hasten.utils import GradScalerKwargs
 from hasten.utils import operations as ops
 
 
@@ -86,3 +87,34 @@ def check_collectives_accept_tensors_that_require_grad():
            for batch in acc.prepare(DataLoader(list(range(5)), batch_size=2))]
     out["gather_for_metrics_padded"] = got
     return out
+
+
+# -- clipping on accumulation micro-steps --------------------------------------------------------------
+def _clip_run(precision):
+    from distributed import reset_state
+
+    reset_state()
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision=precision, gradient_accumulation_steps=2,
+                      kwargs_handlers=[GradScalerKwargs(init_scale=256.0)])
+    model = nn.Linear(4, 1)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = acc.prepare(DataLoader(torch.randn(8, 4), batch_size=2))
+    scale = acc.scaler.get_scale() if acc.scaler is not None else 1.0
+    rows = []
+    for batch in data:
+        with acc.accumulate(model):
+            acc.backward(model(batch).pow(2).mean())
+            before = [p.grad.clone() for p in model.parameters()]
+            expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in before])) / scale
+            norm = acc.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+            unchanged = all(torch.equal(g, p.grad) for g, p in zip(before, model.parameters()))
+            rows.append([acc.sync_gradients, norm.item(), expected.item(), unchanged])
+            optimizer.step()
+            optimizer.zero_grad()
+    return rows
+
+
+def check_clip_grad_norm_on_micro_steps_returns_the_norm():
+    """``norm = accelerator.clip_grad_norm_(...)`` then ``norm.item()`` on every step of an accumulation."""
+    return {precision: _clip_run(precision) for precision in ("no", "fp16")}

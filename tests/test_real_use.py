@@ -51,3 +51,15 @@ def test_collectives_accept_tensors_that_require_grad(report):
     pads = [[1.0, 0.0], [2.0, 2.0]] if n == 2 else [[1.0]]  # y[:rank + 1] padded to the longest
     for value, pad in zip(values, pads):
         assert value == dict(expected, pad=pad)
+
+
+def test_clip_grad_norm_on_micro_steps_returns_the_accumulated_norm(report):
+    for value in report.assert_passed("check_clip_grad_norm_on_micro_steps_returns_the_norm"):
+        for precision, rows in value.items():
+            micro = [row for row in rows if not row[0]]
+            sync = [row for row in rows if row[0]]
+            assert len(micro) == len(sync) > 0, precision
+            for _, norm, expected, unchanged in micro:  # the norm so far, unscaled; nothing clipped
+                assert unchanged and norm == pytest.approx(expected, rel=1e-6), (precision, rows)
+            for _, norm, expected, unchanged in sync:  # clipped (max_norm is tiny): returns the norm before
+                assert not unchanged and norm == pytest.approx(expected, rel=1e-6), (precision, rows)

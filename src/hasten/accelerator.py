@@ -388,17 +388,21 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
             return True
         # Clipping a partial accumulation would change the result (and unscaling it would break
         # fp16); Accelerate does both. We wait for the sync step.
-        warn_once(f"{what} called on a gradient-accumulation micro-step: skipped until the sync step "
-                  "(guard it with `if accelerator.sync_gradients:`)")
+        warn_once(f"{what} called on a gradient-accumulation micro-step: gradients are not clipped until the "
+                  "sync step (guard it with `if accelerator.sync_gradients:`)")
         return False
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Unscale (once) and clip gradients; returns the total norm before clipping.
 
-        On accumulation micro-steps nothing is clipped and ``None`` is returned.
+        On accumulation micro-steps nothing is clipped or unscaled: the result is the norm of the
+        gradients accumulated so far (divided by the fp16 loss scale), so ``norm.item()`` can be
+        logged on every step.
         """
         if not self._clip_allowed("clip_grad_norm_"):
-            return None
+            norm = self.strategy.grad_norm(parameters, norm_type=norm_type)
+            scale = self.precision.gradient_scale()
+            return norm / scale if scale != 1.0 else norm
         self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
