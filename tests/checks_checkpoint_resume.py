@@ -31,6 +31,10 @@ SCENARIOS = {
     # files are written (and, on 2 processes, all-reduces while the save exchanges its file lists)
     "background": dict(accum=3, workers=0, augment=True, save_at={1: 7, 2: 4}, blocking=False),
 }
+# The loop leaves early (a time or step budget: `break`), then saves and the script ends; the
+# resumed run must continue as the scenario it mirrors did without a break.
+for _name in ("mid_epoch", "workers"):
+    SCENARIOS[f"break_{_name}"] = dict(SCENARIOS[_name], mirrors=_name, break_to_save=True)
 STREAM: list = []  # the Stream of the running scenario
 
 
@@ -127,7 +131,8 @@ def build(name: str, ws: int):
     return acc, model, opt, dl, sched, progress
 
 
-def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS, blocking=True):
+def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS, blocking=True,
+          break_to_save=False):
     losses, seen = {}, {}
     for epoch in range(dl.iteration, stop_epoch):
         for x, y, idx in dl:
@@ -141,7 +146,12 @@ def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS,
             losses[progress.steps] = loss.item()
             seen[progress.steps] = (epoch, idx.tolist())
             if progress.steps == save_at:
+                if break_to_save:
+                    break
                 acc.save_state(blocking=blocking)
+        if break_to_save and progress.steps == save_at:
+            acc.save_state(blocking=blocking)  # after leaving the loop early; the script ends here
+            break
     weights = {k: v.tolist() for k, v in acc.unwrap_model(model).state_dict().items()}
     return {"losses": losses, "seen": seen, "weights": weights}
 
@@ -151,7 +161,9 @@ def scenario(name: str):
     parts = build(name, ws)
     acc = parts[0]
     if os.environ["CKPT_PHASE"] == "save":
-        out = train(*parts, save_at=SCENARIOS[name]["save_at"][ws], blocking=SCENARIOS[name].get("blocking", True))
+        cfg = SCENARIOS[name]
+        out = train(*parts, save_at=cfg["save_at"][ws], blocking=cfg.get("blocking", True),
+                    break_to_save=cfg.get("break_to_save", False))
         acc.wait_for_checkpoint()
         out["checkpoints"] = sorted(os.listdir(os.path.join(project(name, ws), "checkpoints")))
         return out
@@ -190,6 +202,14 @@ def check_stream_shards():
 
 def check_background():
     return scenario("background")
+
+
+def check_break_mid_epoch():
+    return scenario("break_mid_epoch")
+
+
+def check_break_workers():
+    return scenario("break_workers")
 
 
 def check_saving_does_not_change_training():

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from hasten import Accelerator
 from hasten.state import PartialState
-from hasten.utils import GradScalerKwargs
+from hasten.utils import DataLoaderConfiguration, GradScalerKwargs
 from hasten.utils import operations as ops
 
 
@@ -118,3 +118,33 @@ def _clip_run(precision):
 def check_clip_grad_norm_on_micro_steps_returns_the_norm():
     """``norm = accelerator.clip_grad_norm_(...)`` then ``norm.item()`` on every step of an accumulation."""
     return {precision: _clip_run(precision) for precision in ("no", "fp16")}
+
+
+# -- leaving a loop early ----------------------------------------------------------------------------
+def _epochs(loader, acc, passes):
+    return [[x for batch in loader for x in acc.gather_for_metrics(batch).tolist()] for _ in range(passes)]
+
+
+def check_break_keeps_the_position_and_a_new_for_starts_the_next_epoch():
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=7))
+    reference = _epochs(acc.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True)), acc, 3)
+    loader = acc.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True))
+    out = {"reference": reference}
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break  # e.g. a step budget
+    out["after_break"] = loader.state_dict()
+    try:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                raise KeyboardInterrupt  # an exception that the script catches before saving
+    except KeyboardInterrupt:
+        pass
+    out["after_exception"] = loader.state_dict()
+    out["next_for"] = _epochs(loader, acc, 1)[0]  # a new pass: the next epoch, every item once
+    out["after_full_pass"] = loader.state_dict()
+    for i, _ in enumerate(loader):
+        if i == len(loader) - 1:
+            break  # at the last batch: the epoch is complete
+    out["break_at_last_batch"] = loader.state_dict()
+    return out

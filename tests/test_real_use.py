@@ -63,3 +63,14 @@ def test_clip_grad_norm_on_micro_steps_returns_the_accumulated_norm(report):
                 assert unchanged and norm == pytest.approx(expected, rel=1e-6), (precision, rows)
             for _, norm, expected, unchanged in sync:  # clipped (max_norm is tiny): returns the norm before
                 assert not unchanged and norm == pytest.approx(expected, rel=1e-6), (precision, rows)
+
+
+def test_break_keeps_the_position_and_a_new_for_starts_the_next_epoch(report):
+    for value in report.assert_passed("check_break_keeps_the_position_and_a_new_for_starts_the_next_epoch"):
+        reference = value["reference"]
+        assert all(sorted(epoch) == list(range(20)) for epoch in reference) and reference[0] != reference[1]
+        assert value["after_break"] == {"epoch": 0, "batches_yielded": 2}  # save_state resumes at the next batch
+        assert value["after_exception"] == {"epoch": 1, "batches_yielded": 3}
+        assert value["next_for"] == reference[2]  # like a plain DataLoader: a new for is a new epoch
+        assert value["after_full_pass"] == {"epoch": 3, "batches_yielded": 0}
+        assert value["break_at_last_batch"] == {"epoch": 4, "batches_yielded": 0}
