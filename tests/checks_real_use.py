@@ -148,3 +148,23 @@ def check_break_keeps_the_position_and_a_new_for_starts_the_next_epoch():
             break  # at the last batch: the epoch is complete
     out["break_at_last_batch"] = loader.state_dict()
     return out
+
+
+# -- the user's own generator ----------------------------------------------------------------------------
+def _reseeded_epochs(loader, generator, acc=None):
+    epochs = []
+    for seed in (42, 42, 7):
+        generator.manual_seed(seed)  # before each epoch, as scripts do for reproducible shuffles
+        epochs.append([x for batch in loader for x in (acc.gather_for_metrics(batch) if acc else batch).tolist()])
+    return epochs
+
+
+def check_user_generator_drives_the_order():
+    """Re-seeding the DataLoader's own generator repeats a plain DataLoader's order after prepare."""
+    plain_generator = torch.Generator()
+    plain = _reseeded_epochs(DataLoader(list(range(16)), batch_size=2, shuffle=True, generator=plain_generator),
+                             plain_generator)
+    acc = Accelerator()
+    generator = torch.Generator()
+    prepared = acc.prepare(DataLoader(list(range(16)), batch_size=2, shuffle=True, generator=generator))
+    return {"plain": plain, "prepared": _reseeded_epochs(prepared, generator, acc)}

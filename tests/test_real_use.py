@@ -74,3 +74,10 @@ def test_break_keeps_the_position_and_a_new_for_starts_the_next_epoch(report):
         assert value["next_for"] == reference[2]  # like a plain DataLoader: a new for is a new epoch
         assert value["after_full_pass"] == {"epoch": 3, "batches_yielded": 0}
         assert value["break_at_last_batch"] == {"epoch": 4, "batches_yielded": 0}
+
+
+def test_user_generator_drives_the_order(report):
+    for value in report.assert_passed("check_user_generator_drives_the_order"):
+        plain = value["plain"]
+        assert plain[0] == plain[1] != plain[2]
+        assert value["prepared"] == plain  # on 2 processes: gathered in the same global order
