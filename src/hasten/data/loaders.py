@@ -122,6 +122,7 @@ class PreparedLoaderMixin:
         self._left_at = None
         self._stream_after = None
         self._epoch, self._position, self._in_iteration = epoch, skip, True
+        self._passes = self.__dict__.get("_passes", 0) + 1  # tells passes apart (preemption's clock)
         self._step, self._gfm_calls = None, 0
         self.reset()
         try:
