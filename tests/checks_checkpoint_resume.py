@@ -7,6 +7,7 @@ size's checkpoints (2 -> 1 and 1 -> 2).
 """
 
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -31,6 +32,14 @@ SCENARIOS = {
     # files are written (and, on 2 processes, all-reduces while the save exchanges its file lists)
     "background": dict(accum=3, workers=0, augment=True, save_at={1: 7, 2: 4}, blocking=False),
 }
+# The process seed differs from the resumed run's (no set_seed, or another one) / the order is drawn
+# from the user's own generator: the saved order must be kept, on any number of processes.
+SCENARIOS["other_seed"] = dict(SCENARIOS["mid_epoch"], seed=77)
+SCENARIOS["user_generator"] = dict(SCENARIOS["mid_epoch"], generator=True)
+# The loop leaves early (a time or step budget: `break`), then saves and the script ends; the
+# resumed run must continue as the scenario it mirrors did without a break.
+for _name in ("mid_epoch", "workers"):
+    SCENARIOS[f"break_{_name}"] = dict(SCENARIOS[_name], mirrors=_name, break_to_save=True)
 STREAM: list = []  # the Stream of the running scenario
 
 
@@ -108,7 +117,7 @@ def project(name: str, ws: int) -> str:
 
 def build(name: str, ws: int):
     cfg = SCENARIOS[name]
-    set_seed(0)
+    set_seed(cfg.get("seed", 0) if os.environ["CKPT_PHASE"] == "save" else 0)
     acc = Accelerator(gradient_accumulation_steps=cfg["accum"],
                       project_config=ProjectConfiguration(project(name, ws), automatic_checkpoint_naming=True),
                       dataloader_config=DataLoaderConfiguration(dispatch_batches=cfg.get("dispatch")))
@@ -119,15 +128,17 @@ def build(name: str, ws: int):
         STREAM[:] = [Stream(cfg["augment"])]
         dl = torch.utils.data.DataLoader(STREAM[0], batch_size=BATCH)
     else:
+        generator = torch.Generator().manual_seed(5) if cfg.get("generator") else None
         dl = torch.utils.data.DataLoader(Data(cfg["augment"]), batch_size=BATCH, shuffle=True,
-                                         num_workers=cfg["workers"])
+                                         num_workers=cfg["workers"], generator=generator)
     model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
     progress = Progress()
     acc.register_for_checkpointing(progress)
     return acc, model, opt, dl, sched, progress
 
 
-def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS, blocking=True):
+def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS, blocking=True,
+          break_to_save=False):
     losses, seen = {}, {}
     for epoch in range(dl.iteration, stop_epoch):
         for x, y, idx in dl:
@@ -141,7 +152,12 @@ def train(acc, model, opt, dl, sched, progress, save_at=None, stop_epoch=EPOCHS,
             losses[progress.steps] = loss.item()
             seen[progress.steps] = (epoch, idx.tolist())
             if progress.steps == save_at:
+                if break_to_save:
+                    break
                 acc.save_state(blocking=blocking)
+        if break_to_save and progress.steps == save_at:
+            acc.save_state(blocking=blocking)  # after leaving the loop early; the script ends here
+            break
     weights = {k: v.tolist() for k, v in acc.unwrap_model(model).state_dict().items()}
     return {"losses": losses, "seen": seen, "weights": weights}
 
@@ -151,7 +167,9 @@ def scenario(name: str):
     parts = build(name, ws)
     acc = parts[0]
     if os.environ["CKPT_PHASE"] == "save":
-        out = train(*parts, save_at=SCENARIOS[name]["save_at"][ws], blocking=SCENARIOS[name].get("blocking", True))
+        cfg = SCENARIOS[name]
+        out = train(*parts, save_at=cfg["save_at"][ws], blocking=cfg.get("blocking", True),
+                    break_to_save=cfg.get("break_to_save", False))
         acc.wait_for_checkpoint()
         out["checkpoints"] = sorted(os.listdir(os.path.join(project(name, ws), "checkpoints")))
         return out
@@ -192,6 +210,14 @@ def check_background():
     return scenario("background")
 
 
+def check_break_mid_epoch():
+    return scenario("break_mid_epoch")
+
+
+def check_break_workers():
+    return scenario("break_workers")
+
+
 def check_saving_does_not_change_training():
     """The same run without any save ends with the same weights as the run that saved."""
     if os.environ["CKPT_PHASE"] != "save":
@@ -201,8 +227,9 @@ def check_saving_does_not_change_training():
     return train(*parts)["weights"]
 
 
-def check_cross_world_size():
-    """Resume the other world size's mid-epoch checkpoint; a mid-accumulation one must be refused."""
+def _cross_world_size(name: str) -> Optional[dict]:
+    """Resume the other world size's checkpoint of ``name`` and train to the end of its epoch;
+    first check that a mid-accumulation checkpoint is refused."""
     if os.environ["CKPT_PHASE"] != "resume":
         return None
     import warnings
@@ -211,7 +238,7 @@ def check_cross_world_size():
 
     ws = world()
     other = 2 if ws == 1 else 1
-    acc, model, opt, dl, sched, progress = build("mid_epoch", ws)
+    acc, model, opt, dl, sched, progress = build(name, ws)
     before = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     refused = None
     try:
@@ -221,8 +248,28 @@ def check_cross_world_size():
     untouched = all(torch.equal(before[k], v) for k, v in acc.unwrap_model(model).state_dict().items())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc.load_state(os.path.join(project("mid_epoch", other), "checkpoints", "checkpoint_0"))
+        acc.load_state(os.path.join(project(name, other), "checkpoints", "checkpoint_0"))
     epoch = dl.iteration
     out = train(acc, model, opt, dl, sched, progress, stop_epoch=epoch + 1)
     return {"refused": refused, "untouched": untouched, "epoch": epoch, "seen": out["seen"],
             "warnings": [str(w.message) for w in caught]}
+
+
+def check_cross_world_size():
+    return _cross_world_size("mid_epoch")
+
+
+def check_cross_world_size_other_seed():
+    return _cross_world_size("other_seed")
+
+
+def check_cross_world_size_user_generator():
+    return _cross_world_size("user_generator")
+
+
+def check_other_seed():
+    return scenario("other_seed")
+
+
+def check_user_generator():
+    return scenario("user_generator")

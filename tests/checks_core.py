@@ -261,7 +261,8 @@ def check_clip_skipped_on_micro_steps():
             with acc.accumulate(model):
                 acc.backward(model(torch.ones(2, 4)).sum())
                 results.append(acc.clip_grad_norm_(model.parameters(), 1.0))
-    assert results[0] is None and isinstance(results[1], torch.Tensor)
+    # a micro-step clips nothing but still returns a norm (scripts log norm.item() on every step)
+    assert all(isinstance(r, torch.Tensor) for r in results)
     return True
 
 

@@ -137,7 +137,7 @@ def check_shuffle_agrees_and_changes():
     runs = [[i for b in d for i in b.tolist()] for d in seeded]
     gen = torch.Generator().manual_seed(5)
     with_gen = prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True, generator=gen))
-    return {"epochs": epochs, "epoch1_again": again, "seeded": runs, "gen_seed": with_gen.sampler.initial_seed}
+    return {"epochs": epochs, "epoch1_again": again, "seeded": runs, "own_generator": with_gen.sampler.generator is gen}
 
 
 def check_iterable_shard_no_duplicates():

@@ -97,11 +97,38 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path, env, uninter
             proc.kill()
     assert proc.returncode == 0, log[-3000:]
     assert not (out / "rank0.json").exists()  # the script stopped at the boundary, it did not finish
-    newest = project / "checkpoints" / "checkpoint_2"
+    newest = project / "checkpoints" / "checkpoint_3"
     manifest = json.loads((newest / "manifest.json").read_text())
-    assert manifest["step"] == 5 and manifest["mid_accumulation"]  # saved between micro-steps
+    # The signal came after micro-step 5 of the epoch's 6; the agreed boundary is an accumulation window (2)
+    # later, past the end of the epoch: both save at the start of the next epoch.
+    assert manifest["step"] == 0 and not manifest["mid_accumulation"]
     rc, text, err, _ = hasten(_launch(env, tmp_path / "again", project, "clean"), env, timeout=300)
     seen = ranks(tmp_path / "again", 2)
-    assert [s["resumed_at"] for s in seen] == [5, 5], err
+    assert [s["resumed_at"] for s in seen] == [6, 6], err
     for rank in range(2):
         assert seen[rank]["weights"] == uninterrupted[rank]["weights"]
+
+
+def _uneven(env, out, project, mode):
+    os.makedirs(out, exist_ok=True)
+    args = ["launch", "--num_processes", "2", "--monitor_interval", "0.05", "--main_process_port", free_port(),
+            script("preempt_uneven.py"), out, project, mode]
+    return hasten(args, env, timeout=240)
+
+
+def test_preemption_with_uneven_batches_per_process_neither_hangs_nor_mismatches(tmp_path, env):
+    """Processes pass different numbers of batch boundaries (an evaluation loader of 3 batches on one
+    process, 2 on the other): watching for preemption must not add a collective per boundary."""
+    rc, _, err, _ = _uneven(env, tmp_path / "clean", tmp_path / "p0", "clean")
+    assert rc == 0, err[-3000:]
+    clean = ranks(tmp_path / "clean", 2)
+    rc, _, err, secs = _uneven(env, tmp_path / "preempt", tmp_path / "p1", "preempt")
+    assert rc == 0, err[-3000:]
+    assert not os.path.exists(tmp_path / "preempt" / "rank0.json")  # stopped at the agreed boundary
+    assert os.listdir(tmp_path / "p1" / "checkpoints") == ["checkpoint_0"]
+    rc, _, err, _ = _uneven(env, tmp_path / "resumed", tmp_path / "p1", "resume")
+    assert rc == 0, err[-3000:]
+    resumed = ranks(tmp_path / "resumed", 2)
+    for rank in range(2):
+        assert resumed[rank]["weights"] == clean[rank]["weights"]
+    assert [sum(r["evaluated"]) for r in clean] == [20, 20]  # 10 samples per epoch, gathered on every process

@@ -30,6 +30,7 @@ from .options import (
 )
 from .parallelism import ParallelLayoutMixin
 from .precision import Precision
+from .prepared import PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
@@ -152,7 +153,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[Any] = []
         self._custom_objects: list[Any] = []
-        self._prepared: dict[int, Any] = {}  # id(input or output) -> output, so prepare is idempotent
+        self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
         self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
 
@@ -276,12 +277,10 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         return result[0] if len(result) == 1 else tuple(result)
 
     def _already(self, obj: Any) -> Any:
-        return self._prepared.get(id(obj))
+        return self._prepared.get(obj)
 
     def _remember(self, original: Any, prepared: Any) -> Any:
-        self._prepared[id(original)] = prepared
-        self._prepared[id(prepared)] = prepared
-        return prepared
+        return self._prepared.add(original, prepared)
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -451,17 +450,21 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
             return True
         # Clipping a partial accumulation would change the result (and unscaling it would break
         # fp16); Accelerate does both. We wait for the sync step.
-        warn_once(f"{what} called on a gradient-accumulation micro-step: skipped until the sync step "
-                  "(guard it with `if accelerator.sync_gradients:`)")
+        warn_once(f"{what} called on a gradient-accumulation micro-step: gradients are not clipped until the "
+                  "sync step (guard it with `if accelerator.sync_gradients:`)")
         return False
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Unscale (once) and clip gradients; returns the total norm before clipping.
 
-        On accumulation micro-steps nothing is clipped and ``None`` is returned.
+        On accumulation micro-steps nothing is clipped or unscaled: the result is the norm of the
+        gradients accumulated so far (divided by the fp16 loss scale), so ``norm.item()`` can be
+        logged on every step.
         """
         if not self._clip_allowed("clip_grad_norm_"):
-            return None
+            norm = self.strategy.grad_norm(parameters, norm_type=norm_type)
+            scale = self.precision.gradient_scale()
+            return norm / scale if scale != 1.0 else norm
         self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 

@@ -118,6 +118,12 @@ class Precision:
         self.scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
+    def gradient_scale(self) -> float:
+        """The factor the gradients carry now: the loss scale, or 1.0 (no scaler, or unscaled this step)."""
+        if self.scaler is None or self._unscaled or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
         """Step ``optimizer`` through the scaler; returns True if the step was skipped (inf/NaN)."""
         if self.scaler is None:

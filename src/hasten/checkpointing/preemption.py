@@ -1,23 +1,33 @@
-"""Save on preemption: SIGTERM (or chosen signals) -> checkpoint at the next step boundary -> exit.
+"""Save on preemption: SIGTERM (or chosen signals) -> checkpoint at a step boundary -> exit.
 
 Cluster schedulers announce preemption with SIGTERM and kill a little later (torch's elastic agent
 forwards SIGTERM to its workers and waits 30 s by default). The signal handler only records the
-signal; the save happens at the next *step boundary* of a prepared dataloader, i.e. when the
-training loop asks for its next batch: the previous step (forward, backward, optimizer and
-scheduler steps) is complete and the next batch has not been read, so the checkpoint resumes
-exactly. With several processes they agree at every boundary (one tiny all-reduce on a CPU group)
-so that all of them save at the same step, even if the signal reached them at different times.
+signal; the save happens at a *step boundary* of a prepared dataloader, i.e. when the training loop
+asks for its next batch: the previous step is complete and the next batch has not been read, so
+the checkpoint resumes exactly.
+
+Agreement without collectives: processes may pass different numbers of boundaries (uneven
+batches, evaluation loaders of different lengths), so a collective per boundary would be called
+an unequal number of times and hang. Instead every boundary has a clock ``(pass, batch)``: the
+number of passes over the watched loaders this process started, and the batches handed out in the
+current one. The first process that sees a signal at a boundary publishes, through the process
+group's key-value store, the target ``(pass, batch + gradient_accumulation_steps)``: no process can
+be further ahead than that (processes meet in a gradient all-reduce at least once per
+accumulation window), and every process reads the store at each boundary, so each learns the
+target before passing it. Every process saves at its first boundary at or after the target (the
+start of the next pass when its current pass ends before the target batch).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import warnings
 from typing import Any, Iterable, Optional, Sequence
 
-import torch
-import torch.distributed as dist
+_HANDLERS = itertools.count()  # handlers are installed in the same order on every process
 
 
 class PreemptionHandler:
@@ -32,11 +42,16 @@ class PreemptionHandler:
         self.output_dir = output_dir
         self.received: Optional[int] = None
         self.saved: Optional[str] = None
+        self.target: Optional[tuple[int, int]] = None
         self._previous: dict[int, Any] = {}
-        self._group = None
+        self._passes = 0  # the pass part of the clock
+        self._current: Optional[tuple[Any, int]] = None  # (loader, its pass number) of the last boundary
+        self._key = f"hasten/preemption/{next(_HANDLERS)}"
+        self._store = None
         if accelerator.use_distributed:
-            # Agreement must not synchronise the GPU at every step: use a CPU (gloo) group.
-            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            from torch.distributed import distributed_c10d
+
+            self._store = distributed_c10d._get_default_store()
 
     def install(self) -> None:
         for sig in self.signals:
@@ -60,18 +75,38 @@ class PreemptionHandler:
             return
         self.received = signum
 
+    def _clock(self, dataloader: Any) -> tuple[int, int]:
+        this_pass = (dataloader, dataloader.__dict__.get("_passes", 0))
+        if self._current is None or self._current[0] is not this_pass[0] or self._current[1] != this_pass[1]:
+            self._passes += 1
+            self._current = this_pass
+        return self._passes, int(dataloader._position)
+
+    def _agree(self, clock: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """The target boundary once any process asked for it (no collective: one store read)."""
+        if self._store is None:
+            return clock if self.received is not None else None
+        if self.received is not None:
+            ahead = max(1, int(self.accelerator.gradient_accumulation_steps))
+            mine = json.dumps([clock[0], clock[1] + ahead])
+            return tuple(json.loads(self._store.compare_set(self._key, "", mine)))  # the first proposal wins
+        if self._store.check([self._key]):
+            return tuple(json.loads(self._store.get(self._key)))
+        return None
+
     def requested(self) -> bool:
-        """Whether any process received a signal (collective with several processes)."""
-        flag = self.received is not None
-        if self.accelerator.use_distributed:
-            t = torch.tensor([int(flag)], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            flag = bool(t.item())
-        return flag
+        """Whether a save was asked for (by a signal here or on another process)."""
+        return self.target is not None or self.received is not None
 
     def at_boundary(self, dataloader: Any) -> None:
-        if not self.requested():
+        clock = self._clock(dataloader)
+        if self.target is None:
+            self.target = self._agree(clock)
+        if self.target is None or clock < self.target:
             return
+        if clock[0] == self.target[0] and clock > self.target:  # ran apart without meeting in a collective
+            warnings.warn(f"preemption: this process passed the agreed boundary {self.target} (at {clock}) "
+                          "before learning it; saving here", stacklevel=2)
         self.uninstall()
         acc = self.accelerator
         self.saved = acc.save_state(self.output_dir)

@@ -249,13 +249,10 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        epoch, resume = self._begin()
-        try:
+        with self._pass() as (_, resume):
             skip_steps = max(resume, self.skip_batches)
             self._position = skip_steps
             yield from self._run(skip_steps)
-        finally:
-            self._end(epoch)
 
     def _padding_possible(self) -> bool:
         return self.num_processes > 1 and self.even_batches and not self._drop_last

@@ -9,6 +9,7 @@ the last batch is being processed, register with ``GradientState`` while they ru
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -95,6 +96,7 @@ class PreparedLoaderMixin:
         self._seed_state: Optional[torch.Tensor] = None
         self._stream_after: Optional[tuple] = None  # StreamTracker.point() of the batch handed out last
         self._in_iteration = False
+        self._left_at: Optional[dict] = None  # exact_resume_state() of a pass left early (break)
         self._plan: Optional[EpochPlan] = None
         self._plan_rank = 0
         self._step: Optional[int] = None
@@ -118,8 +120,10 @@ class PreparedLoaderMixin:
         state = position.sampler_generator_state(self.synchronized_generator, resume)
         self._pass_states = {} if state is None else {"sampler_generator_state": state}
         self._resume_skip = 0
+        self._left_at = None
         self._stream_after = None
         self._epoch, self._position, self._in_iteration = epoch, skip, True
+        self._passes = self.__dict__.get("_passes", 0) + 1  # tells passes apart (preemption's clock)
         self._step, self._gfm_calls = None, 0
         self.reset()
         try:
@@ -130,6 +134,25 @@ class PreparedLoaderMixin:
         self._apply_epoch(epoch)
         self.gradient_state._add_dataloader(self)
         return epoch, skip
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[tuple[int, int]]:
+        """A pass, from ``_begin`` to ``_end``; yields (epoch, batches to skip).
+
+        A loop that leaves early (``break``, an exception) closes the pass's generator: the pass is
+        over (a new ``for`` starts the next epoch, as a plain DataLoader starts a new iteration),
+        but the position it reached is kept for ``state_dict`` so that a save after the loop
+        resumes at the next batch.
+        """
+        epoch, skip = self._begin()
+        try:
+            yield epoch, skip
+        except GeneratorExit:
+            if not self.end_of_dataloader:
+                self._left_at = self.exact_resume_state()
+            raise
+        finally:
+            self._end(epoch)
 
     def _end(self, epoch: int) -> None:
         self.gradient_state._remove_dataloader(self)
@@ -170,6 +193,7 @@ class PreparedLoaderMixin:
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch`` (shuffle order, dataset epoch) from the next pass on."""
         self.iteration = int(epoch)
+        self._left_at = None
         self._apply_epoch(int(epoch))
 
     def _epoch_targets(self) -> list:
@@ -188,6 +212,8 @@ class PreparedLoaderMixin:
         """``{"epoch", "batches_yielded"}``: where the next pass should start (exact resume)."""
         if self._in_iteration and not self.end_of_dataloader:
             return {"epoch": self._epoch, "batches_yielded": self._position}
+        if self._left_at is not None:
+            return {key: self._left_at[key] for key in ("epoch", "batches_yielded")}
         if self._in_iteration:
             return {"epoch": self._epoch + 1, "batches_yielded": 0}
         return {"epoch": self.iteration, "batches_yielded": 0}
@@ -196,6 +222,8 @@ class PreparedLoaderMixin:
         """``state_dict()`` plus the shuffle seed and, mid-epoch, the generator states the pass started
         from (``data/position.py``), so that a resumed pass draws exactly what the interrupted one drew.
         ``load_state_dict`` accepts either."""
+        if not self._in_iteration and self._left_at is not None:
+            return dict(self._left_at)
         out = dict(self.state_dict(), sampler_seed=position.sampler_seed(self))
         if self._in_iteration and not self.end_of_dataloader:
             out.update(self._pass_states)
@@ -210,6 +238,7 @@ class PreparedLoaderMixin:
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
         self.iteration = int(state_dict.get("epoch", 0))
+        self._left_at = None
         self._resume_skip = int(state_dict.get("batches_yielded", 0))
         keys = ("seed_generator_state", "sampler_generator_state", "dataset_state", "stream_head",
                 "stream_pending")
@@ -328,8 +357,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        epoch, skip = self._begin()
-        try:
+        with self._pass() as (_, skip):
             shard = self._shard
             if shard is not None:  # map-style: skip indices, never data
                 shard._skip_next = max(0, skip - shard.skip_batches)
@@ -351,8 +379,6 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
             else:
                 self._plan = None
             yield from self._run(iterator, skip_here)
-        finally:
-            self._end(epoch)
 
     def _unwrap(self, batch: Any) -> Any:
         if not self._tagged:
@@ -459,14 +485,11 @@ class SkipDataLoader(PreparedLoaderMixin, DataLoader):
         return self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, _ = self._begin()
-        try:
+        with self._pass():
             for index, batch in enumerate(super().__iter__()):
                 if index >= self.skip_batches:
                     self._position += 1
                     yield batch
-        finally:
-            self._end(epoch)
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self.skip_batches)

@@ -32,6 +32,10 @@ def _seedable(batch_sampler: Any, data_seed: Optional[int], state: PartialState)
     inner = getattr(batch_sampler, "sampler", None)
     if not isinstance(inner, RandomSampler) or isinstance(inner, SeedableRandomSampler):
         return batch_sampler, False
+    if inner.generator is not None and data_seed is None:
+        # The user's generator draws the order, as in a plain DataLoader (re-seeding it before an
+        # epoch repeats that epoch's order); the "generator" RNG type keeps it equal on every process.
+        return batch_sampler, False
     seed = _agreed_seed(data_seed, inner.generator, state)
     sampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement, num_samples=inner._num_samples,
                                     generator=inner.generator, data_seed=seed)
@@ -83,9 +87,11 @@ def prepare_data_loader(
     ``drop_last``); with ``dispatch_batches`` (default: iterable dataset and ``put_on_device``)
     process 0 reads the data and sends each process its part instead.
 
-    A ``RandomSampler`` is replaced by a :class:`SeedableRandomSampler` so that every process
-    shuffles identically: the seed is ``data_seed``, else the seed of the sampler's generator, else
-    process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a new order. Custom
+    A ``RandomSampler`` without a generator of its own (or any, given ``data_seed``) is replaced by a
+    :class:`SeedableRandomSampler` so that every process shuffles identically: the seed is
+    ``data_seed``, else process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a
+    new order. A sampler with the user's ``generator`` keeps drawing from it, as in a plain
+    DataLoader; ``rng_types`` with "generator" copies its state from process 0 at every pass. Custom
     samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
     settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
     made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have

@@ -66,6 +66,12 @@ class Strategy:
     def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
+    def grad_norm(self, parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the gradients of ``parameters`` as they are now, changing nothing."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+
     def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 

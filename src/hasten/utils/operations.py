@@ -225,6 +225,9 @@ def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, state: PartialStat
 
 
 def _gather_one(tensor: torch.Tensor, state: PartialState) -> torch.Tensor:
+    # The result is not differentiable (as in Accelerate); a tensor that requires grad must not
+    # take autograd into the collective, which writes into views of the output.
+    tensor = tensor.detach()
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
@@ -282,9 +285,10 @@ def _broadcast_one(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
     if tensor.is_contiguous():
         dist.broadcast(tensor, src=from_process)
     else:  # the collective needs dense memory: go through a contiguous copy, then write back in place
-        buffer = tensor.contiguous()
+        buffer = tensor.detach().contiguous()
         dist.broadcast(buffer, src=from_process)
-        tensor.copy_(buffer)
+        with torch.no_grad():  # also for a leaf that requires grad, which dist.broadcast itself accepts
+            tensor.copy_(buffer)
     return tensor
 
 
