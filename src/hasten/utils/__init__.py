@@ -8,6 +8,7 @@ _EXPORTS = {
         "DistributedType", "PrecisionType", "RNGType", "DDPCommunicationHookType", "KwargsHandler",
         "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
         "GradientAccumulationPlugin", "DataLoaderConfiguration", "ProjectConfiguration", "TorchDynamoPlugin",
+        "LoggerType", "ProfileKwargs",
     )},
     # collectives and nested-structure helpers
     **{name: ".operations" for name in (
