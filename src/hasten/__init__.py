@@ -23,6 +23,8 @@ _EXPORTS = {
     "InitProcessGroupKwargs": ".utils.dataclasses",
     "AutocastKwargs": ".utils.dataclasses",
     "ProjectConfiguration": ".utils.dataclasses",
+    "ProfileKwargs": ".utils.dataclasses",
+    "LoggerType": ".utils.dataclasses",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)
