@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 
 def tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -106,10 +107,24 @@ def wandb_records(path: str) -> list:
     return records
 
 
+def wandb_finished_records(path: str, timeout: float = 60.0) -> list:
+    """The records once the run's exit record is in the file.
+
+    wandb's service writes the log in the background: ``run.finish()`` can return (on a loaded
+    machine) before the file holds everything, so wait for the last record to arrive.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_history(path: str) -> dict[str, list[tuple[int, object]]]:
     """key -> [(step, value)] of the logged history (wandb's own "_" keys left out)."""
     out: dict[str, list] = {}
-    for record in wandb_records(path):
+    for record in wandb_finished_records(path):
         if record.WhichOneof("record_type") != "history":
             continue
         for item in record.history.item:
@@ -121,7 +136,7 @@ def wandb_history(path: str) -> dict[str, list[tuple[int, object]]]:
 
 def wandb_config(path: str) -> dict[str, object]:
     config: dict[str, object] = {}
-    for record in wandb_records(path):
+    for record in wandb_finished_records(path):
         kind = record.WhichOneof("record_type")
         items = record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
         for item in items:
@@ -132,4 +147,4 @@ def wandb_config(path: str) -> dict[str, object]:
 
 
 def wandb_exited(path: str) -> bool:
-    return any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path))
+    return any(r.WhichOneof("record_type") == "exit" for r in wandb_finished_records(path))
