@@ -37,7 +37,7 @@ def test_core_two_processes(two_ranks, name):
         ({"mixed_precision": "fp32"}, ["'fp32'", "bf16"]),
         ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps=0", ">= 1"]),
         ({"gradient_accumulation_steps": 2.5}, ["2.5", ">= 1"]),
-        ({"log_with": "wandb"}, ["wandb", "log_with"]),
+        ({"log_with": "wandbb"}, ["wandbb", "log_with", "did you mean 'wandb'"]),
         ({"kwargs_handlers": [object()]}, ["kwargs_handlers", "GradScalerKwargs"]),
         ({"not_an_argument": 1}, ["not_an_argument"]),
     ],

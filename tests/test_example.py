@@ -30,3 +30,18 @@ def test_example_one_process():
     rows = _epochs(out.stdout)
     assert len(rows) == 1 and rows[0][2] == 1000 and rows[0][3] == 1, out.stdout + out.stderr
     assert rows[0][1] > 0.9, rows
+
+
+def test_tracking_example_two_processes_with_tensorboard(tmp_path):
+    """An Accelerate-style tracking script (log_with, init_trackers, log, end_training) under the launcher."""
+    import tracker_readers as read
+
+    example = os.path.join(ROOT, "examples", "tracking.py")
+    out = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2",
+                          example, "--with_tracking", "--log_with", "tensorboard", "--project_dir", str(tmp_path),
+                          "--epochs", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    scalars = read.tensorboard_scalars(str(tmp_path / "tracking"))
+    assert [step for step, _ in scalars["accuracy"]] == [0, 1] and scalars["accuracy"][-1][1] > 0.9, scalars
+    assert scalars["train_loss"][1][1] < scalars["train_loss"][0][1]
+    assert read.tensorboard_hparams(str(tmp_path / "tracking"))["batch_size"] == 32

@@ -31,6 +31,8 @@ _EXPORTS = {
     "load_checkpoint_in_model": ".model_loading",
     "synchronize_rng_states": ".utils.random",
     "is_rich_available": ".utils.imports",
+    "ProfileKwargs": ".utils.dataclasses",
+    "LoggerType": ".utils.dataclasses",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

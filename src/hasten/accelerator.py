@@ -22,7 +22,6 @@ from .optimizer import AcceleratedOptimizer
 from .options import (
     UNSET,
     accumulation_plugin,
-    check_trackers,
     collect_handlers,
     dynamo_from_env,
     merge_legacy_data_kwargs,
@@ -35,6 +34,7 @@ from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
 from .strategies import foreign_wrapper, select_strategy
+from .tracking.mixin import TrackingMixin
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -43,6 +43,7 @@ from .utils.dataclasses import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -50,7 +51,7 @@ from .utils.deepspeed import check_not_dummy
 from .utils.environment import parse_flag
 
 
-class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
+class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
     """Adapts a plain PyTorch training loop to the current hardware and number of processes.
 
     The arguments keep Accelerate's names, order and defaults (hasten's own, ``resume``, are
@@ -65,12 +66,15 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         cpu: force the CPU even when an accelerator is present.
         dataloader_config: how prepared dataloaders shard data (``DataLoaderConfiguration``).
         rng_types: RNGs synchronised at the start of each epoch of a prepared dataloader.
-        log_with: experiment trackers (none are bundled yet; ``None`` disables tracking).
+        log_with: experiment trackers: "all" (the installed ones), a name ("tensorboard", "wandb",
+            "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"), a ``LoggerType``,
+            a ``GeneralTracker`` instance, or a list of these (see ``hasten.tracking``).
         project_dir / project_config: where checkpoints and logs go.
         gradient_accumulation_plugin: full control of accumulation (exclusive with the steps argument).
         step_scheduler_with_optimizer: step prepared schedulers only when the optimizer really steps.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
-            ``InitProcessGroupKwargs``, ``AutocastKwargs``, one fp8 recipe (``AORecipeKwargs``, ...).
+            ``InitProcessGroupKwargs``, ``AutocastKwargs``, ``ProfileKwargs``, one fp8 recipe
+            (``AORecipeKwargs``, ...).
         dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
         deepspeed_plugin(s) / fsdp_plugin: sharded training.
         torch_tp_plugin, megatron_lm_plugin, parallelism_config: not supported yet (an error if given).
@@ -144,8 +148,8 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        self.log_with = check_trackers(log_with)
-        self.trackers: list[Any] = []
+        self.profile_handler: Optional[ProfileKwargs] = handlers.get(ProfileKwargs)
+        self._select_trackers(log_with)
         self.step = 0  # micro-steps inside the current accumulation window
         # What prepare() handed out; a checkpoint saves exactly these (in order).
         self._models: list[nn.Module] = []
@@ -562,15 +566,20 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
                 )
         self._custom_objects.extend(objects)
 
-    # -- tracking (no trackers bundled yet) -----------------------------------------------------
-    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None) -> None:
-        """Start the trackers given in ``log_with`` (none are configured: nothing to do)."""
+    # -- profiling ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Optional[ProfileKwargs] = None) -> Iterator[Any]:
+        """Profile the block with ``torch.profiler``; yields the profiler.
 
-    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
-        """Send ``values`` to the trackers (none are configured: nothing to do)."""
+        Settings come from ``profile_handler``, else the ``ProfileKwargs`` given in
+        ``kwargs_handlers``, else the defaults. With ``output_trace_dir`` set, each process writes
+        ``profile_<rank>.json`` there (Chrome trace format; open it in Perfetto).
+        """
+        from .profiling import profile
 
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        raise ValueError(f"no tracker named {name!r}: log_with was not set")
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with profile(handler, self.process_index, self.wait_for_everyone) as profiler:
+            yield profiler
 
     # -- ending ---------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
@@ -578,8 +587,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
         from .utils.memory import release_memory
 
         self.wait_for_checkpoint()
-        for tracker in self.trackers:
-            getattr(tracker, "finish", lambda: None)()
+        self._finish_trackers()
         self.__dict__.pop("_hasten_background_save", None)  # its staging buffers
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._prepared.clear()
@@ -591,8 +599,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, ParallelLayoutMixin):
     def end_training(self) -> None:
         """Wait for a background save, finish trackers, wait for every process, tear the process group down."""
         self.wait_for_checkpoint()
-        for tracker in self.trackers:
-            getattr(tracker, "finish", lambda: None)()
+        self._finish_trackers()
         if self.use_distributed and torch.distributed.is_initialized():  # idempotent
             self.wait_for_everyone()
             self.state.destroy_process_group()

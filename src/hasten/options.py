@@ -78,11 +78,3 @@ def accumulation_plugin(steps: Any, plugin: Optional[GradientAccumulationPlugin]
         if steps < 1:
             raise ValueError(f"HASTEN_GRADIENT_ACCUMULATION_STEPS={steps} is invalid; use a whole number >= 1")
     return GradientAccumulationPlugin(num_steps=steps)
-
-def check_trackers(log_with: Any) -> list[Any]:
-    if log_with in (None, [], ()):
-        return []
-    raise NotImplementedError(
-        f"log_with={log_with!r}: experiment trackers are not bundled with hasten yet; "
-        "remove log_with (or log from your script on accelerator.is_main_process)"
-    )

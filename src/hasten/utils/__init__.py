@@ -10,6 +10,7 @@ _EXPORTS = {
         "GradientAccumulationPlugin", "DataLoaderConfiguration", "ProjectConfiguration", "TorchDynamoPlugin",
         "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",
         "DynamoBackend",
+        "LoggerType", "ProfileKwargs",
     )},
     # collectives and nested-structure helpers
     **{name: ".operations" for name in (

@@ -474,6 +474,82 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
         names = [f.name for f in fields(TERecipeKwargs)]
         return TERecipeKwargs(**{n: getattr(self, n) for n in names})
 
+class LoggerType(str, enum.Enum):
+    """The experiment trackers ``Accelerator(log_with=...)`` knows by name ("all": every installed one)."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [member.value for member in cls]
+
+
+_PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
+_SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """Settings of ``accelerator.profile()`` (arguments of ``torch.profiler.profile``).
+
+    activities: "cpu", "cuda", "xpu", "mtia", "hpu" (None: torch's default, CPU plus the
+    accelerator in use). schedule_option: keys of ``torch.profiler.schedule`` (wait, warmup,
+    active, repeat, skip_first); call ``prof.step()`` once per step when it is set.
+    on_trace_ready: called with the profiler when a scheduled cycle is recorded.
+    output_trace_dir: write one Chrome/Perfetto trace per process there (``profile_<rank>.json``).
+    """
+
+    activities: Optional[list[str]] = None
+    schedule_option: Optional[dict[str, int]] = None
+    on_trace_ready: Optional[Callable] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for activity in self.activities or ():
+            if str(activity).lower() not in _PROFILER_ACTIVITIES:
+                raise ValueError(f"ProfileKwargs(activities=...) got {activity!r}; use some of {list(_PROFILER_ACTIVITIES)}")
+        unknown = sorted(set(self.schedule_option or ()) - set(_SCHEDULE_KEYS))
+        if unknown:
+            raise ValueError(f"ProfileKwargs(schedule_option=...) has unknown key(s) {unknown}; use {list(_SCHEDULE_KEYS)}")
+
+    def build(self) -> Any:
+        """A ``torch.profiler.profile`` with these settings (not yet started)."""
+        import torch
+
+        activities = None
+        if self.activities is not None:
+            available = torch.profiler.supported_activities()
+            activities = []
+            for name in self.activities:
+                kind = getattr(torch.profiler.ProfilerActivity, str(name).upper(), None)
+                if kind is None or kind not in available:
+                    raise ValueError(f"ProfileKwargs(activities=[{name!r}]): this machine cannot profile {name!r}; "
+                                     f"available: {sorted(a.name.lower() for a in available)}")
+                activities.append(kind)
+        schedule = torch.profiler.schedule(**self.schedule_option) if self.schedule_option else None
+        return torch.profiler.profile(
+            activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes, profile_memory=self.profile_memory, with_stack=self.with_stack,
+            with_flops=self.with_flops, with_modules=self.with_modules,
+        )
+
 
 # Kwargs handlers that the Accelerator accepts, by class.
 KWARGS_HANDLERS: tuple[type, ...] = (
@@ -485,6 +561,7 @@ KWARGS_HANDLERS: tuple[type, ...] = (
     FP8RecipeKwargs,  # before its base classes, so that it is recognised as itself
     TERecipeKwargs,
     MSAMPRecipeKwargs,
+    ProfileKwargs,
 )
 
 Callback = Callable[..., Any]
