@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -175,6 +175,7 @@ class InitProcessGroupKwargs(KwargsHandler):
     backend: Optional[str] = None
     init_method: Optional[str] = None
     timeout: Optional[timedelta] = None
+    _: KW_ONLY  # hasten's own settings follow, so Accelerate's positional calls keep their meaning
     hang_timeout: Optional[Union[float, timedelta]] = None
 
     def to_kwargs(self) -> dict[str, Any]:
