@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -248,7 +249,10 @@ class PartialState(SharedDict):
             torch.cuda.set_device(self.device)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Tear the process group down (idempotent)."""
+        """Tear the process group down (idempotent), once background saves are committed (they need it)."""
+        saves = sys.modules.get("hasten.checkpointing.commit")
+        if saves is not None:
+            saves.wait_all()
         if self.use_distributed and dist.is_initialized():
             dist.destroy_process_group(group)
 

@@ -182,8 +182,8 @@ class CheckpointMixin:
             prepared = ("ok", items)
         except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
             prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
-        job = commit.SaveJob(folder, target, token, number, self.process_index, node, writes_shared,
-                             self._manifest_head(number, mid_window, contents), pc.total_limit)
+        job = commit.SaveJob(folder, target, token, number, self.process_index, self.num_processes, node,
+                             writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit)
         if background is None:
             commit.write_and_commit(job, prepared)
         else:

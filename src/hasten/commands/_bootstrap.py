@@ -80,9 +80,24 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
+def _wait_for_threads() -> None:
+    """The script returned: let the work it left running end before the process group goes, as
+    the interpreter itself would before exiting. A background save first, since its failure must
+    fail this rank (raised from here); then every other non-daemon thread."""
+    import threading
+
+    saves = sys.modules.get("hasten.checkpointing.commit")
+    if saves is not None:
+        saves.wait_all()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
 def _finish() -> None:
-    """The script succeeded: tear the process group down now (leaving it to interpreter exit
-    sometimes aborts in native code) and tell the launcher that this rank's work is complete."""
+    """The script and its threads are done: tear the process group down now (leaving it to
+    interpreter exit sometimes aborts in native code) and tell the launcher that this rank's work
+    is complete."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -136,18 +151,20 @@ def main(argv: list) -> None:
         # Like python itself: the script's folder, symbolic links resolved.
         sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
     try:
-        if module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
-        if code in (None, 0):
-            _finish()
-        else:
-            status = code if isinstance(code, int) else 1
-            summary = f"exited with status {code}" if isinstance(code, int) else str(code)
-            write_record("exit", summary, "", False, status)
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+            if code not in (None, 0):
+                status = code if isinstance(code, int) else 1
+                summary = f"exited with status {code}" if isinstance(code, int) else str(code)
+                write_record("exit", summary, "", False, status)
+                raise
+        _wait_for_threads()  # a failed background save fails the script (reported below)
+    except SystemExit:
         raise
     except KeyboardInterrupt as exc:
         # Stopped (Ctrl-C, or the launcher passing on a signal): not a failure to record. Show
