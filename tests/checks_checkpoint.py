@@ -129,3 +129,23 @@ def check_a_rank_file_missing_from_the_manifest_is_named():
     except IncompleteCheckpointError as e:
         return str(e)
     return None
+
+
+def check_resume_from_a_damaged_manifest_raises_on_every_process():
+    acc, model, opt = _setup("damaged_contents")
+    folder = acc.save_state()
+    acc.wait_for_everyone()
+    if acc.process_index == 0:  # only process 0 reads the manifest to decide where to resume from
+        path = os.path.join(folder, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        del manifest["contents"]
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    acc.wait_for_everyone()
+    acc = Accelerator(resume=folder)
+    try:
+        acc.prepare(nn.Linear(4, 3))
+    except ValueError as e:
+        return str(e)
+    return None

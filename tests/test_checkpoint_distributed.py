@@ -37,3 +37,8 @@ def test_a_rank_file_missing_from_the_manifest_gives_an_error_naming_checkpoint_
     for message in two.assert_passed("check_a_rank_file_missing_from_the_manifest_is_named"):
         assert message is not None, "the load went through"
         assert "checkpoint_0' lacks 'rank_1.safetensors'" in message and "process 1:" in message, message
+
+
+def test_a_manifest_only_process_0_can_read_stops_every_process(two):
+    for message in two.assert_passed("check_resume_from_a_damaged_manifest_raises_on_every_process"):
+        assert message is not None and message.startswith("resume=") and "KeyError: 'contents'" in message, message

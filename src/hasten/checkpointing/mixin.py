@@ -230,8 +230,8 @@ class CheckpointMixin:
             if os.path.exists(target) and not os.path.isdir(target):
                 return f"save_state: output_dir={output_dir!r} is a file; pass a folder path"
             return target, None, token
-        except (OSError, ValueError) as e:
-            return f"save_state: {e}"
+        except Exception as e:  # noqa: BLE001 - every process raises it (a lone raise would leave the others waiting)
+            return f"save_state: {type(e).__name__}: {e}"
 
     def _node_folder(self, target: str, token: str) -> tuple[str, bool, int]:
         """(folder, writes shared files, node) with ``save_on_each_node`` on several machines: a
