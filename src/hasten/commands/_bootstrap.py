@@ -80,22 +80,18 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
-def _wait_for_threads() -> None:
-    """The script returned: let the work it left running end before the process group goes, as
-    the interpreter itself would before exiting. A background save first, since its failure must
-    fail this rank (raised from here); then every other non-daemon thread."""
-    import threading
-
+def _wait_for_saves() -> None:
+    """The script returned: a background save it left running needs the process group, which
+    goes next; wait for it, and let its failure fail this rank (raised from here). Other threads
+    are left to the interpreter's exit, as with ``python script.py`` (joining them here could wait
+    forever on an idle thread pool that only the interpreter's exit shuts down)."""
     saves = sys.modules.get("hasten.checkpointing.commit")
     if saves is not None:
         saves.wait_all()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
 
 
 def _finish() -> None:
-    """The script and its threads are done: tear the process group down now (leaving it to
+    """The script and its saves are done: tear the process group down now (leaving it to
     interpreter exit sometimes aborts in native code) and tell the launcher that this rank's work
     is complete."""
     dist = sys.modules.get("torch.distributed")
@@ -163,7 +159,7 @@ def main(argv: list) -> None:
                 summary = f"exited with status {code}" if isinstance(code, int) else str(code)
                 write_record("exit", summary, "", False, status)
                 raise
-        _wait_for_threads()  # a failed background save fails the script (reported below)
+        _wait_for_saves()  # a failed background save fails the script (reported below)
     except SystemExit:
         raise
     except KeyboardInterrupt as exc:
