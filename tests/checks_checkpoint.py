@@ -8,7 +8,7 @@ from torch import nn
 
 from hasten import Accelerator
 from hasten.checkpointing.fileio import CheckpointCorruptError
-from hasten.checkpointing.layout import wait_for_deletions
+from hasten.checkpointing.layout import IncompleteCheckpointError, wait_for_deletions
 from hasten.saving import CheckpointMismatchError
 from hasten.utils import ProjectConfiguration
 
@@ -110,3 +110,42 @@ def check_save_on_each_node_on_one_machine():
         acc.unwrap_model(model).weight.zero_()
     acc.load_state(folder)
     return all(torch.equal(before[k], v) for k, v in _weights(acc, model).items())
+
+
+def check_a_rank_file_missing_from_the_manifest_is_named():
+    acc, model, opt = _setup("no_rank_file")
+    folder = acc.save_state()
+    acc.wait_for_everyone()
+    if acc.process_index == 0:  # a manifest written without rank 1's file (a save that lost a process)
+        path = os.path.join(folder, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        del manifest["files"]["rank_1.safetensors"]
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    acc.wait_for_everyone()
+    try:
+        acc.load_state(folder)
+    except IncompleteCheckpointError as e:
+        return str(e)
+    return None
+
+
+def check_resume_from_a_damaged_manifest_raises_on_every_process():
+    acc, model, opt = _setup("damaged_contents")
+    folder = acc.save_state()
+    acc.wait_for_everyone()
+    if acc.process_index == 0:  # only process 0 reads the manifest to decide where to resume from
+        path = os.path.join(folder, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        del manifest["contents"]
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    acc.wait_for_everyone()
+    acc = Accelerator(resume=folder)
+    try:
+        acc.prepare(nn.Linear(4, 3))
+    except ValueError as e:
+        return str(e)
+    return None

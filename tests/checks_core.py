@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradScalerKwargs
-from hasten.state import PartialState
+from hasten.state import AcceleratorState, GradientState, PartialState
 
 
 def make_data(n=64, d=6, seed=0):
@@ -165,32 +165,49 @@ def check_optimizer_and_scheduler_follow_sync_steps():
 
 
 def check_fp16_overflow_skips_step_and_scheduler():
-    # A modest initial scale keeps honest gradients finite in fp16; the overflow is forced below.
-    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    model, opt, sched = acc.prepare(model, opt, sched)
-    x = torch.ones(2, 4)
-    before = [p.detach().clone() for p in model.parameters()]
-    scale_before = acc.scaler.get_scale()
-    loss = model(x).sum() * (float("inf") if acc.is_main_process else 1.0)
-    acc.backward(loss)
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-    assert acc.optimizer_step_was_skipped, "overflow did not skip the step"
-    after = [p.detach() for p in model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), "parameters changed on an overflow step"
-    assert sched.get_last_lr() == [0.1], sched.get_last_lr()
-    assert acc.scaler.get_scale() < scale_before
-    # A finite step afterwards goes through.
-    acc.backward(model(x).sum())
-    opt.step()
-    sched.step()
-    assert not acc.optimizer_step_was_skipped
-    assert not all(torch.equal(a, b) for a, b in zip(before, [p.detach() for p in model.parameters()]))
-    return acc.scaler.get_scale()
+    # Plain SGD (the scaler calls step only for finite gradients), fused AdamW (its step receives the
+    # scaler's found_inf and skips inside), and fused AdamW unscaled earlier by clip_grad_norm_.
+    kinds = {
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+        "fused adamw": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+        "fused adamw, clipped": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+    }
+    scales = {}
+    for kind, make in kinds.items():
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        # A modest initial scale keeps honest gradients finite in fp16; the overflow is forced below.
+        acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+        model = nn.Linear(4, 1)
+        opt = make(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        x = torch.ones(2, 4)
+        before = [p.detach().clone() for p in model.parameters()]
+        scale_before = acc.scaler.get_scale()
+        loss = model(x).sum() * (float("inf") if acc.is_main_process else 1.0)
+        acc.backward(loss)
+        if "clipped" in kind:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert acc.optimizer_step_was_skipped, f"{kind}: overflow did not skip the step"
+        after = [p.detach() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{kind}: parameters changed on an overflow step"
+        assert sched.get_last_lr() == [0.1], (kind, sched.get_last_lr())
+        assert acc.scaler.get_scale() < scale_before, kind
+        # A finite step afterwards goes through.
+        acc.backward(model(x).sum())
+        if "clipped" in kind:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        assert not acc.optimizer_step_was_skipped, kind
+        assert not all(torch.equal(a, b) for a, b in zip(before, [p.detach() for p in model.parameters()])), kind
+        assert sched.get_last_lr() == [0.1 * 0.5 ** acc.num_processes], (kind, sched.get_last_lr())
+        scales[kind] = acc.scaler.get_scale()
+    return scales
 
 
 def check_bf16_on_cpu_trains():

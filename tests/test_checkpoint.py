@@ -256,6 +256,34 @@ def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh_st
     assert not any(n.startswith(".") for n in os.listdir(root))  # the crashed save's leftover is cleaned up
 
 
+def test_manifest_names_outside_the_folder_are_refused_before_anything_is_read(fresh_state, tmp_path):
+    acc, model, opt, sched = setup(tmp_path / "project")
+    train_step(model, opt, sched)
+    good = acc.save_state()
+    secret = tmp_path / "secret.safetensors"  # a file beside the checkpoint that it must never reach
+    shutil.copy(os.path.join(good, "model.safetensors"), secret)
+    train_step(model, opt, sched)
+    before = snapshot(model, opt)
+    root = tmp_path / "project" / "checkpoints"
+    crafted = {"dotdot": "../../../secret.safetensors", "absolute": str(secret), "link": "model.safetensors"}
+    for number, (how, name) in enumerate(crafted.items(), start=5):
+        path = root / f"checkpoint_{number}"
+        shutil.copytree(good, path)
+        manifest = json.loads((path / "manifest.json").read_text())
+        info = manifest["files"].pop("model.safetensors")
+        if how == "link":  # a name inside the folder whose file is a link to one outside
+            os.remove(path / "model.safetensors")
+            os.symlink(secret, path / "model.safetensors")
+        manifest["files"][name] = info
+        manifest["contents"]["models"][0]["file"] = name
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(layout.IncompleteCheckpointError, match="names files outside the checkpoint folder") as e:
+            acc.load_state(path)
+        assert repr(name) in str(e.value) and str(path) in str(e.value)
+        assert same(snapshot(model, opt), before)
+    assert layout.newest_complete(str(root))[1] == good  # resume="auto" passes over crafted folders
+
+
 def test_saving_into_the_same_folder_replaces_it_atomically(fresh_state, tmp_path):
     acc, model, opt, sched = setup(auto=False)
     target = tmp_path / "ckpt"

@@ -31,3 +31,14 @@ def test_retention_and_numbering_with_two_processes(two):
 
 def test_save_on_each_node_on_one_machine(two):
     assert two.assert_passed("check_save_on_each_node_on_one_machine") == [True, True]
+
+
+def test_a_rank_file_missing_from_the_manifest_gives_an_error_naming_checkpoint_and_file(two):
+    for message in two.assert_passed("check_a_rank_file_missing_from_the_manifest_is_named"):
+        assert message is not None, "the load went through"
+        assert "checkpoint_0' lacks 'rank_1.safetensors'" in message and "process 1:" in message, message
+
+
+def test_a_manifest_only_process_0_can_read_stops_every_process(two):
+    for message in two.assert_passed("check_resume_from_a_damaged_manifest_raises_on_every_process"):
+        assert message is not None and message.startswith("resume=") and "KeyError: 'contents'" in message, message

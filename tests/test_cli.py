@@ -256,6 +256,22 @@ BAD_ARGS = [
     (["launch", "--cpu=yes", "train.py"], "--cpu takes no value"),
     (["lanch", "train.py"], "did you mean 'launch'"),
     (["launch", "--config_file", "nowhere.yaml", "train.py"], "does not exist"),
+    # Every numeric flag out of its range (zero, negative, not finite) is a usage error, not a failed launch.
+    (["launch", "--num_processes", "0", "train.py"], "--num_processes: 0 is out of range; it must be at least 1"),
+    (["launch", "--num_processes", "-1", "train.py"], "--num_processes: -1 is out of range"),
+    (["launch", "--num_processes", "0", "--num_machines", "2", "--main_process_ip", "1.2.3.4", "train.py"],
+     "--num_processes: 0 is out of range"),
+    (["launch", "--num_machines", "0", "train.py"], "--num_machines: 0 is out of range"),
+    (["launch", "--num_machines", "-2", "train.py"], "--num_machines: -2 is out of range"),
+    (["launch", "--machine_rank", "-1", "train.py"], "--machine_rank: -1 is out of range"),
+    (["launch", "--machine_rank", "1", "train.py"], "machine_rank 1 (command line --machine_rank) must be below"),
+    (["launch", "--main_process_port", "-5", "train.py"], "--main_process_port: -5 is out of range"),
+    (["launch", "--num_cpu_threads_per_process", "0", "train.py"], "--num_cpu_threads_per_process: 0 is out of"),
+    (["launch", "--monitor_interval", "-1", "train.py"], "--monitor_interval: '-1' is out of range"),
+    (["launch", "--monitor_interval", "inf", "train.py"], "--monitor_interval: 'inf' is not a finite number"),
+    (["launch", "--gradient_clipping", "nan", "train.py"], "--gradient_clipping: 'nan' is not a finite number"),
+    (["launch", "--fsdp_version", "3", "train.py"], "--fsdp_version: 3 is out of range"),
+    (["launch", "--zero_stage", "-1", "train.py"], "--zero_stage: -1 is out of range"),
 ]
 
 
@@ -291,6 +307,20 @@ def test_bad_config_file(capsys, tmp_path, text, fragment):
 def test_bad_environment_variable_is_named(capsys, monkeypatch):
     monkeypatch.setenv("HASTEN_NUM_PROCESSES", "lots")
     assert "environment variable HASTEN_NUM_PROCESSES: 'lots'" in one_line_error(capsys, ["launch", "train.py"])
+    monkeypatch.setenv("HASTEN_NUM_PROCESSES", "0")
+    assert "environment variable HASTEN_NUM_PROCESSES: 0 is out of range" in one_line_error(capsys, ["launch", "train.py"])
+
+
+def test_zero_processes_through_the_real_command_is_a_usage_error(tmp_path):
+    script_path = tmp_path / "train.py"
+    script_path.write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", "--num_processes", "0",
+                           str(script_path)], capture_output=True, text=True, env=clean_env(tmp_path / "absent.yaml"),
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "hasten: error: --num_processes: 0 is out of range; it must be at least 1; e.g. " \
+                                  "--num_processes 2", proc.stderr
+    assert proc.stdout == ""
 
 
 def test_port_in_use_is_refused(capsys):

@@ -93,6 +93,18 @@ def test_first_failure_is_reported_with_its_traceback(tmp_path, env):
     assert "hasten: after rank 1 failed: rank 0" in report
 
 
+def test_a_rank_that_raised_and_was_stopped_while_exiting_is_blamed_for_its_exception(tmp_path, env):
+    rc, out, err, took = hasten(["launch", "--num_processes", "2", script("launch_fail.py"), "raise_hang", tmp_path],
+                                env, timeout=240)
+    report = err[err.index("hasten: rank"):]
+    first = report.splitlines()[0]
+    assert first.startswith("hasten: rank 1 (local rank 1 on node 0, host ") and "failed with exit code 1" in first, report
+    assert "ValueError: boom from rank 1" in report.split("hasten: after")[0]  # its traceback leads the report
+    assert "SIGTERM" not in first.split("failed with exit code 1")[0], report
+    assert rc == 1, err  # a failure, not 143 (128 + SIGTERM), which schedulers read as preemption
+    assert took < 100, f"rank 1 hangs while exiting; the launch should end once rank 0 failed (took {took:.0f} s)"
+
+
 def test_sigkill_is_reported_and_other_ranks_stop_promptly(tmp_path, env):
     rc, out, err, took = hasten(["launch", "--num_processes", "2", script("launch_fail.py"), "kill", tmp_path], env)
     assert rc == 128 + 9, err

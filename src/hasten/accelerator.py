@@ -9,6 +9,7 @@ Accelerate's public names.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -409,32 +410,47 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         with self.strategy.no_sync(model):
             yield
 
-    def trigger_sync_in_backward(self, model: nn.Module) -> None:
-        """Make the next backward synchronise gradients even inside ``no_sync``."""
-        self.strategy.trigger_sync_in_backward(model)
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Context manager: a backward inside it synchronises gradients across processes, even
+        within ``no_sync``/``accumulate`` micro-steps (the flags are restored on exit)."""
+        return self.strategy.trigger_sync_in_backward(model)
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
-        """Let DDP models train on ranks that run out of batches at different times."""
+        """Let DDP models train on ranks that run out of batches at different times.
+
+        ``even_batches`` overrides the Accelerator's value for the prepared map-style dataloaders
+        inside the block. Without several processes, or with a strategy other than DDP, nothing
+        happens (with a warning for the latter). Dataloaders that shard an iterable dataset on each
+        process keep their setting (with a warning).
+        """
         if not self.use_distributed:
+            yield
+            return
+        if not self.strategy.supports_join:
+            warnings.warn(f"join_uneven_inputs works with DistributedDataParallel only; with {self.distributed_type} "
+                          "it has no effect", stacklevel=3)
             yield
             return
         from torch.distributed.algorithms.join import Join
 
-        saved = self.even_batches
+        changed = []
         if even_batches is not None:
-            self.even_batches = even_batches
-            for dl in self._dataloaders:
-                if hasattr(dl, "set_even_batches"):
-                    dl.set_even_batches(even_batches)
+            changed = [dl for dl in self._dataloaders if getattr(dl, "takes_even_batches", False)]
+            if len(changed) < len(self._dataloaders):
+                warnings.warn(f"join_uneven_inputs(even_batches={even_batches}) cannot change "
+                              f"{len(self._dataloaders) - len(changed)} dataloader(s) that shard an iterable dataset "
+                              "on each process (dispatch_batches=False); they keep their setting", stacklevel=3)
+            for dl in changed:
+                dl.set_even_batches(even_batches)
+        else:
+            even_batches = self.even_batches
         try:
-            with Join(list(joinables)):
+            with Join(list(joinables), enable=not even_batches, throw_on_early_termination=False):
                 yield
         finally:
-            self.even_batches = saved
-            for dl in self._dataloaders:
-                if even_batches is not None and hasattr(dl, "set_even_batches"):
-                    dl.set_even_batches(saved)
+            for dl in changed:
+                dl.set_even_batches(self.even_batches)
 
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None) -> contextlib.AbstractContextManager:
         """Run the block under the configured mixed precision (e.g. a loss outside the model)."""
@@ -603,6 +619,20 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         if self.use_distributed and torch.distributed.is_initialized():  # idempotent
             self.wait_for_everyone()
             self.state.destroy_process_group()
+
+    # -- pickling: the state, not this process's running machinery --------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hasten_background_save", None)  # a thread and staging buffers of this process
+        for name in ("prepare", "register_for_checkpointing"):  # resume="auto"'s wrappers, rebuilt below
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        auto = state.get("_hasten_auto_resume")
+        if auto is not None:
+            auto.install()
 
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \

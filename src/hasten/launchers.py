@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .commands import failures as failure_report
 from .commands.config_schema import MIXED_PRECISION
@@ -30,13 +31,23 @@ from .utils.environment import patch_environment
 __all__ = ["notebook_launcher", "debug_launcher", "LaunchError"]
 
 
-class LaunchError(RuntimeError):
-    """A launched process failed; the message names the rank that failed first and its traceback."""
+class LaunchError(ChildFailedError, RuntimeError):
+    """A launched process failed; the message names the rank that failed first and its traceback.
 
-    def __init__(self, message: str, rank: int, exitcode: int) -> None:
-        super().__init__(message)
+    A ``ChildFailedError`` (what torch's launcher raises, and what scripts catch), with the
+    agent's ``name`` and ``failures``, plus the first failing ``rank`` and its ``exitcode``.
+    """
+
+    def __init__(self, message: str, rank: int, exitcode: int, name: str = "function",
+                 failures: Optional[dict] = None) -> None:
+        # Not ChildFailedError.__init__: it would build torch's own message (and needs failures).
+        Exception.__init__(self, message)
+        self.name, self.failures = name, dict(failures or {})
         self.rank = rank
         self.exitcode = exitcode
+
+    def __reduce__(self) -> Any:
+        return type(self), (str(self), self.rank, self.exitcode, self.name, self.failures)
 
 
 # -- where was CUDA initialised? ----------------------------------------------------------------
@@ -113,7 +124,11 @@ def _forked(function: Callable, threads: int) -> Callable:
         _reset_hasten_state()
         torch.set_num_threads(threads)
         try:
-            return function(*args)
+            result = function(*args)
+            saves = sys.modules.get("hasten.checkpointing.commit")
+            if saves is not None:  # a background save the function left running fails the function
+                saves.wait_all()
+            return result
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - report it, then end this process like Python would
@@ -153,7 +168,6 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
                  num_nodes: int = 1, node_rank: int = 0, rdzv_backend: str = "static", rdzv_endpoint: str = "",
                  rdzv_conf: Optional[dict] = None, rdzv_id: str = "none", max_restarts: int = 0,
                  monitor_interval: float = 0.1, log_line_prefix_template: Optional[str] = None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .commands.elastic import _quiet_torch_logs
@@ -186,7 +200,7 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
     except ChildFailedError as err:
         found = failure_report.from_agent(err.failures, node=node_rank, records_dir=records)
         first = failure_report.first_failure(found)
-        raise LaunchError(failure_report.report(found), first.rank, first.exitcode) from None
+        raise LaunchError(failure_report.report(found), first.rank, first.exitcode, err.name, err.failures) from None
     finally:
         shutil.rmtree(records, ignore_errors=True)
 

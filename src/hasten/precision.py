@@ -125,30 +125,25 @@ class Precision:
         return float(self.scaler.get_scale())
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
-        """Step ``optimizer`` through the scaler; returns True if the step was skipped (inf/NaN)."""
+        """Step ``optimizer`` through the scaler; returns True if the step was skipped (inf/NaN).
+
+        The verdict is the scaler's own: the inf/NaN checks it recorded for this optimizer. Whether
+        ``optimizer.step`` ran says nothing for optimizers that unscale inside ``step`` (fused
+        AdamW, ``_step_supports_amp_scaling``): they are always called and skip internally.
+        """
         if self.scaler is None:
             optimizer.step(closure) if closure is not None else optimizer.step()
             return False
-        stepped = []
-        original = optimizer.step
-        patched_before = "step" in optimizer.__dict__  # e.g. an LR scheduler's step counter
-
-        @functools.wraps(original)
-        def recording_step(*args: Any, **kwargs: Any) -> Any:
-            stepped.append(True)
-            return original(*args, **kwargs)
-
-        optimizer.step = recording_step  # the scaler calls optimizer.step only for finite gradients
-        try:
-            self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
-        finally:
-            if patched_before:
-                optimizer.step = original
-            else:
-                del optimizer.step
+        scale = self.scaler._scale.clone() if self.scaler._scale is not None else None  # no device sync
+        self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
+        checks = self.scaler._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device")
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
-        return not stepped
+        if checks:
+            return bool(sum(float(found.item()) for found in checks.values()))
+        # An optimizer that ran the checks itself (the older grad_scaler= contract) left none here;
+        # the scaler then backed off exactly when it found inf/NaN.
+        return scale is not None and self.scaler.get_scale() < float(scale)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -68,6 +69,29 @@ class SharedDict:
     def _bind_shared(self) -> None:
         self.__dict__ = self._shared_state
 
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled, an instance is this process's singleton again (not a detached copy): the
+        # state it carried fills the singleton only where this process has none yet.
+        self._bind_shared()
+        if not self._shared_state:
+            self._shared_state.update(state)
+
+    def _reset_error(self, name: str) -> AttributeError:
+        """Reading ``name`` from a state that was reset (``_reset_state()``) after it was created."""
+        kind = type(self).__name__
+        return AttributeError(
+            f"{kind}.{name} is gone: the process state was reset ({kind}._reset_state()) after this object (or the "
+            f"Accelerator holding it) was created. Create a new Accelerator after the reset and prepare your "
+            f"objects with it"
+        )
+
+
+# What PartialState.__init__ sets: reading one from a reset state gets an explanation.
+_PARTIAL_FIELDS = frozenset({"topology", "device", "backend", "distributed_type", "debug", "fork_launched"})
+
 
 class PartialState(SharedDict):
     """The topology of this process and its device; initialises the process group once.
@@ -102,6 +126,11 @@ class PartialState(SharedDict):
         self.fork_launched = parse_flag("FORK_LAUNCHED")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for attributes that are not set
+        if not self.initialized and (name in _PARTIAL_FIELDS or hasattr(type(self), name)):  # a property of ours
+            raise self._reset_error(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
     def _init_process_group(topo: Topology, device: torch.device, backend: str, kwargs: dict) -> None:
@@ -259,7 +288,10 @@ class PartialState(SharedDict):
             torch.cuda.set_device(self.device)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Tear the process group down (idempotent)."""
+        """Tear the process group down (idempotent), once background saves are committed (they need it)."""
+        saves = sys.modules.get("hasten.checkpointing.commit")
+        if saves is not None:
+            saves.wait_all()
         if self.use_distributed and dist.is_initialized():
             dist.destroy_process_group(group)
 
@@ -319,15 +351,18 @@ class AcceleratorState(SharedDict):
     ) -> None:
         self._bind_shared()
         partial = PartialState(cpu, **kwargs)
-        mixed_precision = resolve_mixed_precision(mixed_precision)
         if self.initialized:
-            if mixed_precision != self._mixed_precision and _from_accelerator:
+            # As Accelerate: a later Accelerator without mixed_precision joins the existing state;
+            # only an explicit, different value contradicts it.
+            asked = resolve_mixed_precision(mixed_precision) if mixed_precision is not None else None
+            if asked is not None and asked != self._mixed_precision and _from_accelerator:
                 raise ValueError(
                     f"AcceleratorState already runs with mixed_precision={self._mixed_precision!r}; "
-                    f"a second Accelerator asked for {mixed_precision!r}. Create one Accelerator per "
-                    "process (or restart the interpreter) to change it"
+                    f"a second Accelerator asked for {asked!r}. Leave mixed_precision out (it keeps "
+                    f"{self._mixed_precision!r}), or restart the interpreter to change it"
                 )
             return
+        mixed_precision = resolve_mixed_precision(mixed_precision)
         self._partial = partial
         self._mixed_precision = mixed_precision
         self.dynamo_plugin = dynamo_plugin
@@ -349,8 +384,12 @@ class AcceleratorState(SharedDict):
 
     def __getattr__(self, name: str) -> Any:
         # Everything PartialState knows (device, process_index, ...) is readable here too.
-        if name.startswith("__") or "_partial" not in self.__dict__:
+        if name.startswith("__"):
             raise AttributeError(name)
+        if "_partial" not in self.__dict__:
+            if name in _PARTIAL_FIELDS or name == "_mixed_precision" or hasattr(PartialState, name):
+                raise self._reset_error(name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.__dict__["_partial"], name)
 
     def __repr__(self) -> str:

@@ -9,8 +9,10 @@ on the default group and those of the save never interleave.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,8 +22,23 @@ import torch.distributed as dist
 from . import layout, saver
 
 
-def gather(value: Any, group: Any = None) -> list:
-    """Every process's ``value`` (a list of one value without a process group)."""
+class ProcessGroupGone(RuntimeError):
+    """A save that needs every process found the process group destroyed; nothing was committed."""
+
+
+def gather(value: Any, group: Any = None, world_size: int = 0) -> list:
+    """Every process's ``value`` (a list of one value without a process group).
+
+    ``world_size``: how many processes must take part; a save started on several processes whose
+    process group is gone by now must not go on as if it were alone (it would commit its own files
+    only).
+    """
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupGone(
+            f"the process group was destroyed while a save of {world_size} processes still needed it; nothing "
+            "was committed. Wait for the save before tearing the group down: accelerator.wait_for_checkpoint() "
+            "or accelerator.end_training() before torch.distributed.destroy_process_group()"
+        )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, value, group=group)
@@ -45,6 +62,7 @@ class SaveJob:
     token: str
     number: Optional[int]
     rank: int
+    world_size: int
     node: int
     writes_shared: bool
     manifest: dict[str, Any]  # everything but the file list
@@ -66,13 +84,18 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             result = ("error", prepared[1], job.node)
     except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
         result = ("error", f"process {job.rank}: {type(e).__name__}: {e}", job.node)
-    results = gather(result, group)
+    try:
+        results = gather(result, group, job.world_size)
+    except ProcessGroupGone:
+        if job.writes_shared:
+            layout.remove_tree(job.folder)
+        raise
     errors = [r[1] for r in results if r[0] == "error"]
     status = None
     if job.writes_shared:
         mine = [r for r in results if r[2] == job.node]  # with a folder per node: that node's files
         status = _commit(job, mine, errors)
-    statuses = gather(status, group)
+    statuses = gather(status, group, job.world_size)
     if errors:
         raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
     raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
@@ -168,7 +191,12 @@ class Stager:
 
 
 class Background:
-    """At most one save running on a thread; its failure is raised by the next ``wait``."""
+    """At most one save running on a thread; its failure is raised by the next ``wait``.
+
+    Every instance is known to ``wait_all``, which whatever ends the script (``hasten launch``'s
+    bootstrap, ``notebook_launcher``'s child, ``destroy_process_group``) calls before the process
+    group goes: the save's exchanges need the group.
+    """
 
     def __init__(self) -> None:
         self.thread: Optional[threading.Thread] = None
@@ -176,6 +204,7 @@ class Background:
         self.error: Optional[BaseException] = None
         self.stager = Stager()
         self.group: Any = None
+        _ALL.add(self)
 
     def process_group(self) -> Any:
         """A gloo group of every process for the save's exchanges (created once, by all processes)."""
@@ -194,6 +223,7 @@ class Background:
                 get_logger(__name__).warning("background save to %s: %s", target, e,
                                              main_process_only=False)
 
+        _report_failures_at_exit()
         self.target, self.error = target, None
         # Not a daemon: an interpreter that is exiting waits for the commit instead of abandoning it.
         self.thread = threading.Thread(target=run, name="hasten-checkpoint-save")
@@ -206,3 +236,41 @@ class Background:
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"background save to {self.target}: {error}") from error
+
+
+_ALL: "weakref.WeakSet[Background]" = weakref.WeakSet()
+_AT_EXIT: list = []
+
+
+def wait_all() -> None:
+    """Wait for every background save of this process; raise the first failure not reported yet."""
+    first: Optional[BaseException] = None
+    for background in list(_ALL):
+        try:
+            background.wait()
+        except RuntimeError as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _report_failures_at_exit() -> None:
+    """A script that ends without waiting (plain ``python``, ``torchrun``): the interpreter joins
+    the save thread, then this reports a failed save and makes the exit status say so, instead of
+    a warning in the log and status 0 with the checkpoint missing."""
+    if _AT_EXIT:
+        return
+    _AT_EXIT.append(True)
+
+    def check() -> None:
+        try:
+            wait_all()
+        except RuntimeError as e:
+            import sys
+
+            sys.stderr.write(f"hasten: the last checkpoint was not saved: {e}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+
+    atexit.register(check)

@@ -101,6 +101,17 @@ def read_manifest(folder: str) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise IncompleteCheckpointError(f"{path!r} lists no files; the checkpoint is damaged")
+    outside = [name for name in files if not _inside(folder, name)]
+    if outside:
+        raise IncompleteCheckpointError(
+            f"{path!r} names files outside the checkpoint folder {folder!r}: "
+            + ", ".join(repr(n) for n in outside[:5])
+            + "; a manifest written by save_state only names files inside it, so this one is damaged or crafted "
+            "(nothing was read)"
+        )
+    damaged = [name for name, info in files.items() if not isinstance(info, dict)]
+    if damaged:
+        raise IncompleteCheckpointError(f"{path!r} has no size for {damaged[:5]}; the checkpoint is damaged")
     missing, wrong = [], []
     for name, info in files.items():
         full = os.path.join(folder, name)
@@ -116,6 +127,17 @@ def read_manifest(folder: str) -> dict[str, Any]:
             problems.append("files of the wrong size: " + ", ".join(sorted(wrong)[:10]))
         raise IncompleteCheckpointError(f"checkpoint {folder!r} is incomplete: " + "; ".join(problems))
     return manifest
+
+
+def _inside(folder: str, name: Any) -> bool:
+    """Whether the manifest's file ``name`` stays inside ``folder``: a relative path without ``..``
+    whose real location (symbolic links followed) is within the folder's."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name:
+        return False
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return False
+    real = os.path.realpath(folder)
+    return os.path.commonpath([real, os.path.realpath(os.path.join(real, name))]) == real
 
 
 def is_complete(folder: str) -> bool:

@@ -61,9 +61,14 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     root = layout.auto_root(pc.project_dir)
     found: list[Any] = [None]
     if accelerator.is_main_process:
-        newest = layout.newest_complete(root)
-        found[0] = newest[1] if newest else None
+        try:
+            newest = layout.newest_complete(root)
+            found[0] = newest[1] if newest else None
+        except OSError as e:  # every process raises it, not the main one alone
+            found[0] = e
     folder = broadcast_from_main(found)[0]
+    if isinstance(folder, OSError):
+        raise folder
     if folder is None:
         raise layout.CheckpointNotFoundError(
             f"no complete checkpoint in {root!r} to resume from; save one with save_state() first (or use "

@@ -182,8 +182,8 @@ class CheckpointMixin:
             prepared = ("ok", items)
         except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
             prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
-        job = commit.SaveJob(folder, target, token, number, self.process_index, node, writes_shared,
-                             self._manifest_head(number, mid_window, contents), pc.total_limit)
+        job = commit.SaveJob(folder, target, token, number, self.process_index, self.num_processes, node,
+                             writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit)
         if background is None:
             commit.write_and_commit(job, prepared)
         else:
@@ -230,8 +230,8 @@ class CheckpointMixin:
             if os.path.exists(target) and not os.path.isdir(target):
                 return f"save_state: output_dir={output_dir!r} is a file; pass a folder path"
             return target, None, token
-        except (OSError, ValueError) as e:
-            return f"save_state: {e}"
+        except Exception as e:  # noqa: BLE001 - every process raises it (a lone raise would leave the others waiting)
+            return f"save_state: {type(e).__name__}: {e}"
 
     def _node_folder(self, target: str, token: str) -> tuple[str, bool, int]:
         """(folder, writes shared files, node) with ``save_on_each_node`` on several machines: a

@@ -18,6 +18,7 @@ import torch
 from ..saving import ALIASES_KEY
 from . import codec
 from .fileio import MappedFile, SafetensorsView, verify
+from .layout import IncompleteCheckpointError
 from .saver import CLASS_KEY, SKELETON_KEY
 
 _LIST = 8
@@ -37,16 +38,25 @@ class Reader:
         self.pool = pool
         self._mapped: dict[str, MappedFile] = {}
 
+    def listed(self, name: str) -> dict[str, Any]:
+        """The manifest's entry for ``name``; a clear error when the manifest lacks it."""
+        info = self.manifest["files"].get(name)
+        if info is None:
+            raise IncompleteCheckpointError(
+                f"checkpoint {self.folder!r} lacks {name!r}: its manifest does not list it, so the save that wrote "
+                "it did not complete on every process; load an earlier checkpoint"
+            )
+        return info
+
     def mapped(self, name: str) -> MappedFile:
         if name not in self._mapped:
-            if name not in self.manifest["files"]:
-                raise FileNotFoundError(f"checkpoint {self.folder!r} has no file {name!r} in its manifest")
+            self.listed(name)
             self._mapped[name] = MappedFile(os.path.join(self.folder, name))
         return self._mapped[name]
 
     def verify(self, names: list[str], checksums: bool = True) -> None:
         """Check sizes (and checksums) of ``names``; the two largest files are hashed in parallel."""
-        names = sorted(set(names), key=lambda n: -self.manifest["files"][n]["size"])
+        names = sorted(set(names), key=lambda n: -self.listed(n)["size"])
         for name in names:
             info = self.manifest["files"][name]
             verify(self.mapped(name), info["size"], info.get("checksum") if checksums else None, self.pool)

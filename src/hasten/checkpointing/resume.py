@@ -130,8 +130,8 @@ class AutoResume:
                 else:
                     folder = os.path.abspath(os.path.expanduser(self.source))
                 found[0] = (folder, layout.read_manifest(folder)["contents"] if folder else None)
-            except (OSError, ValueError) as e:
-                found[0] = (None, f"resume={self.source!r}: {e}")
+            except Exception as e:  # noqa: BLE001 - raised on every process below, never on this one alone
+                found[0] = (None, f"resume={self.source!r}: {type(e).__name__}: {e}")
         return broadcast_from_main(found)[0]
 
     def maybe_resume(self) -> None:

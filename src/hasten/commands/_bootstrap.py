@@ -100,9 +100,20 @@ def _start_heartbeat() -> None:
 _HEARTBEAT = None
 
 
+def _wait_for_saves() -> None:
+    """The script returned: a background save it left running needs the process group, which
+    goes next; wait for it, and let its failure fail this rank (raised from here). Other threads
+    are left to the interpreter's exit, as with ``python script.py`` (joining them here could wait
+    forever on an idle thread pool that only the interpreter's exit shuts down)."""
+    saves = sys.modules.get("hasten.checkpointing.commit")
+    if saves is not None:
+        saves.wait_all()
+
+
 def _finish() -> None:
-    """The script succeeded: tear the process group down now (leaving it to interpreter exit
-    sometimes aborts in native code) and tell the launcher that this rank's work is complete."""
+    """The script and its saves are done: tear the process group down now (leaving it to
+    interpreter exit sometimes aborts in native code) and tell the launcher that this rank's work
+    is complete."""
     if _HEARTBEAT is not None:
         _HEARTBEAT.finished()
     dist = sys.modules.get("torch.distributed")
@@ -159,18 +170,20 @@ def main(argv: list) -> None:
         # Like python itself: the script's folder, symbolic links resolved.
         sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
     try:
-        if module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
-        if code in (None, 0):
-            _finish()
-        else:
-            status = code if isinstance(code, int) else 1
-            summary = f"exited with status {code}" if isinstance(code, int) else str(code)
-            write_record("exit", summary, "", False, status)
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+            if code not in (None, 0):
+                status = code if isinstance(code, int) else 1
+                summary = f"exited with status {code}" if isinstance(code, int) else str(code)
+                write_record("exit", summary, "", False, status)
+                raise
+        _wait_for_saves()  # a failed background save fails the script (reported below)
+    except SystemExit:
         raise
     except KeyboardInterrupt as exc:
         # Stopped (Ctrl-C, or the launcher passing on a signal): not a failure to record. Show

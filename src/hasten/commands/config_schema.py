@@ -8,6 +8,7 @@ included, is read as-is) plus hasten keys written only when they differ from the
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ def coerce(key: Key, value: Any) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise BadValue(f"{value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise BadValue(f"{value!r} is not a finite number")
         if key.minimum is not None and number < key.minimum:
             raise BadValue(f"{value!r} is out of range; it must be at least {key.minimum:g}")
         return number

@@ -30,6 +30,9 @@ class Failure:
     summary: str
     traceback: str = ""
     consequence: bool = False
+    # A signal that stopped the process after it had already failed on its own (while exiting):
+    # the failure is the exception, not the signal.
+    then_signal: Optional[str] = None
 
     @property
     def signal_name(self) -> Optional[str]:
@@ -54,7 +57,9 @@ class Failure:
         if name:
             native = name in ("SIGSEGV", "SIGBUS", "SIGABRT")
             return f"was killed by {name}" + (" (a crash in native code)" if native else "")
-        return f"failed with exit code {self.exitcode}" + (f": {self.summary}" if self.summary and with_summary else "")
+        late = f" (then ended by {self.then_signal} while exiting)" if self.then_signal else ""
+        return f"failed with exit code {self.exitcode}{late}" + (f": {self.summary}" if self.summary and with_summary
+                                                                  else "")
 
 
 def read_records(folder: Optional[str]) -> dict[int, dict]:
@@ -80,11 +85,20 @@ def read_records(folder: Optional[str]) -> dict[int, dict]:
 def _from_record(rank: int, rec: dict, exitcode: int, node: Optional[int], host: str, local_rank: Optional[int] = None,
                  pid: int = 0) -> Failure:
     rec_node = rec.get("node")
+    then_signal = None
+    if exitcode < 0 and rec.get("kind") in ("exception", "exit"):
+        # It raised (or exited non-zero) first and was signalled while exiting, e.g. stopped by the
+        # agent once another rank failed: report the failure it recorded, with its exit status.
+        try:
+            then_signal = signal.Signals(-exitcode).name
+        except ValueError:
+            then_signal = f"signal {-exitcode}"
+        exitcode = int(rec.get("exit_code") or 1)
     return Failure(
         rank=rank, local_rank=int(local_rank if local_rank is not None else rec.get("local_rank") or 0),
         node=int(rec_node) if rec_node not in (None, "") else node, host=rec.get("host") or host,
         pid=int(rec.get("pid") or pid), exitcode=exitcode, time=float(rec["time"]), summary=rec.get("summary", ""),
-        traceback=rec.get("traceback", ""), consequence=bool(rec.get("consequence")),
+        traceback=rec.get("traceback", ""), consequence=bool(rec.get("consequence")), then_signal=then_signal,
     )
 
 

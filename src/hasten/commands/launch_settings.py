@@ -65,7 +65,9 @@ _CORE = [
        env=env_names("USE_CPU"), child_env="HASTEN_USE_CPU"),
     _s("multi_gpu", G_RES, "Run one process per GPU (distributed data parallel).", kind="bool", default=False,
        store_true=True, config=None, env=()),
-    _s("num_processes", G_RES, "Processes in total, over all machines (default: one per GPU, else 1)."),
+    # At least 1 here; only a config file may say -1 (Accelerate's "not set"), handled when it is read.
+    _s("num_processes", G_RES, "Processes in total, over all machines (default: one per GPU, else 1).", kind="int",
+       minimum=1),
     _s("num_machines", G_RES, "Machines taking part (default 1; read from SLURM/MPI when launched by srun/mpirun)."),
     _s("machine_rank", G_RES, "Index of this machine, from 0 (static rendezvous)."),
     _s("main_process_ip", G_RES, "Address of machine 0 (default 127.0.0.1 on one machine).",

@@ -245,6 +245,11 @@ class PreparedLoaderMixin:
         self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
         position.set_sampler_seed(self, state_dict.get("sampler_seed"))
 
+    @property
+    def takes_even_batches(self) -> bool:
+        """Whether ``set_even_batches`` changes anything (not for an iterable dataset's shards)."""
+        return isinstance(getattr(self, "_shard", None), BatchSamplerShard) or hasattr(self, "even_batches")
+
     def set_even_batches(self, even_batches: bool) -> None:
         """Switch even_batches for the next pass (``Accelerator.join_uneven_inputs``)."""
         shard = getattr(self, "_shard", None)

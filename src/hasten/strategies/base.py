@@ -60,8 +60,12 @@ class Strategy:
         """Context in which backward does not synchronise gradients across processes."""
         return contextlib.nullcontext()
 
-    def trigger_sync_in_backward(self, model: nn.Module) -> None:
-        """Force the next backward to synchronise, even inside ``no_sync``."""
+    # Whether torch's Join (``Accelerator.join_uneven_inputs``) works with this strategy's models.
+    supports_join = False
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Context in which backward synchronises gradients, even inside ``no_sync``."""
+        return contextlib.nullcontext()
 
     def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -40,8 +41,19 @@ class DDPStrategy(Strategy):
     def no_sync(self, model: nn.Module):
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 
-    def trigger_sync_in_backward(self, model: nn.Module) -> None:
-        if isinstance(model, DistributedDataParallel):
-            model.require_backward_grad_sync = True
-            model.require_forward_param_sync = True
-            model.reducer.prepare_for_backward([])
+    supports_join = True
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        before = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = True
+        model.require_forward_param_sync = True
+        # A backward inside no_sync() skipped the reducer's preparation; do it for this one.
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = before
