@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from types import MethodType
 from typing import Any, Iterator, Optional
 
@@ -64,7 +65,8 @@ class Precision:
             # on every device.
             kw = (scaler_kwargs or GradScalerKwargs()).to_dict()
             self.scaler = torch.amp.GradScaler(device.type, **kw)
-        self._unscaled: set[int] = set()  # ids of optimizers already unscaled this step
+        # Optimizers already unscaled this step; weak, so a freed optimizer's id reused by a new one never counts.
+        self._unscaled: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def enabled(self) -> bool:
@@ -113,10 +115,10 @@ class Precision:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizer`` once per step; later calls are no-ops."""
-        if self.scaler is None or id(optimizer) in self._unscaled:
+        if self.scaler is None or optimizer in self._unscaled:
             return
         self.scaler.unscale_(optimizer)
-        self._unscaled.add(id(optimizer))
+        self._unscaled.add(optimizer)
 
     def gradient_scale(self) -> float:
         """The factor the gradients carry now: the loss scale, or 1.0 (no scaler, or unscaled this step)."""
@@ -138,7 +140,7 @@ class Precision:
         self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
         checks = self.scaler._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device")
         self.scaler.update()
-        self._unscaled.discard(id(optimizer))
+        self._unscaled.discard(optimizer)
         if checks:
             return bool(sum(float(found.item()) for found in checks.values()))
         # An optimizer that ran the checks itself (the older grad_scaler= contract) left none here;
