@@ -23,6 +23,9 @@ _EXPORTS = {
     "InitProcessGroupKwargs": ".utils.dataclasses",
     "AutocastKwargs": ".utils.dataclasses",
     "ProjectConfiguration": ".utils.dataclasses",
+    "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",
+    "init_empty_weights": ".big_modeling",
+    "init_on_device": ".big_modeling",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)
