@@ -33,6 +33,10 @@ _EXPORTS = {
     "is_rich_available": ".utils.imports",
     "ProfileKwargs": ".utils.dataclasses",
     "LoggerType": ".utils.dataclasses",
+
+    "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",
+    "init_empty_weights": ".big_modeling",
+    "init_on_device": ".big_modeling",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

@@ -34,7 +34,7 @@ from .prepared import PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
-from .strategies import foreign_wrapper, select_strategy
+from .strategies import foreign_wrapper, select_strategy, user_sharded
 from .tracking.mixin import TrackingMixin
 from .utils.dataclasses import (
     AutocastKwargs,
@@ -127,7 +127,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         if dynamo_plugin is not None and dynamo_plugin.backend == "no":
             dynamo_plugin = None
         if fsdp_plugin is None and parse_flag("USE_FSDP"):
-            fsdp_plugin = "from-environment"
+            fsdp_plugin = "from-environment"  # FSDP_* variables, resolved once the state is known
         if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
             deepspeed_plugin = "from-environment"
 
@@ -138,10 +138,18 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                                       fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
         self.gradient_state = GradientState(plugin)
+        if fsdp_plugin == "from-environment":
+            from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
+            fsdp_plugin = FullyShardedDataParallelPlugin()
         self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device)
-        self.precision = Precision(self.state.mixed_precision, self.state.device,
-                                   handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs))
-        self.strategy = select_strategy(self.state, ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
+        # The strategy owns the process layout and the precision machinery (autocast + scaler, or FSDP2's policy).
+        self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
+                                        scaler_kwargs=handlers.get(GradScalerKwargs),
+                                        autocast_kwargs=handlers.get(AutocastKwargs),
+                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin)
+        self.precision = self.strategy.precision
+        self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
         self.device_placement = device_placement
         self.dataloader_config = dataloader_config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
@@ -299,9 +307,12 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
                 f"prepare() got a model already wrapped in {wrapper}; pass the plain nn.Module "
                 f"(e.g. model.module) and let hasten wrap it for {self.distributed_type}"
             )
+        by_user = user_sharded(model)  # fully_shard / parallelize_module applied by the user: kept as is
+        if by_user:
+            self.strategy.checkpoint_format = "dcp"
         if device_placement is None:
             device_placement = self.device_placement
-        if device_placement and not any(p.is_meta for p in model.parameters()):
+        if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
         if self.fp8 is not None:
             self.fp8.convert(model)
@@ -310,7 +321,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         regional = dynamo is not None and not dynamo.disable and dynamo.use_regional_compilation
         if regional:  # in place, before wrapping: the wrappers' hooks stay on the call path
             compile_regions(model, **dynamo.to_compile_kwargs())
-        prepared = model if evaluation_mode else self.strategy.wrap_model(model)
+        prepared = model if evaluation_mode or by_user else self.strategy.wrap_model(model)
         if dynamo is not None and not dynamo.disable and not regional:
             prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
         self._models.append(prepared)
@@ -567,6 +578,14 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         """Write the model's weights (safetensors by default, sharded with an index when large)."""
         from .saving import save_model
 
+        main = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        if safe_serialization and self.strategy.checkpoint_format == "dcp":
+            from .strategies.sharded_state import is_sharded, save_full_streamed
+
+            if is_sharded(inner):  # gathered one file at a time, never the whole model at once
+                save_full_streamed(inner, save_directory, max_shard_size, main)
+                return
         state_dict = self.get_state_dict(model)
         save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
                    is_main_process=self.is_local_main_process if self.project_configuration.save_on_each_node

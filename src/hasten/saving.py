@@ -355,16 +355,8 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
         names = [n for n in state_dict if shard_of.get(n, shard_of.get(aliases.get(n, ""), -1)) == index]
         target = os.path.join(directory, filename)
         if safe:
-            from safetensors.torch import save_file
-
-            shard = {n: kept[n] for n in names if n in kept}
-            metadata = {"format": "pt"}
-            mine = {a: c for a, c in aliases.items() if c in shard}
-            if mine:
-                metadata[ALIASES_KEY] = json.dumps(mine, sort_keys=True)
-            if count > 1:
-                metadata[SAVE_ID_KEY] = save_id
-            write_atomically(target, lambda tmp, s=shard, m=metadata: save_file(s, tmp, metadata=m))
+            write_weights_file(target, {n: kept[n] for n in names if n in kept}, aliases,
+                               save_id if count > 1 else None)
         else:
             import torch
 
@@ -385,6 +377,19 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
             f.write(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
         keep.add(index_name)
     _remove_stale(directory, keep)
+
+
+def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> None:
+    """One safetensors weights file, atomically, with the ties and the save id in its metadata."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt"}
+    mine = {a: c for a, c in aliases.items() if c in shard}
+    if mine:
+        metadata[ALIASES_KEY] = json.dumps(mine, sort_keys=True)
+    if save_id is not None:
+        metadata[SAVE_ID_KEY] = save_id
+    write_atomically(target, lambda tmp: save_file(shard, tmp, metadata=metadata))
 
 
 def _remove_stale(directory: str, keep: set[str]) -> None:

@@ -230,10 +230,13 @@ class PartialState(SharedDict):
         With ``apply_padding`` every share has the same length, padded with the last element, so
         that the results can be gathered (drop the padding afterwards).
         """
-        if self.num_processes == 1:
+        from .strategies.mesh import data_parallel
+
+        dp = data_parallel()  # tensor-parallel peers share one replica's inputs
+        if dp.size == 1:
             yield inputs
             return
-        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+        yield _split(inputs, dp.size, dp.rank, apply_padding)
 
     # -- running on some processes only ---------------------------------------------------------
     # The process is checked when the function is called, not when it is decorated, so a function

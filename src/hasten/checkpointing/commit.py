@@ -67,6 +67,7 @@ class SaveJob:
     writes_shared: bool
     manifest: dict[str, Any]  # everything but the file list
     total_limit: Optional[int]
+    sharded: Optional[Callable[[], None]] = None  # collective DCP write of models/optimizers (every process)
 
 
 def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
@@ -91,6 +92,13 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             layout.remove_tree(job.folder)
         raise
     errors = [r[1] for r in results if r[0] == "error"]
+    if job.sharded is not None and not errors:  # every process knows that every process is ready
+        failure = None
+        try:
+            job.sharded()
+        except Exception as e:  # noqa: BLE001 - DCP raises on every process when one fails
+            failure = f"process {job.rank}: {type(e).__name__}: {e}"
+        errors = [f for f in gather(failure, group) if f]
     status = None
     if job.writes_shared:
         mine = [r for r in results if r[2] == job.node]  # with a folder per node: that node's files
@@ -124,6 +132,10 @@ def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
                 "checkpoint folder is not on a filesystem shared by all processes (use "
                 "ProjectConfiguration(save_on_each_node=True))"
             )
+        if job.sharded is not None:
+            from .sharded import files as sharded_files
+
+            files.update(sharded_files(folder))  # fsynced by the processes that wrote them
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)

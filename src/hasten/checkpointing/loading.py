@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..saving import CheckpointMismatchError
-from . import layout, restorer, resume, rng, saver
+from . import layout, restorer, resume, rng, saver, sharded
 from .fileio import CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
@@ -140,12 +140,17 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
 
     # 3. apply: nothing below can fail on a checkpoint that passed the checks
     with torch.no_grad():
-        for model, state in zip(models, loaded["models"]):
-            acc.strategy.load_model_state_dict(acc.unwrap_model(model, keep_torch_compile=False), state)
+        inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
+        for model, state in zip(inner, loaded["models"]):
+            if state is not None:
+                acc.strategy.load_model_state_dict(model, state)
         if loaded["grads"] is not None:
             restorer.apply_gradients(acc, loaded["grads"])
         for opt, state in zip(acc._optimizers, loaded["optimizers"]):
-            restorer.apply_optimizer(opt, state)
+            if state is not None:
+                restorer.apply_optimizer(opt, state, inner)
+    if loaded["sharded"]:
+        sharded.load(folder, manifest["contents"], inner, acc._optimizers)
     for sched, state in zip(acc._schedulers, loaded["schedulers"]):
         sched.load_state_dict(restorer.detach_state(state))
     if loaded["scaler"] is not None:
@@ -180,13 +185,22 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
         problems.append(("mismatch", f"it holds {len(contents['models'])} models but {len(models)} are prepared "
                          "(after the load_state pre-hooks)"))
         return out
-    for i, (entry, model) in enumerate(zip(contents["models"], models)):
+    inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
+    out["sharded"] = any("dcp" in e for e in contents["models"])
+    if out["sharded"]:  # DCP shards (any layout): names and global shapes against the live objects
+        problems.extend(("mismatch", p) for p in sharded.check(reader.folder, contents, inner, acc._optimizers))
+    for i, (entry, model) in enumerate(zip(contents["models"], inner)):
+        if "dcp" in entry:
+            out["models"].append(None)
+            continue
         view = reader.view(entry["file"])
-        inner = acc.unwrap_model(model, keep_torch_compile=False)
-        found = restorer.check_model(view, inner, i)
+        found = restorer.check_model(view, model, i)
         problems.extend(("mismatch", p) for p in found)
         out["models"].append(restorer.model_state(view))
     for i, (entry, opt) in enumerate(zip(contents["optimizers"], acc._optimizers)):
+        if "dcp" in entry:
+            out["optimizers"].append(None)
+            continue
         state, _ = reader.state(entry["file"])
         problems.extend(("mismatch", p) for p in restorer.check_optimizer(state, opt, i))
         out["optimizers"].append(state)
@@ -202,7 +216,7 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
     rank_state, _ = reader.state(saver.rank_file(source))
     out["rank"] = rank_state
     out["dataloaders"] = [
-        resume.convert_loader_state(state, info, dl, i, acc.num_processes)
+        resume.convert_loader_state(state, info, dl, i, acc.strategy.mesh.dp_size)
         for i, (state, info, dl) in enumerate(zip(rank_state["dataloaders"], contents["dataloaders"], acc._dataloaders))
     ]
     if manifest["mid_accumulation"]:

@@ -15,6 +15,7 @@ A crash at any point leaves either a complete checkpoint or a temporary folder t
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import warnings
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import commit, layout, resume, rng, saver
+from . import commit, layout, resume, rng, saver, sharded
 from .commit import gather as _gather  # noqa: F401 - loading imports it from here
 
 _HOOKS_SAVE = "_hasten_save_state_pre_hooks"
@@ -159,20 +160,33 @@ class CheckpointMixin:
             folder, writes_shared, node = self._node_folder(target, token)
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
         contents: dict[str, Any] = {}
+        write_shards = None
         background = self._background() if not blocking else None
         group = background.process_group() if background is not None else None
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
             os.makedirs(folder, exist_ok=True)
-            weights = [self.get_state_dict(model) for model in self._models]
+            dcp_format = self.strategy.checkpoint_format == "dcp"
+            if dcp_format:
+                sharded.refuse(blocking, mid_window)
+            weights = [] if dcp_format else [self.get_state_dict(model) for model in self._models]
             models = list(self._models)
             contents = self._contents(writes_shared)
             for hook in list(self._hooks(_HOOKS_SAVE).values()):
                 hook(models, weights, folder)
+            if dcp_format:
+                inner = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
+                contents["models"], with_state = sharded.entries(inner, self._optimizers)
+                for i, entry in enumerate(contents["optimizers"]):
+                    entry["dcp"] = sharded.optimizer_entry(i, with_state[i])
+                write_shards = functools.partial(sharded.save, folder, inner, list(self._optimizers), with_state, group)
+                weights = []
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
-            classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) else []
-            contents["models"] = [dict({"file": saver.indexed("model", i)}, **({"class": classes[i]} if classes else {}))
-                                  for i in range(len(weights))]
+            classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
+            if not dcp_format:
+                contents["models"] = [{"file": saver.indexed("model", i)} for i in range(len(weights))]
+            for i, entry in enumerate(contents["models"]):
+                entry.update({"class": classes[i]} if classes else {})
             items = saver.shared_items(weights, self, contents) if writes_shared else []
             items.append(saver.state_item(saver.rank_file(self.process_index), saver.rank_state(self, rng_state)))
             if mid_window:
@@ -183,7 +197,8 @@ class CheckpointMixin:
         except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
             prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
         job = commit.SaveJob(folder, target, token, number, self.process_index, self.num_processes, node,
-                             writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit)
+                             writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit,
+                             sharded=write_shards)
         if background is None:
             commit.write_and_commit(job, prepared)
         else:
@@ -212,6 +227,7 @@ class CheckpointMixin:
             "iteration": number if number is not None else pc.iteration, "step": int(self.step),
             "gradient_accumulation_steps": int(self.gradient_accumulation_steps), "mid_accumulation": mid_window,
             "mixed_precision": str(self.mixed_precision), "contents": contents,
+            "layout": self.strategy.describe(),  # strategy, mesh shape, state-dict kind: checked by load_state
         }
 
     def _choose_target(self, output_dir: Optional[str]) -> Any:
@@ -259,7 +275,7 @@ class CheckpointMixin:
             "schedulers": [{"file": saver.indexed("scheduler", i), "class": saver.class_name(s)}
                            for i, s in enumerate(self._schedulers)],
             "scaler": "scaler.safetensors" if self.precision.scaler is not None else None,
-            "dataloaders": [saver.loader_info(dl, self.num_processes) for dl in self._dataloaders],
+            "dataloaders": [saver.loader_info(dl, self.strategy.mesh.dp_size) for dl in self._dataloaders],
             # Only the writer asks each object whether its state needs pickle (that costs a state_dict()).
             "custom_objects": saver.plan_custom(self._custom_objects) if writes_shared else [],
         }

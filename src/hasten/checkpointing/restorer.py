@@ -180,7 +180,15 @@ def _materialize(value: torch.Tensor, live: Any) -> torch.Tensor:
     return value.clone()
 
 
-def apply_optimizer(optimizer: Any, saved: dict[str, Any]) -> None:
+def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list] = None) -> None:
+    from ..strategies.sharded_state import is_sharded, load_full_optimizer_state
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    ids = {id(p) for g in inner.param_groups for p in g["params"]}
+    owner = next((m for m in models or [] if any(id(p) in ids for p in m.parameters())), None)
+    if owner is not None and is_sharded(owner):  # a full, numbered state into sharded parameters
+        load_full_optimizer_state(owner, inner, saved)
+        return
     live_state = optimizer.state_dict()["state"]
     state = {}
     for pid, entries in saved["state"].items():

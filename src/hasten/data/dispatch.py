@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..state import PartialState
+from ..strategies.mesh import data_parallel
 from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin
@@ -188,8 +189,8 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             if not isinstance(inner, _HeadSkipBatchSampler):
                 kwargs[key] = _HeadSkipBatchSampler(inner)
         super().__init__(dataset, **kwargs)
-        state = PartialState()
-        self.num_processes, self.process_index = state.num_processes, state.process_index
+        dp = data_parallel()  # every process gets all pieces; tensor-parallel peers take the same one
+        self.num_processes, self.process_index = dp.size, dp.rank
         self.split_batches, self.even_batches = split_batches, even_batches
         self.skip_batches = skip_batches
         self.slice_fn = slice_fn

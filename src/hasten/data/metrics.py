@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..state import GradientState, PartialState
-from ..utils.operations import concatenate, gather, gather_object, honor_type
+from ..utils.operations import concatenate, gather, gather_object, honor_type, recursively_apply
 from .samplers import StepRecord
 
 _TAG = "hasten.gather_for_metrics"
@@ -55,7 +55,7 @@ def _all_tensors(data: Any) -> bool:
     return False
 
 
-def _rounds(loader: Any, state: PartialState) -> Optional[list]:
+def _rounds(loader: Any, state: "_Replicas") -> Optional[list]:
     """The rounds this call takes part in, or None when the loader gives no plan to go by."""
     plan = getattr(loader, "_plan", None)
     step = getattr(loader, "_step", None)
@@ -98,14 +98,14 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
 
     Outside a prepared dataloader it is ``gather`` (``gather_object`` for objects).
     """
-    state = PartialState()
     objects = use_gather_object or not _all_tensors(input_data)
-    if not state.use_distributed:
+    if not PartialState().use_distributed:
         return input_data
+    state = _Replicas.current()
     loader = GradientState().active_dataloader if GradientState._shared_state else None
     rounds = _rounds(loader, state) if loader is not None else None
     if rounds is None:
-        return gather_object(input_data) if objects else gather(input_data)
+        return state.gather_object(input_data) if objects else state.gather(input_data)
     results = [_run_round(input_data, r, objects, state) for r in rounds]
     if len(results) == 1:
         return results[0]
@@ -171,9 +171,51 @@ def _rebuild(template: Any, leaves: Any) -> Any:
     return template
 
 
-def _all_gather_object(obj: Any, state: PartialState) -> list:
+class _Replicas:
+    """The data-parallel processes (one per replica): those whose samples the gather collects.
+
+    Without tensor/context parallelism every process is a replica and the default group serves;
+    otherwise the gathers run over this process's data-parallel group.
+    """
+
+    def __init__(self, rank: int, size: int, group: Any, device: torch.device) -> None:
+        self.process_index, self.num_processes, self.group, self.device = rank, size, group, device
+
+    @classmethod
+    def current(cls) -> "_Replicas":
+        from ..strategies.mesh import data_parallel
+
+        dp = data_parallel()
+        return cls(dp.rank, dp.size, dp.group, PartialState().device)
+
+    def gather(self, data: Any) -> Any:
+        if self.group is None:
+            return gather(data)
+        comm = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.device
+
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = (tensor.reshape(1) if tensor.ndim == 0 else tensor).contiguous()
+            parts = [torch.empty_like(tensor, device=comm) for _ in range(self.num_processes)]
+            dist.all_gather(parts, tensor.to(comm), group=self.group)
+            return torch.cat(parts).to(tensor.device)
+
+        return recursively_apply(one, data)
+
+    def gather_object(self, obj: Any) -> list:
+        if self.group is None:
+            return gather_object(obj)
+        out: list = []
+        for item in self.all_gather_object(obj):
+            out.extend(item) if isinstance(item, (list, tuple)) else out.append(item)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list:
+        return _all_gather_object(obj, self)
+
+
+def _all_gather_object(obj: Any, state: _Replicas) -> list:
     everyone: list = [None] * state.num_processes
-    dist.all_gather_object(everyone, obj)
+    dist.all_gather_object(everyone, obj, group=state.group)
     return everyone
 
 
@@ -192,15 +234,15 @@ def _check_same_round(headers: list, me: int) -> None:
     )
 
 
-def _run_round(data: Any, rnd: _Round, objects: bool, state: PartialState) -> Any:
+def _run_round(data: Any, rnd: _Round, objects: bool, state: _Replicas) -> Any:
     if not rnd.checked:
-        return gather_object(data) if objects else gather(data)
+        return state.gather_object(data) if objects else state.gather(data)
     me = state.process_index
     size, real = rnd.record.sizes[me], rnd.record.real[me]
     header = (_TAG, rnd.step, rnd.call, "objects" if objects else "tensors")
     if objects:
         mine = _local_objects(data, real, size) if rnd.present else []
-        everyone = _all_gather_object((header, mine), state)
+        everyone = state.all_gather_object((header, mine))
         _check_same_round([h for h, _ in everyone], me)
         return [item for _, items in everyone for item in items]
 
@@ -211,7 +253,7 @@ def _run_round(data: Any, rnd: _Round, objects: bool, state: PartialState) -> An
         outline = _outline(_rebuild(data, iter(leaves)), [])
     else:
         outline = None
-    everyone = _all_gather_object((header, outline), state)
+    everyone = state.all_gather_object((header, outline))
     _check_same_round([h for h, _ in everyone], me)
     specs = [None if o is None else _specs(o, []) for _, o in everyone]
     ref = next(s for s in specs if s is not None)
@@ -241,7 +283,7 @@ def _run_round(data: Any, rnd: _Round, objects: bool, state: PartialState) -> An
         buffers.append(buffer)
         rows_per_leaf.append((rows, target))
     if any(target for _, target in rows_per_leaf):  # the same on every process: all or none gather
-        gathered = gather(buffers)
+        gathered = state.gather(buffers)
     else:
         gathered = buffers
     results = []

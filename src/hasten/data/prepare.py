@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from ..state import PartialState
+from ..strategies.mesh import data_parallel
 from ..utils.operations import broadcast_object_list
 from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
 from .samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
@@ -100,8 +101,9 @@ def prepare_data_loader(
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
     state = PartialState()
-    num_processes = state.num_processes if num_processes is None else int(num_processes)
-    process_index = state.process_index if process_index is None else int(process_index)
+    dp = data_parallel()  # tensor-parallel ranks of one replica read the same batches
+    num_processes = dp.size if num_processes is None else int(num_processes)
+    process_index = dp.rank if process_index is None else int(process_index)
     if not 0 <= process_index < num_processes:
         raise ValueError(f"process_index={process_index} is not in [0, num_processes={num_processes})")
     dataset = dataloader.dataset
@@ -139,9 +141,9 @@ def prepare_data_loader(
     if dispatch_batches:
         from .dispatch import DataLoaderDispatcher
 
-        if (num_processes, process_index) != (state.num_processes, state.process_index):
+        if (num_processes, process_index) != (dp.size, dp.rank):
             raise ValueError(
-                f"dispatch_batches=True sends data between the real processes ({state.num_processes}); "
+                f"dispatch_batches=True sends data between the data-parallel processes ({dp.size}); "
                 f"num_processes={num_processes}/process_index={process_index} do not match them"
             )
         kwargs: dict[str, Any] = dict(settings)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..utils.dataclasses import DistributedType
-from .base import Strategy, foreign_wrapper
+from .base import Strategy, foreign_wrapper, user_sharded
 
 
 def select_strategy(state: Any, **options: Any) -> Strategy:
@@ -14,16 +14,21 @@ def select_strategy(state: Any, **options: Any) -> Strategy:
     if kind == DistributedType.NO:
         from .single import SingleDeviceStrategy
 
+        options.pop("fsdp_plugin", None)
         return SingleDeviceStrategy(state, **options)
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+    if kind == DistributedType.FSDP:
+        from .fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(state, **options)
+    options.pop("fsdp_plugin", None)
+    if kind == DistributedType.DEEPSPEED:
         raise NotImplementedError(
-            f"distributed_type={kind} is not available in this version of hasten (sharded training lands "
-            "with FSDP2/DeepSpeed support); remove fsdp_plugin/deepspeed_plugin (or HASTEN_USE_FSDP/"
-            "HASTEN_USE_DEEPSPEED) to train with DDP"
+            f"distributed_type={kind} is not available in this version of hasten; remove deepspeed_plugin (or "
+            "HASTEN_USE_DEEPSPEED) to train with DDP, or use fsdp_plugin for sharded training"
         )
     from .ddp import DDPStrategy
 
     return DDPStrategy(state, **options)
 
 
-__all__ = ["Strategy", "foreign_wrapper", "select_strategy"]
+__all__ = ["Strategy", "foreign_wrapper", "select_strategy", "user_sharded"]

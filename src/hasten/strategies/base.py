@@ -1,9 +1,11 @@
 """The interface every parallel strategy implements.
 
-A strategy decides how a model is spread over processes: wrapping, skipping gradient sync on
-accumulation steps, clipping, and producing/consuming a full state dict. Data loading and
-checkpointing talk to this interface only, so adding FSDP2 or DeepSpeed adds a module here and
-touches nothing else.
+A strategy decides how a model is spread over processes: the process layout (``mesh``), the
+precision machinery (``precision``), wrapping models and re-pointing optimizers at the wrapped
+parameters, skipping gradient sync on accumulation steps, clipping, state dicts, and how a
+checkpoint stores models and optimizers (``checkpoint_format``). Data loading and checkpointing
+talk to this interface only, so adding FSDP2 or DeepSpeed adds a module here and touches nothing
+else.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..precision import Precision
 from ..state import PartialState
-from ..utils.dataclasses import DistributedType
+from ..utils.dataclasses import AutocastKwargs, DistributedType, GradScalerKwargs
+from .mesh import ParallelMesh
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -23,21 +27,56 @@ Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 def foreign_wrapper(model: nn.Module) -> Optional[str]:
     """The name of a parallel wrapper already around ``model``, if any (by class, no imports)."""
     names = {cls.__name__ for cls in type(model).__mro__}
-    for name in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule",
+    for name in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
                  "DeepSpeedEngine", "PipelineEngine"):
         if name in names:
             return name
     return None
 
 
+def user_sharded(model: nn.Module) -> Optional[str]:
+    """How the user already sharded ``model`` himself (``fully_shard`` / DTensor parameters), if he did."""
+    if any("FSDPModule" in {c.__name__ for c in type(m).__mro__} for m in model.modules()):
+        return "fully_shard"
+    if any("DTensor" in {c.__name__ for c in type(p).__mro__} for p in model.parameters()):
+        return "parallelize_module"
+    return None
+
+
 class Strategy:
-    """Single-process behaviour; subclasses override what differs."""
+    """Single-process behaviour; subclasses override what differs.
+
+    Args:
+        state: the process state (device, ranks).
+        mixed_precision: "no", "fp16", "bf16" (the strategy builds the matching machinery).
+        scaler_kwargs / autocast_kwargs: handlers for the fp16 scaler and autocast.
+    """
 
     distributed_type = DistributedType.NO
+    #: "full": each model/optimizer as one safetensors file written by one process (today's layout);
+    #: "dcp": torch.distributed.checkpoint shards written by every process.
+    checkpoint_format = "full"
 
-    def __init__(self, state: PartialState, **options: Any) -> None:
+    def __init__(self, state: PartialState, mixed_precision: str = "no",
+                 scaler_kwargs: Optional[GradScalerKwargs] = None, autocast_kwargs: Optional[AutocastKwargs] = None,
+                 **options: Any) -> None:
         self.state = state
         self.options = options
+        self.mesh = self.build_mesh()
+        self.precision = self.build_precision(mixed_precision, scaler_kwargs, autocast_kwargs)
+
+    def build_mesh(self) -> ParallelMesh:
+        """The process layout; every process is a full replica unless a subclass says otherwise."""
+        return ParallelMesh.replicated(self.state)
+
+    def build_precision(self, mode: str, scaler_kwargs: Optional[GradScalerKwargs],
+                        autocast_kwargs: Optional[AutocastKwargs]) -> Precision:
+        """Autocast + GradScaler (single process and DDP)."""
+        return Precision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """What a checkpoint records about the layout it was written with."""
+        return {"strategy": type(self).__name__, "mesh": self.mesh.shape, "state_dict": self.checkpoint_format}
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -80,9 +119,15 @@ class Strategy:
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # -- state dict I/O -------------------------------------------------------------------------
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full state dict of the unwrapped model (every process gets it)."""
-        return self.unwrap_model(model).state_dict()
+    def model_state_dict(self, model: nn.Module, everyone: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict of the unwrapped model (every process gets it; a model the user
+        sharded himself: process 0 only, unless ``everyone``)."""
+        from .sharded_state import full_state_dict
+
+        return full_state_dict(self.unwrap_model(model), everyone=everyone)
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        return self.unwrap_model(model).load_state_dict(state_dict, strict=strict)
+        """Load a full state dict (held by every process) into the model, sharded or not."""
+        from .sharded_state import load_full_state_dict
+
+        return load_full_state_dict(self.unwrap_model(model), state_dict, strict=strict)

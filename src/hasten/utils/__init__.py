@@ -25,6 +25,7 @@ _EXPORTS = {
         "find_executable_batch_size", "release_memory", "clear_device_cache", "should_reduce_batch_size",
     )},
     "tqdm": ".tqdm",
+    "FullyShardedDataParallelPlugin": ".fsdp_plugin",
     **{name: ".environment" for name in (
         "get_env", "parse_flag", "parse_int", "parse_choice", "patch_environment", "clear_environment",
     )},

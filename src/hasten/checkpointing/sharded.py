@@ -1,0 +1,151 @@
+"""Models and optimizers of a checkpoint as torch.distributed.checkpoint (DCP) shards.
+
+Strategies whose ``checkpoint_format`` is "dcp" (FSDP2, models the user sharded) store their
+models and optimizers in ``<checkpoint>/sharded/``: every process writes its own shards
+(``__<rank>_0.distcp``, fsynced), process 0 the ``.metadata``, all inside the checkpoint's
+temporary folder, before the manifest is written and the folder renamed. Keys are
+``model_<i>.<parameter name>`` and ``optimizer_<i>.state.<parameter name>.<key>``, with the
+parameter names of the plain model, so any layout (1 process, DDP, FSDP2 over N) reads them
+back: DCP reshards on load. Reading checks names and global shapes against the live objects
+before anything is changed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+SUBDIR = "sharded"
+
+
+def _owner(models: list[nn.Module], optimizer: Any) -> nn.Module:
+    """The prepared model whose parameters ``optimizer`` updates."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for model in models:
+        if any(id(p) in ids for p in model.parameters()):
+            return model
+    raise ValueError(f"optimizer {type(optimizer).__name__} updates no parameter of a prepared model; a sharded "
+                     "checkpoint stores optimizer state by parameter name, so prepare its model too")
+
+
+def _targets(models: list[nn.Module], optimizers: list[Any], with_optimizers: list[bool]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        state[f"model_{i}"] = get_model_state_dict(model)
+    for i, (opt, wanted) in enumerate(zip(optimizers, with_optimizers)):
+        if wanted:
+            inner = getattr(opt, "optimizer", opt)
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(_owner(models, inner), inner)
+    return state
+
+
+def entries(models: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict], list[bool]]:
+    """Manifest entries of the models, and which optimizers have state to store."""
+    # An optimizer without state yet would be given one by DCP's state-dict helper (a zero step): skip it.
+    with_state = [bool(getattr(opt, "optimizer", opt).state) for opt in optimizers]
+    return [{"dcp": f"model_{i}"} for i in range(len(models))], with_state
+
+
+def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state: list[bool], group: Any = None) -> None:
+    """Every process writes its shards of the models and optimizers into ``folder/sharded``."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(folder, SUBDIR)
+    os.makedirs(path, exist_ok=True)
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+    dcp.save(_targets(models, optimizers, with_state), storage_writer=writer, process_group=group)
+
+
+def files(folder: str) -> dict[str, dict[str, Any]]:
+    """Manifest records of the DCP files (sizes; DCP checks its own reads)."""
+    path = os.path.join(folder, SUBDIR)
+    out = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            out[f"{SUBDIR}/{name}"] = {"size": os.path.getsize(full), "checksum": None, "rank": "dcp"}
+    return out
+
+
+def _metadata(folder: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(os.path.join(folder, SUBDIR)).read_metadata()
+
+
+def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
+    """Differences between the stored shards and the live models/optimizers (reads only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saved = _metadata(folder).state_dict_metadata
+    problems = []
+    for i, model in enumerate(models):
+        prefix = f"model_{i}."
+        live = get_model_state_dict(model)
+        stored = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+        missing = [k for k in live if k not in stored]
+        unexpected = [k for k in stored if k not in live]
+        wrong = [f"{k} (checkpoint {list(stored[k].size)}, model {list(v.shape)})" for k, v in live.items()
+                 if k in stored and isinstance(stored[k], TensorStorageMetadata) and isinstance(v, torch.Tensor)
+                 and tuple(stored[k].size) != tuple(v.shape)]
+        label = f"model {i} ({type(model).__name__})"
+        for what, names in (("shapes differ for", wrong), ("missing from the checkpoint:", missing),
+                            ("in the checkpoint but not in the model:", unexpected)):
+            if names:
+                problems.append(f"{label}: {what} {', '.join(names[:8])}" + (f" and {len(names) - 8} more"
+                                                                          if len(names) > 8 else ""))
+    for i, opt in enumerate(optimizers):
+        entry = contents["optimizers"][i]
+        if not entry.get("dcp"):
+            continue
+        names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in _owner(models, getattr(opt, "optimizer", opt)).named_parameters()}
+        prefix = f"{entry['dcp']}.state."
+        for key, meta in saved.items():
+            if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata) or len(meta.size) == 0:
+                continue
+            name = key[len(prefix):].rsplit(".", 1)[0]
+            param = names.get(name)
+            if param is None:
+                problems.append(f"optimizer {i}: state for parameter {name!r}, which this run's model does not have")
+            elif tuple(meta.size) != tuple(param.shape):
+                problems.append(f"optimizer {i}: state {key[len(prefix):]} has shape {list(meta.size)}, the parameter "
+                                f"{list(param.shape)}")
+    return problems
+
+
+def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
+         group: Any = None) -> None:
+    """Read the shards into the live models and optimizers (after ``check`` passed everywhere)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    with_state = [bool(e.get("dcp")) for e in contents["optimizers"]]
+    state = _targets(models, optimizers, with_state)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(folder, SUBDIR)), process_group=group)
+    for i, model in enumerate(models):
+        set_model_state_dict(model, state[f"model_{i}"])
+    for i, opt in enumerate(optimizers):
+        if with_state[i]:
+            inner = getattr(opt, "optimizer", opt)
+            set_optimizer_state_dict(_owner(models, inner), inner, state[f"optimizer_{i}"])
+
+
+def refuse(blocking: bool, mid_window: bool) -> None:
+    """What sharded checkpoints do not support yet, named before anything is written."""
+    if not blocking:
+        raise ValueError("save_state(blocking=False) is not available for sharded models (FSDP2/DTensor) yet; "
+                         "call save_state() without blocking=False")
+    if mid_window:
+        raise ValueError("save_state inside a gradient-accumulation window: sharded models keep their partial "
+                         "gradients unsharded inside FSDP, which a checkpoint cannot hold; save where "
+                         "accelerator.sync_gradients is True")
+
+
+def optimizer_entry(index: int, with_state: bool) -> Optional[str]:
+    return f"optimizer_{index}" if with_state else None

@@ -1,0 +1,359 @@
+"""Fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Parameters, gradients and optimizer state are sharded over the ``dp_shard`` dimension of the
+mesh (HSDP: replicated over ``dp_replicate``). Parameters stay fp32 (the optimizer's master
+weights); mixed precision is FSDP2's ``MixedPrecisionPolicy`` (compute in bf16/fp16, reduce in
+fp32), not autocast. ``fully_shard`` replaces each module's parameters with sharded ``DTensor``
+parameters, so optimizers built on the original parameters are re-pointed at the new ones; an
+optimizer parameter that belongs to no prepared model is an error. Checkpoints are written as
+torch.distributed.checkpoint (DCP) shards by every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..precision import Precision
+from ..utils.dataclasses import DistributedType
+from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin
+from .base import Params, Strategy
+from .mesh import ParallelMesh
+from .sharded_state import full_state_dict, load_full_state_dict
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ShardedPrecision(Precision):
+    """Mixed precision through ``MixedPrecisionPolicy``: no autocast around forward."""
+
+    def __init__(self, mode: str, device: torch.device, *args: Any, **kwargs: Any) -> None:
+        super().__init__(mode, device, *args, **kwargs)
+        if self.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Finds infs on every shard and agrees on them over the processes.
+            self.scaler = ShardedGradScaler(device.type, init_scale=self.scaler.get_scale(),
+                                            growth_factor=self.scaler.get_growth_factor(),
+                                            backoff_factor=self.scaler.get_backoff_factor(),
+                                            growth_interval=self.scaler.get_growth_interval(),
+                                            enabled=self.scaler.is_enabled())
+
+    def wrap_forward(self, model: nn.Module) -> None:
+        return None  # the policy casts parameters and inputs
+
+
+def _strip(name: str) -> str:
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+class FSDP2Strategy(Strategy):
+    """FSDP2 over the mesh's data-parallel dimensions.
+
+    Options: ``fsdp_plugin`` (a ``FullyShardedDataParallelPlugin``; default from ``FSDP_*``),
+    ``parallelism_config`` (mesh sizes; default: every process one shard).
+    """
+
+    distributed_type = DistributedType.FSDP
+    checkpoint_format = "dcp"
+
+    def __init__(self, state: Any, fsdp_plugin: Any = None, parallelism_config: Any = None, **options: Any) -> None:
+        if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
+            fsdp_plugin = FullyShardedDataParallelPlugin()
+        self.plugin = fsdp_plugin
+        self.parallelism_config = parallelism_config
+        self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> sharded parameter
+        self._sharded_ids: set[int] = set()
+        super().__init__(state, **options)
+
+    # -- layout and precision -------------------------------------------------------------------
+    def build_mesh(self) -> ParallelMesh:
+        sizes = {"dp_shard": self.state.num_processes}
+        if self.parallelism_config is not None:
+            sizes = self.parallelism_config.sizes()
+        return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type)
+
+    def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
+        if mode == "fp8":  # torchao's float8 all-gather needs its own wiring into fully_shard
+            raise NotImplementedError("mixed_precision='fp8' is not available with FSDP2 yet; use mixed_precision="
+                                      "'bf16' with FSDP2, or fp8 with one process or DDP")
+        return ShardedPrecision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
+
+    def _mp_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = self.plugin.mixed_precision_policy
+        if isinstance(policy, MixedPrecisionPolicy):
+            return policy
+        if isinstance(policy, dict):
+            return MixedPrecisionPolicy(**{k: _LOW.get(v, v) if isinstance(v, str) else v for k, v in policy.items()})
+        mode = policy if isinstance(policy, str) else self.precision.mode
+        if mode in _LOW:
+            return MixedPrecisionPolicy(param_dtype=_LOW[mode], reduce_dtype=torch.float32)
+        if mode not in ("no", "fp32", None):
+            raise ValueError(f"mixed_precision_policy={policy!r}; use 'bf16', 'fp16', a dict or a MixedPrecisionPolicy")
+        return MixedPrecisionPolicy()
+
+    def _offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        offload = self.plugin.cpu_offload
+        if isinstance(offload, OffloadPolicy):
+            return offload
+        if not offload:
+            return OffloadPolicy()
+        # Pinned host memory needs an accelerator; without one pinning fails.
+        return CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
+
+    def _shard_mesh(self) -> Any:
+        sizes = self.mesh.sizes
+        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
+            return self.mesh[("dp_replicate", "dp_shard")]  # HSDP: 2-D mesh
+        if sizes["dp_replicate"] > 1:
+            return self.mesh["dp_replicate"]
+        return self.mesh["dp_shard"]
+
+    # -- the model ------------------------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        on_meta = any(p.is_meta for p in model.parameters())
+        efficient = self.plugin.cpu_ram_efficient_loading
+        if on_meta and not efficient:
+            raise ValueError("prepare() got a model with parameters on the meta device; set "
+                             "FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True) so that process 0's "
+                             "weights fill it, or build the model with real weights")
+        full = _rank0_weights(model, self.state) if efficient else None
+        before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        layers = self._layers(model)
+        if self.plugin.activation_checkpointing:
+            if not layers:
+                raise ValueError("activation_checkpointing=True needs an auto_wrap_policy that selects layers "
+                                 "(TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)")
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            chosen = {id(m) for m in layers}
+            apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
+        kwargs = dict(mesh=self._shard_mesh(), reshard_after_forward=bool(self.plugin.reshard_after_forward),
+                      mp_policy=self._mp_policy(), offload_policy=self._offload_policy())
+        ignored = self._ignored_params(model)
+        if ignored:
+            kwargs["ignored_params"] = ignored
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        if efficient:
+            _fill_from_rank0(model, full, self.state)
+        after = {_strip(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+        for name, old in before.items():
+            new = after.get(_strip(name))
+            if new is not None:
+                self._new_params[id(old)] = new
+                self._sharded_ids.add(id(new))
+        return model
+
+    def _layers(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules that become their own FSDP group, in post-order."""
+        policy = self.plugin.auto_wrap_policy
+        if policy == "NO_WRAP":
+            return []
+        if callable(policy):
+            return [m for m in model.modules() if m is not model and policy(m)]
+        if policy == "TRANSFORMER_BASED_WRAP":
+            names = self.plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+            if not names:
+                raise ValueError("auto_wrap_policy=TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap "
+                                 "(fsdp_transformer_layer_cls_to_wrap), e.g. 'LlamaDecoderLayer'; this model has no "
+                                 "_no_split_modules to take them from")
+            present = {type(m).__name__ for m in model.modules()}
+            missing = [n for n in names if n not in present]
+            if missing:
+                raise ValueError(f"transformer_cls_names_to_wrap names {missing}, which are not classes of modules in "
+                                 f"{type(model).__name__}; pick from {sorted(present)[:20]}")
+            return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+        return _size_based(model, self.plugin.min_num_params)
+
+    def _ignored_params(self, model: nn.Module) -> set:
+        spec = self.plugin.ignored_modules
+        if not spec:
+            return set()
+        if isinstance(spec, str):
+            import re
+
+            modules = [m for n, m in model.named_modules() if re.fullmatch(spec, n)]
+        else:
+            modules = list(spec)
+        return {p for m in modules for p in m.parameters()}
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard changes the module in place
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point ``optimizer`` at the sharded parameters that replaced the ones it was built on."""
+        swapped: dict[int, nn.Parameter] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            params = []
+            for p in group["params"]:
+                if id(p) in self._sharded_ids:
+                    params.append(p)
+                    continue
+                new = self._new_params.get(id(p))
+                if new is None:
+                    raise ValueError(
+                        f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "
+                        f"{list(p.shape)} belongs to no model prepared with FSDP; pass the model to prepare() "
+                        "together with its optimizer (accelerator.prepare(model, optimizer)), and build the "
+                        "optimizer from that model's parameters"
+                    )
+                swapped[id(p)] = new
+                params.append(new)
+            group["params"] = params
+        if optimizer.state:
+            state = {}
+            for p, s in list(optimizer.state.items()):
+                state[swapped.get(id(p), p)] = s
+            optimizer.state.clear()
+            optimizer.state.update(state)
+        return optimizer
+
+    # -- a training step ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _sync_off(self, model: nn.Module) -> Iterator[None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return self._sync_off(model)
+
+    def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_global_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).clamp_(-clip_value, clip_value)
+
+    # -- state dict I/O -------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module, everyone: bool = False) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU, on process 0 (everywhere with ``everyone``); others get {}."""
+        return full_state_dict(model, everyone=everyone)
+
+    def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return load_full_state_dict(model, state_dict, strict=strict)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _replicas(tensor: torch.Tensor, world: int) -> int:
+    """How many processes hold each element of ``tensor`` (a plain tensor: every process)."""
+    spec = getattr(tensor, "_spec", None)
+    if spec is None:
+        return world
+    count = 1
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_replicate():
+            count *= spec.mesh.size(dim)
+    return count * (world // spec.mesh.size())
+
+
+def clip_global_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their norm over every shard and every process; returns that norm.
+
+    Each process adds up its local shards, counting elements it shares with other processes
+    (replicated placements) once over the job, so one all-reduce gives the true global norm.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    if not grads:
+        return torch.tensor(0.0, device=device)
+    if math.isinf(norm_type):
+        total = torch.stack([_local(g).detach().abs().max().float() if _local(g).numel() else
+                             torch.tensor(0.0, device=device) for g in grads]).max()
+        if world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            local = _local(g).detach()
+            if local.numel():
+                part = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
+                total += part / _replicas(g, world)
+        if world > 1:
+            dist.all_reduce(total)
+        total = (total ** (1.0 / norm_type)).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = _local(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Post-order submodules holding at least ``min_params`` parameters not already in a chosen child."""
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        free = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            free += visit(child)
+        if module is not model and min_params > 0 and free >= min_params:
+            chosen.append(module)
+            return 0
+        return free
+
+    visit(model)
+    return chosen
+
+
+def _rank0_weights(model: nn.Module, state: Any) -> Optional[dict[str, Any]]:
+    """Process 0's full weights (its state dict and non-persistent buffers), kept before sharding."""
+    if state.process_index != 0:
+        return None
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("cpu_ram_efficient_loading=True: process 0 must build the model with real weights (only the "
+                         "other processes use init_empty_weights())")
+    persistent = model.state_dict()
+    extra = {n: b for n, b in model.named_buffers() if n not in persistent}
+    return {"state": {k: v for k, v in persistent.items()}, "buffers": extra}
+
+
+def _fill_from_rank0(model: nn.Module, full: Optional[dict[str, Any]], state: Any) -> None:
+    """Give every process process 0's weights after sharding (the others built on ``meta``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = state.device
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+    set_model_state_dict(model, full["state"] if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(model.state_dict().keys())
+    for name, buffer in model.named_buffers():
+        if _strip(name) in persistent or name in persistent:
+            continue
+        if full is not None:
+            buffer.copy_(full["buffers"][_strip(name)])
+        comm = buffer if device.type != "cpu" or buffer.device.type == "cpu" else buffer.cpu()
+        dist.broadcast(comm, src=0)
+        if comm is not buffer:
+            buffer.copy_(comm)
+

@@ -1,0 +1,137 @@
+"""The process layout a strategy trains on: named dimensions and the data-parallel view of them.
+
+Processes are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)``: the ranks of one
+tensor-parallel (and context-parallel) group are consecutive, so they sit on one machine. Every
+process of one data-parallel replica (same ``dp_replicate`` and ``dp_shard`` coordinates) must
+see the same batch; the data layer reads ``data_parallel()`` instead of the global rank and
+world size, and gathers metrics over the data-parallel group only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the data-parallel replicas.
+
+    ``group`` is None when every process is its own replica (the default group serves);
+    ``members`` lists, by data-parallel rank, one global rank per replica (its first process).
+    """
+
+    rank: int
+    size: int
+    group: Any = None
+    members: Optional[tuple[int, ...]] = None
+
+
+def check_layout(sizes: dict[str, int], world_size: int) -> None:
+    """Raise before any process-group work when ``sizes`` cannot lay out ``world_size`` processes."""
+    for name in DIMS:
+        value = sizes.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}_size={value!r} must be a whole number >= 1")
+    product = 1
+    for name in DIMS:
+        product *= sizes.get(name, 1)
+    if product != world_size:
+        shown = " x ".join(f"{name}_size={sizes.get(name, 1)}" for name in DIMS)
+        raise ValueError(
+            f"the parallel layout {shown} = {product} processes, but this job runs {world_size}; make the product "
+            f"of the sizes equal the number of processes (e.g. dp_shard_size={world_size // max(1, product // sizes.get('dp_shard', 1))} "
+            "with the other sizes unchanged, when that divides)"
+        )
+
+
+class ParallelMesh:
+    """Named dimensions over the job's processes; the strategy that trains on them owns it.
+
+    Args:
+        sizes: size per dimension name of ``DIMS`` (missing names are 1).
+        rank / world_size: this process and the job's number of processes.
+        device_type: "cpu", "cuda", ... (the torch ``DeviceMesh`` is built on it when asked for).
+    """
+
+    def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str = "cpu") -> None:
+        unknown = sorted(set(sizes) - set(DIMS))
+        if unknown:
+            raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(DIMS)}")
+        self.sizes = {name: int(sizes.get(name, 1)) for name in DIMS}
+        check_layout(self.sizes, world_size)
+        self.rank, self.world_size, self.device_type = rank, world_size, device_type
+        self._device_mesh: Any = None
+        self._data_parallel: Optional[DataParallel] = None
+
+    @classmethod
+    def replicated(cls, state: Any) -> "ParallelMesh":
+        """Every process a full replica (single process, DDP)."""
+        return cls({"dp_replicate": state.num_processes}, state.process_index, state.num_processes, state.device.type)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def coordinates(self, rank: Optional[int] = None) -> dict[str, int]:
+        rank = self.rank if rank is None else rank
+        out = {}
+        for name in reversed(DIMS):
+            rank, out[name] = divmod(rank, self.sizes[name])
+        return {name: out[name] for name in DIMS}
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+
+    def data_parallel(self) -> DataParallel:
+        """Data-parallel rank, size and group (the group is created once, by every process)."""
+        if self._data_parallel is None:
+            self._data_parallel = self._build_data_parallel()
+        return self._data_parallel
+
+    def _build_data_parallel(self) -> DataParallel:
+        inner = self.sizes["cp"] * self.sizes["tp"]
+        coords = self.coordinates()
+        dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
+        if inner == 1:
+            return DataParallel(dp_rank, self.dp_size)
+        import torch.distributed as dist
+
+        # One group per (cp, tp) position; every process must create all of them, in the same order.
+        groups = {}
+        for offset in range(inner):
+            ranks = [d * inner + offset for d in range(self.dp_size)]
+            groups[offset] = dist.new_group(ranks=ranks)
+        members = tuple(d * inner for d in range(self.dp_size))
+        return DataParallel(dp_rank, self.dp_size, groups[self.rank % inner], members)
+
+    def device_mesh(self) -> Any:
+        """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = tuple(n for n in DIMS if self.sizes[n] > 1) or ("dp_shard",)
+            shape = tuple(self.sizes[n] for n in names) if any(self.sizes[n] > 1 for n in DIMS) else (1,)
+            self._device_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._device_mesh
+
+    def __getitem__(self, names: Any) -> Any:
+        """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``)."""
+        return self.device_mesh()[names]
+
+    def __repr__(self) -> str:
+        return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+
+
+def data_parallel() -> DataParallel:
+    """The data-parallel view of the running strategy's mesh, else every process its own replica."""
+    from ..state import AcceleratorState, PartialState
+
+    mesh = AcceleratorState._shared_state.get("parallel_mesh")
+    if mesh is not None:
+        return mesh.data_parallel()
+    state = PartialState()
+    return DataParallel(state.process_index, state.num_processes)

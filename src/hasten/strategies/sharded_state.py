@@ -1,0 +1,120 @@
+"""State dicts of models whose parameters may be sharded (``DTensor``), through
+``torch.distributed.checkpoint.state_dict``: one code path for plain, FSDP2 and tensor-parallel
+models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 or tensor parallel)."""
+    return any(hasattr(p, "to_local") and hasattr(p, "placements") for p in model.parameters())
+
+
+def full_state_dict(model: nn.Module, everyone: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on CPU: on process 0, or on every process with ``everyone``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everyone)
+    state = get_model_state_dict(model, options=options)
+    if everyone:
+        state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return state
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    """Load a full state dict (every process holds it) into a plain or sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not is_sharded(model):
+        return model.load_state_dict(state_dict, strict=strict)
+    return set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def optimizer_fqn_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()``-style ``saved`` (parameters numbered) keyed by parameter names instead."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name.replace("_checkpoint_wrapped_module.", ""))
+    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if any(n is None for n in order):
+        raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters of more than one model; a full "
+                         "optimizer state cannot be converted to a sharded layout")
+    state = {order[int(pid)]: value for pid, value in saved["state"].items()}
+    groups = []
+    for group in saved["param_groups"]:
+        groups.append(dict(group, params=[order[int(pid)] for pid in group["params"]]))
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load a full, numbered optimizer state (as single/DDP checkpoints hold it) into a sharded model's optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optimizer_fqn_state(model, optimizer, saved),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is_main_process: bool) -> list[str]:
+    """Write a sharded model's full weights as safetensors (sharded files + index when large),
+    gathering one file's worth of tensors at a time: no process ever holds the whole model.
+
+    Every process must call it (each tensor is all-gathered); only ``is_main_process`` writes.
+    """
+    import json
+    import os
+    import uuid
+
+    from ..saving import (ALIASES_KEY, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID_KEY, parse_size,
+                          write_atomically, write_weights_file)
+
+    limit = parse_size(max_shard_size)
+    state = model.state_dict()
+    kept, aliases, first = {}, {}, {}
+    for name, value in state.items():
+        key = id(value)
+        if key in first:
+            aliases[name] = first[key]  # tied weights are stored once
+            continue
+        first[key] = name
+        kept[name] = value
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, value in kept.items():
+        nbytes = value.numel() * value.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    count = len(groups)
+    files = [SAFE_WEIGHTS_NAME] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    save_id = uuid.uuid4().hex
+    if is_main_process:
+        os.makedirs(directory, exist_ok=True)
+    weight_map, total = {}, 0
+    for filename, names in zip(files, groups):
+        shard = {}
+        for name in names:
+            value = kept[name]
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if is_main_process:
+                shard[name] = full.detach().to("cpu").contiguous()
+                total += shard[name].nbytes
+            del full
+        if is_main_process:
+            write_weights_file(os.path.join(directory, filename), shard, aliases, save_id if count > 1 else None)
+        weight_map.update({n: filename for n in names})
+        del shard
+    if is_main_process and count > 1:
+        index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id, **({ALIASES_KEY: aliases} if aliases else {})},
+                 "weight_map": weight_map}
+        write_atomically(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME),
+                         lambda tmp: open(tmp, "w").write(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+    return files

@@ -1,0 +1,164 @@
+"""FSDP2 on 2 real processes over gloo (checks in checks_fsdp.py), plus single-process pieces."""
+
+import os
+
+import pytest
+import torch
+
+from distributed import reset_state, run_checks
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def single_checkpoint(tmp_path_factory):
+    """A checkpoint written by one process (plain model), for the 1 -> 2 load."""
+    import checks_fsdp
+
+    from hasten import Accelerator
+
+    folder = str(tmp_path_factory.mktemp("single") / "ckpt")
+    reset_state()
+    acc = Accelerator()
+    model = checks_fsdp._model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randn(4, checks_fsdp.FEATURES)
+    acc.backward(model(x).pow(2).mean())
+    opt.step()
+    acc.save_state(folder)
+    expected = {k: v.tolist() for k, v in model.state_dict().items()}
+    reset_state()
+    return folder, expected
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, single_checkpoint):
+    tmp = str(tmp_path_factory.mktemp("fsdp"))
+    report = run_checks("checks_fsdp", world_size=2, env={"FSDP_TMP": tmp, "FSDP_SINGLE_CKPT": single_checkpoint[0]})
+    report.tmp = tmp
+    return report
+
+
+def test_two_processes_equal_one_process_on_twice_the_batch(two):
+    for r in two.assert_passed("check_equivalence_plain"):
+        assert r["worst"] < 1e-5
+
+
+def test_equivalence_with_accumulation_and_clipping(two):
+    values = two.assert_passed("check_equivalence_accumulation_clipping")
+    assert values[0]["norms"] == values[1]["norms"] and len(values[0]["norms"]) == 4
+
+
+def test_bf16_trains_with_activation_checkpointing(two):
+    two.assert_passed("check_bf16_trains")
+
+
+def test_transformers_model_wrapped_by_layer(two):
+    two.assert_passed("check_transformers_layer_wrap")
+
+
+def test_bitwise_resume_and_manifest_layout(two):
+    r = two.assert_passed("check_bitwise_resume")[0]
+    assert r["layout"] == {"strategy": "FSDP2Strategy", "state_dict": "dcp",
+                           "mesh": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
+
+
+def test_ddp_checkpoint_loads_into_fsdp(two):
+    two.assert_passed("check_ddp_checkpoint_into_fsdp")
+
+
+def test_fsdp_checkpoint_loads_into_ddp(two):
+    rest = two.assert_passed("check_fsdp_checkpoint_into_ddp")
+    saved = two.assert_passed("check_bitwise_resume")[0]["saved_losses"]
+    assert max(abs(a - b) for a, b in zip(rest[0], saved)) < 1e-5
+
+
+def test_single_process_checkpoint_loads_into_fsdp(two, single_checkpoint):
+    expected = single_checkpoint[1]
+    for got in two.assert_passed("check_single_process_checkpoint_into_fsdp"):
+        assert set(got) == set(expected)
+        for k in expected:
+            assert torch.equal(torch.tensor(got[k]), torch.tensor(expected[k]))
+
+
+def test_fsdp_checkpoint_loads_into_one_process(two, fresh_state):
+    """FSDP2 on 2 processes -> a plain model on 1 process (DCP reshards), bitwise."""
+    import checks_fsdp
+
+    from hasten import Accelerator
+
+    at_save = two.assert_passed("check_bitwise_resume")[0]["at_save"]
+    acc = Accelerator()
+    model = checks_fsdp._model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(checks_fsdp._data(), batch_size=3, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    with pytest.warns(UserWarning, match="saved by 2 processes"):
+        acc.load_state(os.path.join(two.tmp, "resume"))
+    assert len(opt.state) == 6  # Adam moments came along
+    got = model.state_dict()
+    assert all(torch.equal(got[k], torch.tensor(at_save[k])) for k in at_save)
+    checks_fsdp._run(acc, model, opt, checks_fsdp._batches(loader), 3)  # and it trains on
+
+
+def test_layout_that_cannot_convert_fails_before_any_change(two):
+    two.assert_passed("check_layout_mismatch_changes_nothing")
+
+
+def test_cpu_ram_efficient_loading_gives_rank0_weights_everywhere(two):
+    two.assert_passed("check_cpu_ram_efficient_loading")
+
+
+def test_optimizer_over_parameters_of_no_prepared_model(two):
+    two.assert_passed("check_optimizer_of_unprepared_model")
+
+
+def test_model_sharded_by_the_user_is_accepted(two):
+    assert two.assert_passed("check_user_sharded_model_accepted") == ["dcp", "dcp"]
+
+
+def test_save_model_writes_consolidated_safetensors(two):
+    names = two.assert_passed("check_save_model_streams_full_weights")[0]
+    assert "model.safetensors.index.json" in names and len(names) > 2
+
+
+# -- the plugin (no processes) ---------------------------------------------------------------------
+def test_plugin_reads_fsdp_environment(monkeypatch):
+    from hasten import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "Block,Other")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    p = FullyShardedDataParallelPlugin()
+    assert (p.fsdp_version, p.auto_wrap_policy, p.transformer_cls_names_to_wrap, p.cpu_offload,
+            p.reshard_after_forward) == (2, "TRANSFORMER_BASED_WRAP", ["Block", "Other"], True, False)
+
+
+def test_plugin_translates_fsdp1_settings_with_one_note():
+    from hasten import FullyShardedDataParallelPlugin
+
+    with pytest.warns(UserWarning, match="translated to FSDP2") as caught:
+        p = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP",
+                                           backward_prefetch="BACKWARD_PRE", use_orig_params=True)
+    assert len(caught) == 1 and p.fsdp_version == 2 and p.reshard_after_forward is False
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(fsdp_version=1, sharding_strategy="HYBRID_SHARD"), "sharding_strategy='HYBRID_SHARD'"),
+    (dict(fsdp_version=1, backward_prefetch="BACKWARD_POST"), "backward_prefetch='BACKWARD_POST'"),
+    (dict(fsdp_version=1, forward_prefetch=True), "forward_prefetch=True"),
+    (dict(fsdp_version=3), "fsdp_version=3"),
+    (dict(fsdp_version=2, auto_wrap_policy="EVERYTHING"), "auto_wrap_policy='EVERYTHING'"),
+    (dict(fsdp_version=2, state_dict_type="LOCAL_STATE_DICT"), "state_dict_type='LOCAL_STATE_DICT'"),
+    (dict(fsdp_version=2, min_num_params="many"), "min_num_params='many'"),
+    (dict(fsdp_version=2, reshard_after_forward="sometimes"), "reshard_after_forward='sometimes'"),
+])
+def test_plugin_bad_values_are_named(kwargs, named):
+    from hasten import FullyShardedDataParallelPlugin
+
+    with pytest.raises(ValueError) as info:
+        FullyShardedDataParallelPlugin(**kwargs)
+    assert named in str(info.value)
