@@ -61,7 +61,7 @@ def test_fsdp2_dcp_merges_to_the_full_weights(sharded, tmp_path, kind):
 def test_sharded_output_with_index_and_unsafe_serialization(sharded, tmp_path, capsys):
     from checks_merge_weights import tiny_gpt2
 
-    from hasten.saving import load_checkpoint_in_model
+    from hasten.model_loading import load_checkpoint_in_model
 
     source = os.path.join(sharded[0]["dir"], "nested")
     assert main(["merge-weights", source, str(tmp_path / "shards"), "--max_shard_size", "20KB"]) == 0
@@ -125,7 +125,7 @@ class Tied(torch.nn.Module):
 
 def test_hasten_checkpoint_of_two_models(tmp_path, fresh_state, capsys):
     from hasten import Accelerator
-    from hasten.saving import load_checkpoint_in_model
+    from hasten.model_loading import load_checkpoint_in_model
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)

@@ -110,6 +110,15 @@ class Precision:
             else:
                 model.forward = original
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_unscaled"] = None  # a WeakSet does not pickle; the unscale record is per step anyway
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._unscaled = weakref.WeakSet()
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
