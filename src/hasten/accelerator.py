@@ -16,7 +16,7 @@ from torch import nn
 
 from .checkpointing import CheckpointMixin
 from .optimizer import AcceleratedOptimizer
-from .options import accumulation_plugin, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
+from .options import accumulation_plugin, check_parallelism, check_trackers, collect_handlers, dynamo_from_env, merge_legacy_data_kwargs
 from .precision import Precision
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
@@ -55,6 +55,8 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``InitProcessGroupKwargs``, ``AutocastKwargs``.
         dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
+        parallelism_config: the N-D layout (``hasten.utils.ParallelismConfig``: data, tensor parallel
+            sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         kwargs_handlers: Optional[Sequence[Any]] = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+        parallelism_config: Any = None,
         resume: Any = None,
         **legacy: Any,
     ) -> None:
@@ -90,6 +93,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
             deepspeed_plugin = "from-environment"
 
+        parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
         pg_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs()).to_kwargs()
         self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                                       fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
@@ -102,7 +106,9 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
                                         scaler_kwargs=handlers.get(GradScalerKwargs),
                                         autocast_kwargs=handlers.get(AutocastKwargs),
-                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin)
+                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin,
+                                        parallelism_config=parallelism_config)
+        self.parallelism_config = parallelism_config
         self.precision = self.strategy.precision
         self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
         self.device_placement = device_placement
@@ -306,9 +312,9 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
         if device_placement is None:
             device_placement = self.device_placement
         cfg = self.dataloader_config
+        # The data-parallel rank and size come from the strategy's mesh: tensor-parallel peers share batches.
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
-            split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            data_loader, self.device, split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
             dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
             data_seed=cfg.data_seed, non_blocking=cfg.non_blocking, use_stateful_dataloader=cfg.use_stateful_dataloader,

@@ -78,3 +78,27 @@ def check_trackers(log_with: Any) -> list[Any]:
         f"log_with={log_with!r}: experiment trackers are not bundled with hasten yet; "
         "remove log_with (or log from your script on accelerator.is_main_process)"
     )
+
+
+def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
+    """The ``ParallelismConfig`` to use (given, else from the environment), checked against the job's size
+    before the process group exists, so that a wrong layout fails on every process with the same message."""
+    from .utils.parallelism_config import ParallelismConfig, parallelism_config_from_env
+
+    if config is None:
+        config = parallelism_config_from_env()
+    if config is None:
+        return None
+    if not isinstance(config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a hasten.utils.ParallelismConfig, got {type(config).__name__}")
+    from .state import PartialState, pick_device
+    from .topology import detect_topology
+
+    partial = PartialState._shared_state
+    if "device" in partial:  # the state came first (e.g. PartialState() at the top of the script)
+        world, device = partial["topology"].world_size, partial["device"].type
+    else:
+        topology = detect_topology()
+        world, device = topology.world_size, pick_device(topology, cpu or parse_flag("USE_CPU")).type
+    config.check(world, sharded, device)
+    return config

@@ -23,6 +23,7 @@ _EXPORTS = {
     )},
     "tqdm": ".tqdm",
     "FullyShardedDataParallelPlugin": ".fsdp_plugin",
+    "ParallelismConfig": ".parallelism_config",
     **{name: ".environment" for name in ("get_env", "parse_flag", "parse_int", "parse_choice")},
     **{name: "..saving" for name in ("save", "load_checkpoint_in_model")},
 }
