@@ -43,6 +43,15 @@ def _switch(name: str, group: str, help: str) -> Setting:
               env=env_names(name.upper()), child_env=f"HASTEN_{name.upper()}")
 
 
+def _section(switch: Setting, section: str, helps: Mapping[str, str], env_of: Any, skip: tuple = (),
+             hidden: tuple = ()) -> list[Setting]:
+    """The switch, then one setting per key of config ``section``; ``env_of(key)``: its variable (or None)."""
+    return [switch] + [
+        _s(name, switch.group, helps.get(name, ""), config=(section, name), env=(env_of(name),) if env_of(name) else (),
+           child_env=env_of(name), hidden=name in hidden)
+        for name in SECTIONS[section] if name not in skip]
+
+
 def _key_at(path: tuple[str, ...]) -> Key:
     return TOP[path[0]] if len(path) == 1 else SECTIONS[path[0]][path[1]]
 
@@ -137,13 +146,8 @@ _HELP = {
     "deepspeed_multinode_launcher": "pdsh, standard, openmpi, mvapich, mpich, nossh or slurm.",
     "deepspeed_moe_layer_cls_names": "MoE layer class names, comma-separated.",
 }
-_FSDP = [
-    _switch("use_fsdp", G_FSDP, "Shard the model with FSDP."),
-] + [
-    _s(name, G_FSDP, _HELP.get(name, ""), config=("fsdp_config", name), env=(_FSDP_ENV.get(name, name.upper()),),
-       child_env=_FSDP_ENV.get(name, name.upper()), hidden=name == "fsdp_backward_prefetch_policy")
-    for name in SECTIONS["fsdp_config"]
-]
+_FSDP = _section(_switch("use_fsdp", G_FSDP, "Shard the model with FSDP."), "fsdp_config", _HELP,
+                 lambda name: _FSDP_ENV.get(name, name.upper()), hidden=("fsdp_backward_prefetch_policy",))
 
 _DS_ENV = {
     "deepspeed_config_file": "HASTEN_DEEPSPEED_CONFIG_FILE", "zero_stage": "HASTEN_DEEPSPEED_ZERO_STAGE",
@@ -155,13 +159,8 @@ _DS_ENV = {
     "zero3_init_flag": "HASTEN_DEEPSPEED_ZERO3_INIT", "zero3_save_16bit_model": "HASTEN_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
     "deepspeed_moe_layer_cls_names": "HASTEN_DEEPSPEED_MOE_LAYER_CLS_NAMES",
 }
-_DS = [
-    _switch("use_deepspeed", G_DS, "Train with DeepSpeed."),
-] + [
-    _s(name, G_DS, _HELP.get(name, ""), config=("deepspeed_config", name),
-       env=(_DS_ENV[name],) if name in _DS_ENV else (), child_env=_DS_ENV.get(name))
-    for name in SECTIONS["deepspeed_config"] if name != "gradient_accumulation_steps"
-]
+_DS = _section(_switch("use_deepspeed", G_DS, "Train with DeepSpeed."), "deepspeed_config", _HELP, _DS_ENV.get,
+               skip=("gradient_accumulation_steps",))
 
 _PAR_HELP = {
     "parallelism_config_dp_replicate_size": "Full copies of the model (HSDP with dp_shard_size > 1).",
@@ -172,13 +171,8 @@ _PAR_HELP = {
     "parallelism_config_sp_size": "DeepSpeed sequence parallelism (not available; keep 1).",
 }
 # The sizes reach the processes as Accelerate's PARALLELISM_CONFIG_* variables (read by ParallelismConfig).
-_PAR = [
-    _switch("use_parallelism_config", G_PAR, "Lay the processes out with the parallelism_config sizes."),
-] + [
-    _s(name, G_PAR, _PAR_HELP[name], config=("parallelism_config", name), env=(name.upper(),),
-       child_env=name.upper())
-    for name in SECTIONS["parallelism_config"]
-]
+_PAR = _section(_switch("use_parallelism_config", G_PAR, "Lay the processes out with the parallelism_config sizes."),
+                "parallelism_config", _PAR_HELP, str.upper)
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _PAR}
 
