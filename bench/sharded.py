@@ -12,8 +12,9 @@ layers (fp32, Adam):
   * a hand-written FSDP2 loop: ``fully_shard`` on each Linear and on the root, plain optimizer.
 For each it measures per-process parameter + gradient + optimizer-state bytes (the local tensors
 each process holds after a step), the step rate over ``steps`` steps (after one warm-up step), and
-for the two FSDP2 variants the time of a sharded checkpoint (one save, the median of ``loads`` loads): ``save_state``/``load_state`` (DCP
-shards fsynced, manifest, atomic rename) against ``dcp.save``/``dcp.load`` with
+on hasten's FSDP2 model the time of a sharded checkpoint, the two paths interleaved (one save
+each, then ``loads`` loads each, alternating which goes first): ``save_state``/``load_state``
+(DCP shards fsynced, manifest, atomic rename) against ``dcp.save``/``dcp.load`` with
 ``FileSystemWriter(sync_files=True)`` (the same fsync of the shard files). Reports medians over
 rounds and the ratios the issue asks for, on process 0, as JSON and a table.
 """
@@ -103,45 +104,56 @@ def _variant(name: str, args, folder: str) -> dict:
             opt.zero_grad()
     out["steps_per_s"] = _time_steps(step, args.steps, dist.barrier)
     out["bytes"] = _local_bytes(model, getattr(opt, "optimizer", opt))
-    if name == "ddp":
-        return out
-    target = os.path.join(folder, name)
-    dist.barrier()
-    start = time.perf_counter()
-    if name == "raw_fsdp2":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(target, sync_files=True,
-                                                                                   single_file_per_rank=True))
-        dist.barrier()
-        out["save_s"] = time.perf_counter() - start
-
-        def load():
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, storage_reader=dcp.FileSystemReader(target))
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        acc.save_state(target)
-        dist.barrier()
-        out["save_s"] = time.perf_counter() - start
-
-        def load():
-            acc.load_state(target)
-    times = []
-    for _ in range(args.loads):  # loads are short: the median of a few resists the machine's load
-        dist.barrier()
-        start = time.perf_counter()
-        load()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    out["load_s"] = statistics.median(times)
-    if dist.get_rank() == 0:
-        shutil.rmtree(target, ignore_errors=True)
-    dist.barrier()
+    if name == "fsdp2":
+        out.update(_checkpoints(acc, model, opt.optimizer, args, folder))
     return out
+
+
+_ROUNDS: list = []
+
+
+def _checkpoints(acc, model, opt, args, folder: str) -> dict:
+    """One model, two checkpoint paths, interleaved: hasten's save_state/load_state and raw dcp.save/dcp.load
+    (``FileSystemWriter(sync_files=True)``: the shard files fsynced, as hasten does)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ours, raw = os.path.join(folder, "hasten"), os.path.join(folder, "dcp")
+
+    def raw_save():
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(raw, sync_files=True,
+                                                                                   single_file_per_rank=True))
+
+    def raw_load():
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(raw))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    jobs = {"hasten_save": lambda: acc.save_state(ours), "dcp_save": raw_save,
+            "hasten_load": lambda: acc.load_state(ours), "dcp_load": raw_load}
+    times: dict = {k: [] for k in jobs}
+    flip = _ROUNDS.append(None) or len(_ROUNDS) % 2  # alternate who goes first between rounds (same on every rank)
+    for kind, repeats in (("save", 1), ("load", args.loads)):
+        for i in range(repeats):
+            names = [f"hasten_{kind}", f"dcp_{kind}"]
+            if (i + int(flip)) % 2:
+                names.reverse()
+            for name in names:
+                if kind == "save" and dist.get_rank() == 0:
+                    shutil.rmtree(ours if name.startswith("hasten") else raw, ignore_errors=True)
+                dist.barrier()
+                start = time.perf_counter()
+                jobs[name]()
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        shutil.rmtree(ours, ignore_errors=True)
+        shutil.rmtree(raw, ignore_errors=True)
+    dist.barrier()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _worker(args) -> None:
@@ -172,16 +184,15 @@ def _summary(results: dict, args) -> dict:
         "parameters": params,
         "bytes_per_process": {n: med(n, "bytes") for n in results},
         "steps_per_s": {n: med(n, "steps_per_s") for n in results},
-        "save_s": {n: med(n, "save_s") for n in ("fsdp2", "raw_fsdp2")},
-        "load_s": {n: med(n, "load_s") for n in ("fsdp2", "raw_fsdp2")},
+        "checkpoint_s": {k: med("fsdp2", k) for k in ("hasten_save", "dcp_save", "hasten_load", "dcp_load")},
     }
     per_round = [(f["steps_per_s"] / r["steps_per_s"]) for f, r in zip(results["fsdp2"], results["raw_fsdp2"])]
     rows["ratios"] = {
         "memory_fsdp2_over_ddp": rows["bytes_per_process"]["fsdp2"] / rows["bytes_per_process"]["ddp"],
         "step_rate_hasten_over_raw_fsdp2": rows["steps_per_s"]["fsdp2"] / rows["steps_per_s"]["raw_fsdp2"],
         "step_rate_ratio_per_round": [round(v, 3) for v in per_round],
-        "save_speed_hasten_over_dcp": rows["save_s"]["raw_fsdp2"] / rows["save_s"]["fsdp2"],
-        "load_speed_hasten_over_dcp": rows["load_s"]["raw_fsdp2"] / rows["load_s"]["fsdp2"],
+        "save_speed_hasten_over_dcp": rows["checkpoint_s"]["dcp_save"] / rows["checkpoint_s"]["hasten_save"],
+        "load_speed_hasten_over_dcp": rows["checkpoint_s"]["dcp_load"] / rows["checkpoint_s"]["hasten_load"],
     }
     return rows
 
