@@ -155,6 +155,24 @@ def test_child_environment_contract():
     assert ds["HASTEN_DEEPSPEED_ZERO3_INIT"] == "true" and "FSDP_SHARDING_STRATEGY" not in ds
 
 
+def test_parallelism_config_from_flags_yaml_and_environment(tmp_path):
+    """Accelerate's --parallelism_config_* flags and parallelism_config: keys reach the processes as PARALLELISM_CONFIG_*."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 4\n"
+                   "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n")
+    env = plan_for("--config_file", str(cfg), "--cpu", "train.py").child_env
+    assert env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "2" and env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    assert "PARALLELISM_CONFIG_CP_SIZE" not in env
+    env = plan_for("--config_file", str(cfg), "--cpu", "--parallelism_config_tp_size", "4",
+                   "--parallelism_config_dp_shard_size", "1", "--use_parallelism_config", "train.py").child_env
+    assert env["PARALLELISM_CONFIG_TP_SIZE"] == "4" and env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "1"
+    assert env["HASTEN_USE_PARALLELISM_CONFIG"] == "true"
+    env = plan_for("--cpu", "--num_processes", "2", "train.py", env=dict(os.environ, PARALLELISM_CONFIG_TP_SIZE="2"))
+    assert env.child_env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    assert plan_for("--cpu", "--num_processes", "2", "train.py").child_env.keys().isdisjoint(
+        {"PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE"})
+
+
 def test_single_process_runs_directly_and_restarts_use_c10d():
     p = plan_for("train.py")
     assert p.direct and p.num_processes == 1 and p.args == ["train.py"]

@@ -35,6 +35,7 @@ _EXPORTS = {
     "LoggerType": ".utils.dataclasses",
 
     "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",
+    "ParallelismConfig": ".utils.parallelism_config",
     "init_empty_weights": ".big_modeling",
     "init_on_device": ".big_modeling",
 }

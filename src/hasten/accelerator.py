@@ -23,6 +23,7 @@ from .optimizer import AcceleratedOptimizer
 from .options import (
     UNSET,
     accumulation_plugin,
+    check_parallelism,
     collect_handlers,
     dynamo_from_env,
     merge_legacy_data_kwargs,
@@ -78,7 +79,9 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
             (``AORecipeKwargs``, ...).
         dynamo_backend / dynamo_plugin: ``torch.compile`` prepared models.
         deepspeed_plugin(s) / fsdp_plugin: sharded training.
-        torch_tp_plugin, megatron_lm_plugin, parallelism_config: not supported yet (an error if given).
+        parallelism_config: the N-D layout (``hasten.utils.ParallelismConfig``: data, tensor parallel
+            sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
+        torch_tp_plugin, megatron_lm_plugin: not supported (an error if given).
         resume: ``None``, ``"auto"`` or a checkpoint folder to resume from (see ``hasten.checkpointing``).
     """
 
@@ -109,8 +112,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         resume: Any = None,
         **legacy: Any,
     ) -> None:
-        unsupported_parallelism(torch_tp_plugin=torch_tp_plugin, megatron_lm_plugin=megatron_lm_plugin,
-                                parallelism_config=parallelism_config)
+        unsupported_parallelism(torch_tp_plugin=torch_tp_plugin, megatron_lm_plugin=megatron_lm_plugin)
         if split_batches is not UNSET:
             legacy["split_batches"] = split_batches
         if deepspeed_plugins is not None:
@@ -134,6 +136,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         pg_handler = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         if pg_handler.hang_timeout is not None:
             progress.set_hang_timeout(pg_handler.hang_timeout)
+        parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
         pg_kwargs = pg_handler.to_kwargs()
         self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                                       fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
@@ -147,7 +150,9 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
                                         scaler_kwargs=handlers.get(GradScalerKwargs),
                                         autocast_kwargs=handlers.get(AutocastKwargs),
-                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin)
+                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin,
+                                        parallelism_config=parallelism_config)
+        self._parallelism_config = parallelism_config
         self.precision = self.strategy.precision
         self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
         self.device_placement = device_placement
@@ -368,9 +373,9 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         if device_placement is None:
             device_placement = self.device_placement
         cfg = self.dataloader_config
+        # The data-parallel rank and size come from the strategy's mesh: tensor-parallel peers share batches.
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
-            split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            data_loader, self.device, split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
             dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
             data_seed=cfg.data_seed, non_blocking=cfg.non_blocking, use_stateful_dataloader=cfg.use_stateful_dataloader,

@@ -14,7 +14,7 @@ from .utils.dataclasses import (
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
-from .utils.environment import parse_int
+from .utils.environment import parse_flag, parse_int
 
 _LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 # Default of Accelerator(split_batches=...): tells "not given" from an explicit False.
@@ -27,12 +27,13 @@ def dynamo_from_env() -> Optional[TorchDynamoPlugin]:
 
 
 def unsupported_parallelism(**plugins: Any) -> None:
-    """Tensor, Megatron-LM and N-D parallelism are not implemented: refuse them instead of ignoring them."""
+    """Accelerate's torch_tp_plugin and Megatron-LM are not implemented (``parallelism_config`` is how hasten
+    does tensor parallelism): refuse them instead of ignoring them."""
     for name, value in plugins.items():
         if value is not None:
             raise NotImplementedError(
                 f"Accelerator({name}=...) is not supported by hasten yet; remove it (data parallelism, FSDP and "
-                "DeepSpeed are the supported strategies)"
+                "DeepSpeed are the supported strategies; tensor parallelism is parallelism_config=ParallelismConfig(tp_size=...))"
             )
 
 
@@ -78,3 +79,26 @@ def accumulation_plugin(steps: Any, plugin: Optional[GradientAccumulationPlugin]
         if steps < 1:
             raise ValueError(f"HASTEN_GRADIENT_ACCUMULATION_STEPS={steps} is invalid; use a whole number >= 1")
     return GradientAccumulationPlugin(num_steps=steps)
+
+def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
+    """The ``ParallelismConfig`` to use (given, else from the environment), checked against the job's size
+    before the process group exists, so that a wrong layout fails on every process with the same message."""
+    from .utils.parallelism_config import ParallelismConfig, parallelism_config_from_env
+
+    if config is None:
+        config = parallelism_config_from_env()
+    if config is None:
+        return None
+    if not isinstance(config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a hasten.utils.ParallelismConfig, got {type(config).__name__}")
+    from .state import PartialState, pick_device
+    from .topology import detect_topology
+
+    partial = PartialState._shared_state
+    if "device" in partial:  # the state came first (e.g. PartialState() at the top of the script)
+        world, device = partial["topology"].world_size, partial["device"].type
+    else:
+        topology = detect_topology()
+        world, device = topology.world_size, pick_device(topology, cpu or parse_flag("USE_CPU")).type
+    config.check(world, sharded, device)
+    return config

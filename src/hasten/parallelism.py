@@ -1,8 +1,8 @@
 """The ``Accelerator``'s view of the parallel layout (Accelerate's names).
 
-hasten runs data parallelism (DDP) and, through plugins, sharded data parallelism; tensor, context
-and pipeline parallelism and ``parallelism_config`` are not implemented, so the ranks they would
-define are errors and the device mesh is ``None``. Kept apart so the facade stays about training.
+Without a ``parallelism_config`` every process is a data-parallel replica (or FSDP/DeepSpeed
+shard), so the per-dimension ranks are errors and the device mesh is ``None``; with one, they are
+read from the strategy's mesh. Kept apart so the facade stays about training.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ _DEVICE_TYPES = {
 
 
 def _not_configured(kind: str) -> RuntimeError:
-    return RuntimeError(f"{kind} parallelism is not configured: hasten has no parallelism_config (data parallelism "
-                        "only); use accelerator.process_index for the data-parallel rank")
+    return RuntimeError(f"{kind} parallelism is not configured: pass Accelerator(parallelism_config="
+                        "ParallelismConfig(...)), or use accelerator.process_index for the data-parallel rank")
 
 
 class ParallelLayoutMixin:
     """Read-only facts about how the model is spread over processes, read from ``self.state``."""
 
     state: Any
+    strategy: Any
 
     @property
     def multi_device(self) -> bool:
@@ -48,13 +49,18 @@ class ParallelLayoutMixin:
 
     @property
     def parallelism_config(self) -> Optional[Any]:
-        """Always ``None``: N-D parallelism is not supported."""
-        return None
+        """The ``ParallelismConfig`` in use, or ``None`` (plain data parallelism)."""
+        return self.__dict__.get("_parallelism_config")
 
     @property
     def torch_device_mesh(self) -> Optional[Any]:
-        """Always ``None``: no device mesh without ``parallelism_config``."""
-        return None
+        """The torch ``DeviceMesh`` of the ``parallelism_config`` layout, or ``None`` without one."""
+        return self.strategy.mesh.device_mesh() if self.parallelism_config is not None else None
+
+    def _coordinate(self, dim: str, kind: str) -> int:
+        if self.parallelism_config is None:
+            raise _not_configured(kind)
+        return self.strategy.mesh.coordinates()[dim]
 
     @property
     def should_save_model(self) -> bool:
@@ -63,19 +69,19 @@ class ParallelLayoutMixin:
 
     @property
     def data_parallel_rank(self) -> int:
-        raise _not_configured("Data")
+        return self._coordinate("dp_replicate", "Data")
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        raise _not_configured("Sharded data")
+        return self._coordinate("dp_shard", "Sharded data")
 
     @property
     def tensor_parallel_rank(self) -> int:
-        raise _not_configured("Tensor")
+        return self._coordinate("tp", "Tensor")
 
     @property
     def context_parallel_rank(self) -> int:
-        raise _not_configured("Context")
+        return self._coordinate("cp", "Context")
 
     @property
     def pipeline_parallel_rank(self) -> int:

@@ -3,7 +3,8 @@
 One parent process (torch imported once) forks a child per round. The child resumes with
 ``Accelerator(resume="auto")`` and then saves back to back (every save follows one optimizer step
 and sets all weights to the step number, so each checkpoint's files must agree with its recorded
-step). The parent SIGKILLs it at a random moment, then checks on disk: the newest complete
+step). Once the child's first save of the round is complete, the parent SIGKILLs it at a random
+moment (so every round makes progress, however loaded the machine), then checks on disk: the newest complete
 checkpoint verifies (sizes, checksums) and is internally consistent, retention kept at most
 ``total_limit`` (+1 if the kill fell between commit and retention) complete checkpoints. The next
 child must resume from exactly that checkpoint and continue its numbering. Writes a JSON report.
@@ -76,6 +77,10 @@ def child(project: str, pipe: int) -> None:
             for p in model.parameters():
                 p.fill_(float(step.value))
         acc.save_state(blocking=BLOCKING)
+        if step.value == resumed + 1:
+            if not BLOCKING:
+                acc.wait_for_checkpoint()
+            os.write(pipe, b"saved\n")  # the parent starts its random delay now: every round makes progress
 
 
 def verify(folder: str) -> int:
@@ -120,6 +125,7 @@ def main() -> None:
         os.close(write_fd)
         with os.fdopen(read_fd) as pipe:
             hello = json.loads(pipe.readline() or "null")
+            pipe.readline()  # this round's first save is complete (a loaded machine may need seconds for it)
             delay = rng.uniform(0.02, 0.5)
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)

@@ -9,7 +9,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Variables that would leak the developer's setup (or a scheduler) into the tests.
-LEAKY_PREFIXES = ("HASTEN_", "ACCELERATE_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "FSDP_", "TORCHELASTIC_")
+LEAKY_PREFIXES = ("HASTEN_", "ACCELERATE_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "FSDP_", "TORCHELASTIC_",
+                  "PARALLELISM_CONFIG_")
 LEAKY_NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "MPI_LOCALNRANKS")
 

@@ -209,6 +209,15 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("fsdp_activation_checkpointing", "bool", False),
         Key("fsdp_activation_checkpointing_offload", "bool", False),
     ),
+    "parallelism_config": _keys(
+        Key("parallelism_config_dp_replicate_size", "int", None, minimum=1),
+        Key("parallelism_config_dp_shard_size", "int", None, minimum=1),
+        Key("parallelism_config_tp_size", "int", None, minimum=1),
+        Key("parallelism_config_cp_size", "int", None, minimum=1),
+        Key("parallelism_config_cp_backend", "choice", None, ("torch",)),
+        Key("parallelism_config_cp_comm_strategy", "str", None),
+        Key("parallelism_config_sp_size", "int", None, minimum=1),
+    ),
     "deepspeed_config": _keys(
         Key("deepspeed_config_file", "str", None),
         Key("zero_stage", "int", 2, minimum=0, maximum=3),
@@ -244,7 +253,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
 FP8_LEGACY = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo",
               "optimization_level": "opt_level"}
 # Sections hasten stores but does not read yet: any content is kept as-is.
-FREE_SECTIONS = {"parallelism_config", "megatron_lm_config", "mpirun_config", "ipex_config"}
+FREE_SECTIONS = {"megatron_lm_config", "mpirun_config", "ipex_config"}
 
 # What `hasten config` writes, in this order (sorted, like Accelerate's files).
 WRITTEN = (

@@ -338,6 +338,7 @@ def explain(plan: Plan) -> str:
              if not (s.group.startswith("FSDP") and not res["use_fsdp"] and n != "use_fsdp")
              and not (s.group.startswith("DeepSpeed") and not res["use_deepspeed"] and n != "use_deepspeed")
              and not (s.group.startswith("fp8") and res["mixed_precision"] != "fp8")
+             and not (s.group.startswith("N-D") and res[n] in (None, False))
              and not s.hidden]
     for name in shown:
         v = res.values[name]

@@ -37,6 +37,21 @@ class Setting:
     hidden: bool = False
 
 
+def _switch(name: str, group: str, help: str) -> Setting:
+    """The boolean flag that turns a group on (``--use_fsdp``), read from HASTEN_/ACCELERATE_ variables."""
+    return _s(name, group, help, kind="bool", default=False, store_true=True, config=None,
+              env=env_names(name.upper()), child_env=f"HASTEN_{name.upper()}")
+
+
+def _section(switch: Setting, section: str, helps: Mapping[str, str], env_of: Any, skip: tuple = (),
+             hidden: tuple = ()) -> list[Setting]:
+    """The switch, then one setting per key of config ``section``; ``env_of(key)``: its variable (or None)."""
+    return [switch] + [
+        _s(name, switch.group, helps.get(name, ""), config=(section, name), env=(env_of(name),) if env_of(name) else (),
+           child_env=env_of(name), hidden=name in hidden)
+        for name in SECTIONS[section] if name not in skip]
+
+
 def _key_at(path: tuple[str, ...]) -> Key:
     return TOP[path[0]] if len(path) == 1 else SECTIONS[path[0]][path[1]]
 
@@ -55,9 +70,9 @@ def _s(name: str, group: str, help: str, *, kind: Optional[str] = None, config: 
     return Setting(name, key, group, help, flags, store_true, path, tuple(env or ()), child_env, hidden)
 
 
-G_RES, G_TRAIN, G_PROC, G_FSDP, G_DS = (
+G_RES, G_TRAIN, G_PROC, G_FSDP, G_DS, G_PAR = (
     "Resources", "Training settings (passed to every process)", "Process management", "FSDP (passed to the processes)",
-    "DeepSpeed (passed to the processes)",
+    "DeepSpeed (passed to the processes)", "N-D parallelism (passed to the processes)",
 )
 
 _CORE = [
@@ -136,14 +151,8 @@ _HELP = {
     "deepspeed_multinode_launcher": "pdsh, standard, openmpi, mvapich, mpich, nossh or slurm.",
     "deepspeed_moe_layer_cls_names": "MoE layer class names, comma-separated.",
 }
-_FSDP = [
-    _s("use_fsdp", G_FSDP, "Shard the model with FSDP.", kind="bool", default=False, store_true=True, config=None,
-       env=env_names("USE_FSDP"), child_env="HASTEN_USE_FSDP"),
-] + [
-    _s(name, G_FSDP, _HELP.get(name, ""), config=("fsdp_config", name), env=(_FSDP_ENV.get(name, name.upper()),),
-       child_env=_FSDP_ENV.get(name, name.upper()), hidden=name == "fsdp_backward_prefetch_policy")
-    for name in SECTIONS["fsdp_config"]
-]
+_FSDP = _section(_switch("use_fsdp", G_FSDP, "Shard the model with FSDP."), "fsdp_config", _HELP,
+                 lambda name: _FSDP_ENV.get(name, name.upper()), hidden=("fsdp_backward_prefetch_policy",))
 
 _DS_ENV = {
     "deepspeed_config_file": "HASTEN_DEEPSPEED_CONFIG_FILE", "zero_stage": "HASTEN_DEEPSPEED_ZERO_STAGE",
@@ -155,14 +164,8 @@ _DS_ENV = {
     "zero3_init_flag": "HASTEN_DEEPSPEED_ZERO3_INIT", "zero3_save_16bit_model": "HASTEN_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
     "deepspeed_moe_layer_cls_names": "HASTEN_DEEPSPEED_MOE_LAYER_CLS_NAMES",
 }
-_DS = [
-    _s("use_deepspeed", G_DS, "Train with DeepSpeed.", kind="bool", default=False, store_true=True, config=None,
-       env=env_names("USE_DEEPSPEED"), child_env="HASTEN_USE_DEEPSPEED"),
-] + [
-    _s(name, G_DS, _HELP.get(name, ""), config=("deepspeed_config", name),
-       env=(_DS_ENV[name],) if name in _DS_ENV else (), child_env=_DS_ENV.get(name))
-    for name in SECTIONS["deepspeed_config"] if name != "gradient_accumulation_steps"
-]
+_DS = _section(_switch("use_deepspeed", G_DS, "Train with DeepSpeed."), "deepspeed_config", _HELP, _DS_ENV.get,
+               skip=("gradient_accumulation_steps",))
 
 G_FP8 = "fp8 (with --mixed_precision fp8; passed to the processes)"
 _FP8_HELP = {
@@ -185,7 +188,19 @@ def _fp8_setting(key: str) -> Setting:
 
 _FP8 = [_fp8_setting(key) for key in SECTIONS["fp8_config"]]
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _FP8}
+_PAR_HELP = {
+    "parallelism_config_dp_replicate_size": "Full copies of the model (HSDP with dp_shard_size > 1).",
+    "parallelism_config_dp_shard_size": "Processes one copy is sharded over (FSDP2; needs --use_fsdp).",
+    "parallelism_config_tp_size": "Processes each layer is split over (tensor parallelism).",
+    "parallelism_config_cp_size": "Processes a sequence is split over (context parallelism; GPUs only).",
+    "parallelism_config_cp_backend": "torch.", "parallelism_config_cp_comm_strategy": "Stored for compatibility.",
+    "parallelism_config_sp_size": "DeepSpeed sequence parallelism (not available; keep 1).",
+}
+# The sizes reach the processes as Accelerate's PARALLELISM_CONFIG_* variables (read by ParallelismConfig).
+_PAR = _section(_switch("use_parallelism_config", G_PAR, "Lay the processes out with the parallelism_config sizes."),
+                "parallelism_config", _PAR_HELP, str.upper)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _FP8 + _PAR}
 
 
 @dataclass

@@ -15,12 +15,18 @@ def select_strategy(state: Any, **options: Any) -> Strategy:
         from .single import SingleDeviceStrategy
 
         options.pop("fsdp_plugin", None)
+        options.pop("parallelism_config", None)
         return SingleDeviceStrategy(state, **options)
     if kind == DistributedType.FSDP:
         from .fsdp2 import FSDP2Strategy
 
         return FSDP2Strategy(state, **options)
     options.pop("fsdp_plugin", None)
+    config = options.pop("parallelism_config", None)
+    if config is not None and config.tp_size > 1 and kind != DistributedType.DEEPSPEED:
+        from .tensor_parallel import TensorParallelStrategy
+
+        return TensorParallelStrategy(state, parallelism_config=config, **options)
     if kind == DistributedType.DEEPSPEED:
         raise NotImplementedError(
             f"distributed_type={kind} is not available in this version of hasten; remove deepspeed_plugin (or "

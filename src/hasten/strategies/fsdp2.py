@@ -75,7 +75,7 @@ class FSDP2Strategy(Strategy):
     # -- layout and precision -------------------------------------------------------------------
     def build_mesh(self) -> ParallelMesh:
         sizes = {"dp_shard": self.state.num_processes}
-        if self.parallelism_config is not None:
+        if self.parallelism_config is not None and self.parallelism_config.total_size > 1:
             sizes = self.parallelism_config.sizes()
         return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type)
 
@@ -121,8 +121,6 @@ class FSDP2Strategy(Strategy):
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
         on_meta = any(p.is_meta for p in model.parameters())
         efficient = self.plugin.cpu_ram_efficient_loading
         if on_meta and not efficient:
@@ -131,6 +129,19 @@ class FSDP2Strategy(Strategy):
                              "weights fill it, or build the model with real weights")
         full = _rank0_weights(model, self.state) if efficient else None
         before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        if self.mesh.sizes["tp"] > 1:
+            from .tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.mesh["tp"], getattr(self.parallelism_config, "tp_plan", None))
+        if self.shards_data_parallel():
+            self._fully_shard(model)
+        if efficient:
+            _fill_from_rank0(model, full, self.state)
+        return self._remember_params(model, before)
+
+    def _fully_shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
         layers = self._layers(model)
         if self.plugin.activation_checkpointing:
             if not layers:
@@ -148,8 +159,13 @@ class FSDP2Strategy(Strategy):
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
-        if efficient:
-            _fill_from_rank0(model, full, self.state)
+
+    def shards_data_parallel(self) -> bool:
+        """Whether ``fully_shard`` runs over the data-parallel dimensions (FSDP2: yes)."""
+        return True
+
+    def _remember_params(self, model: nn.Module, before: dict[str, nn.Parameter]) -> nn.Module:
+        """Map the parameters optimizers were built on to the sharded ones that replaced them."""
         after = {_strip(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         for name, old in before.items():
             new = after.get(_strip(name))

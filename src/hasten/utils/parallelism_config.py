@@ -1,0 +1,154 @@
+"""``ParallelismConfig``: the N-D process layout (Accelerate's names), checked before any process starts talking.
+
+Fields left as None are read from the ``PARALLELISM_CONFIG_*`` environment that ``hasten launch
+--parallelism_config_*`` (and ``accelerate launch``) set from the ``parallelism_config:`` section
+or the flags. Torch-free: the layout is checked against the job's size before the process group
+exists, so a wrong layout fails with a message naming the sizes instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+
+
+def _size(name: str, value: Any) -> int:
+    if value is None:
+        value = os.environ.get("PARALLELISM_CONFIG_" + name.upper(), "1")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"ParallelismConfig: {name}={value!r} must be a whole number >= 1")
+    return number
+
+
+@dataclass
+class ParallelismConfig:
+    """How the processes of a job are laid out: data parallel (replicated and sharded), context and tensor parallel.
+
+    Args (Accelerate's names; each defaults to ``PARALLELISM_CONFIG_<NAME>``, else 1):
+        dp_replicate_size: full copies of the (sharded) model; with ``dp_shard_size`` > 1 this is HSDP.
+        dp_shard_size: processes one copy is sharded over with FSDP2 (needs ``fsdp_plugin``/``--use_fsdp``).
+        tp_size: processes one layer's weights are split over (tensor parallelism, DTensor).
+        cp_size: processes one sequence is split over (context parallelism; needs a GPU).
+        cp_backend: "torch" (the only one).
+        sp_size: DeepSpeed sequence parallelism; not available in hasten (must stay 1).
+        tp_plan: hasten's addition: a ``parallelize_module`` plan, ``{module name or pattern:
+            ParallelStyle or "colwise"/"rowwise"/...}``, used instead of the model's own plan
+            (transformers' ``base_model_tp_plan``).
+
+    The product of the four sizes must equal the number of processes. Processes are laid out
+    row-major over (dp_replicate, dp_shard, cp, tp): the tensor-parallel ranks of one replica are
+    consecutive (one machine) and receive the same batches.
+    """
+
+    dp_replicate_size: Optional[int] = None
+    dp_shard_size: Optional[int] = None
+    tp_size: Optional[int] = None
+    cp_size: Optional[int] = None
+    cp_backend: Optional[str] = None
+    sp_size: Optional[int] = None
+    sp_backend: Optional[str] = None
+    tp_handler: Any = None
+    cp_handler: Any = None
+    sp_handler: Any = None
+    tp_plan: Optional[dict[str, Any]] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in _SIZES + ("sp_size",):
+            setattr(self, name, _size(name, getattr(self, name)))
+        self.cp_backend = self.cp_backend or os.environ.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+        if self.cp_backend != "torch":
+            raise ValueError(f"ParallelismConfig: cp_backend={self.cp_backend!r}; use 'torch'")
+        if self.sp_size > 1:
+            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} (DeepSpeed sequence parallelism) is not "
+                             "available in hasten; use cp_size for context parallelism, or sp_size=1")
+        if (self.tp_size > 1 or self.cp_size > 1) and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
+            raise ValueError(
+                f"ParallelismConfig: dp_replicate_size={self.dp_replicate_size} with tp_size={self.tp_size}, "
+                f"cp_size={self.cp_size} and dp_shard_size=1: tensor/context parallelism composes with FSDP2, not "
+                f"with plain replication; use dp_shard_size={self.dp_replicate_size} and dp_replicate_size=1 "
+                "(with fsdp_plugin / --use_fsdp)")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, dict):
+            raise TypeError(f"ParallelismConfig: tp_plan must be a dict {{module name: style}}, got "
+                            f"{type(self.tp_plan).__name__}")
+
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def total_size(self) -> int:
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.tp_size * self.cp_size
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate_size > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1
+
+    def sizes(self) -> dict[str, int]:
+        """Size per mesh dimension name (``strategies.mesh.DIMS``)."""
+        return {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size, "cp": self.cp_size,
+                "tp": self.tp_size}
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SIZES + ("cp_backend",)}
+
+    # -- checks before the process group ----------------------------------------------------------
+    def check(self, world_size: int, sharded: bool, device_type: str) -> None:
+        """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
+        shown = (f"dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
+                 f"cp_size={self.cp_size} x tp_size={self.tp_size}")
+        if self.total_size == 1 and world_size > 1:
+            return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
+        if self.total_size != world_size:
+            raise ValueError(f"ParallelismConfig: {shown} = {self.total_size} processes, but this job runs "
+                             f"{world_size}; make the product of the sizes equal the number of processes "
+                             "(hasten launch --num_processes, or change the sizes)")
+        if self.cp_size > 1 and device_type == "cpu":
+            raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} needs GPUs (context parallelism runs "
+                             "attention on CUDA); this job runs on the CPU, so use cp_size=1")
+        if self.cp_size > 1:
+            raise ValueError(f"ParallelismConfig: cp_size={self.cp_size}: context parallelism is not available in "
+                             "this version of hasten; use cp_size=1")
+        if self.dp_shard_size > 1 and not sharded:
+            raise ValueError(f"ParallelismConfig: dp_shard_size={self.dp_shard_size} shards the model with FSDP2; "
+                             "turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "
+                             "--use_fsdp, or use dp_replicate_size for plain data parallelism")
+        if sharded and self.dp_shard_size == 1 and self.dp_replicate_size == 1:
+            raise ValueError(f"ParallelismConfig: FSDP is on but {shown} leaves no data-parallel processes to shard "
+                             f"over; set dp_shard_size > 1, or train without fsdp_plugin/--use_fsdp")
+        if self.dp_replicate_size > 1 and self.dp_shard_size == 1 and sharded:
+            raise ValueError(f"ParallelismConfig: dp_replicate_size={self.dp_replicate_size} with dp_shard_size=1 "
+                             "under FSDP is plain replication; train without --use_fsdp (DDP), or set dp_shard_size")
+
+
+def parallelism_config_from_env() -> Optional[ParallelismConfig]:
+    """The config ``hasten launch --parallelism_config_*`` asked for, if it asked."""
+    from .environment import parse_flag
+
+    if parse_flag("USE_PARALLELISM_CONFIG") or any(os.environ.get("PARALLELISM_CONFIG_" + n.upper())
+                                                    for n in _SIZES):
+        return ParallelismConfig()
+    return None

@@ -1,0 +1,65 @@
+"""One rank of a 2-process FSDP2 job that resumes, then saves sharded checkpoints back to back until killed.
+
+Each save follows one optimizer step and sets every weight to the step number, so a checkpoint
+is consistent when its weights equal its recorded step. Rank 0 prints ``hello <resumed step>
+<weights ok>`` after resuming and ``saved <step>`` after each save (the test kills both ranks
+with SIGKILL at a random moment after the first save of the round). With SAVES=0 it only resumes
+and reports.
+
+Usage (torchrun-style environment): python ckpt_killer_sharded.py PROJECT_DIR SAVES
+"""
+
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from hasten import Accelerator  # noqa: E402
+from hasten.utils import ProjectConfiguration  # noqa: E402
+from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin  # noqa: E402
+
+
+class Step:
+    def __init__(self) -> None:
+        self.value = -1
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def main() -> None:
+    project, saves = sys.argv[1], int(sys.argv[2])
+    acc = Accelerator(project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=2),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), resume="auto")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    step = Step()
+    acc.register_for_checkpointing(step)  # resume="auto" restores it here
+    full = acc.get_state_dict(model)  # process 0 holds the full weights
+    ok = step.value < 0 or all(bool((w == float(step.value)).all()) for w in full.values())
+    ok = ok and (step.value < 0 or len(opt.state) == 6)
+    if acc.is_main_process:
+        print(f"hello {step.value} {ok}", flush=True)
+    x = torch.randn(4, 256)
+    for _ in range(saves):
+        step.value += 1
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(float(step.value))
+        acc.save_state()
+        if acc.is_main_process:
+            print(f"saved {step.value}", flush=True)
+    acc.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

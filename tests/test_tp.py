@@ -1,0 +1,176 @@
+"""Tensor and N-D parallelism on real gloo processes (checks in checks_tp.py), layouts and their errors."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distributed import free_port, reset_state, run_checks
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def single_checkpoint(tmp_path_factory):
+    """A checkpoint written by one process without tensor parallelism."""
+    import checks_tp
+
+    from hasten import Accelerator
+
+    folder = str(tmp_path_factory.mktemp("single") / "ckpt")
+    reset_state()
+    acc = Accelerator()
+    model = checks_tp._mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, checks_tp.FEATURES)).pow(2).mean())
+    opt.step()
+    acc.save_state(folder)
+    expected = {k: v.tolist() for k, v in model.state_dict().items()}
+    reset_state()
+    return folder, expected
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, single_checkpoint):
+    tmp = str(tmp_path_factory.mktemp("tp"))
+    report = run_checks("checks_tp", world_size=2, env={"TP_TMP": tmp, "TP_SINGLE_CKPT": single_checkpoint[0]})
+    report.tmp = tmp
+    return report
+
+
+def test_tp_on_two_processes_equals_one_process(two):
+    for r in two.assert_passed("check_tp_mlp_equals_one_process"):
+        assert r["worst"] < 1e-5 and r["placements"] == "(Shard(dim=0),)"
+
+
+def test_transformers_model_under_its_own_tp_plan(two):
+    for r in two.assert_passed("check_tp_llama_plan_equals_one_process"):
+        assert r["worst"] < 1e-5 and r["split"] == 15  # 7 linears x 2 layers + lm_head
+
+
+def test_gather_for_metrics_exact_under_tp(two):
+    assert two.assert_passed("check_tp_gather_for_metrics_exact") == [list(range(13))] * 2
+
+
+def test_tp_checkpoint_roundtrip_and_from_no_tp(two, single_checkpoint):
+    r = two.assert_passed("check_tp_checkpoint_roundtrip")[0]
+    assert r["layout"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+    assert r["layout"]["strategy"] == "TensorParallelStrategy"
+    expected = single_checkpoint[1]
+    assert all(torch.equal(torch.tensor(r["from_single"][k]), torch.tensor(expected[k])) for k in expected)
+
+
+def test_tp_checkpoint_loads_without_tp(two, fresh_state):
+    """A TP checkpoint of 2 processes into a plain model on 1 process (DCP reshards), bitwise."""
+    import checks_tp
+
+    from hasten import Accelerator
+
+    saved = two.assert_passed("check_tp_checkpoint_roundtrip")[0]["saved"]
+    acc = Accelerator()
+    model = checks_tp._mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(checks_tp._data(), batch_size=4)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    acc.load_state(os.path.join(two.tmp, "tp_ckpt"))
+    assert len(opt.state) == 6
+    got = model.state_dict()
+    assert all(torch.equal(got[k], torch.tensor(saved[k])) for k in saved)
+
+
+def test_tp_size_not_dividing_heads_is_named(two):
+    assert "tp_size=2 does not divide num_attention_heads=3" in two.assert_passed(
+        "check_tp_bad_heads_named_before_communication")[0]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_checks("checks_tp", world_size=4, only=["check_dp_shard_times_tp_equals_one_process",
+                                                       "check_hsdp_equals_one_process"])
+
+
+def test_dp_shard_times_tp_on_four_processes(four):
+    for r in four.assert_passed("check_dp_shard_times_tp_equals_one_process"):
+        assert r["worst"] < 1e-5 and r["gathered"] == 13
+
+
+def test_hsdp_on_four_processes(four):
+    for r in four.assert_passed("check_hsdp_equals_one_process"):
+        assert r["worst"] < 1e-5
+
+
+# -- layouts refused before the process group exists ---------------------------------------------------
+_BAD = textwrap.dedent("""
+    import sys
+    from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    import torch.distributed as dist
+    cases = [dict(tp_size=4), dict(dp_shard_size=2, tp_size=2), dict(cp_size=2), dict(dp_shard_size=2),
+             dict(dp_replicate_size=2, tp_size=1, dp_shard_size=1, fsdp=True)]
+    for case in cases:
+        fsdp = case.pop("fsdp", False)
+        try:
+            Accelerator(parallelism_config=ParallelismConfig(**case),
+                        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None)
+        except ValueError as e:
+            print("ERROR", e)
+        else:
+            print("NO ERROR", case)
+        assert not dist.is_initialized()
+""")
+
+
+def test_bad_layouts_fail_before_any_process_group_work():
+    """Rank 0 of a 2-process job whose rank 1 never comes: any process-group work would hang."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), HASTEN_USE_CPU="1")
+    out = subprocess.run([sys.executable, "-c", _BAD], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("ERROR") for line in lines), out.stdout
+    assert "tp_size=4 = 4 processes, but this job runs 2" in lines[0]
+    assert "dp_shard_size=2 x cp_size=1 x tp_size=2 = 4 processes" in lines[1]
+    assert "cp_size=2 needs GPUs" in lines[2]
+    assert "dp_shard_size=2 shards the model with FSDP2" in lines[3]
+    assert "dp_replicate_size=2 with dp_shard_size=1 under FSDP" in lines[4]
+
+
+def test_parallelism_config_reads_accelerate_environment(monkeypatch):
+    from hasten.utils import ParallelismConfig
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
+    p = ParallelismConfig()
+    assert (p.dp_replicate_size, p.dp_shard_size, p.tp_size, p.cp_size, p.total_size) == (1, 2, 4, 1, 8)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(tp_size=0), "tp_size=0"),
+    (dict(dp_shard_size="two"), "dp_shard_size='two'"),
+    (dict(sp_size=2), "sp_size=2"),
+    (dict(cp_backend="ring"), "cp_backend='ring'"),
+    (dict(dp_replicate_size=2, tp_size=2), "dp_replicate_size=2 with tp_size=2"),
+])
+def test_parallelism_config_bad_values_are_named(kwargs, named):
+    from hasten.utils import ParallelismConfig
+
+    with pytest.raises(ValueError) as info:
+        ParallelismConfig(**kwargs)
+    assert named in str(info.value)
+
+
+def test_unknown_tp_plan_key_and_style_are_named():
+    from torch import nn
+
+    from hasten.strategies.tensor_parallel import resolve_plan
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="tp_plan key 'layers.\\*.q' matches no module of Sequential"):
+        resolve_plan(model, {"layers.*.q": "colwise"})
+    with pytest.raises(ValueError, match="tp_plan\\['0'\\] = 'diagonal': unknown style"):
+        resolve_plan(model, {"0": "diagonal"})
+    with pytest.raises(ValueError, match="has no tensor-parallel plan"):
+        resolve_plan(model, None)
