@@ -24,6 +24,7 @@ _EXPORTS = {
     "AutocastKwargs": ".utils.dataclasses",
     "ProjectConfiguration": ".utils.dataclasses",
     "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",
+    "DeepSpeedPlugin": ".utils.deepspeed_plugin",
     "init_empty_weights": ".big_modeling",
     "init_on_device": ".big_modeling",
 }

@@ -23,6 +23,8 @@ _EXPORTS = {
     )},
     "tqdm": ".tqdm",
     "FullyShardedDataParallelPlugin": ".fsdp_plugin",
+    "DeepSpeedPlugin": ".deepspeed_plugin",
+    **{name: ".deepspeed" for name in ("DummyOptim", "DummyScheduler")},
     **{name: ".environment" for name in ("get_env", "parse_flag", "parse_int", "parse_choice")},
     **{name: "..saving" for name in ("save", "load_checkpoint_in_model")},
 }
