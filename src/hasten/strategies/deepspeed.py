@@ -113,9 +113,12 @@ class DeepSpeedStrategy(Strategy):
 
     def agree_accumulation(self, steps: int, explicit: bool) -> int:
         """The accumulation steps of the run: the Accelerator's, or the config's when only it sets them."""
-        current = get_path(self.plugin.deepspeed_config, "gradient_accumulation_steps")
+        config = self.plugin.deepspeed_config
+        current = get_path(config, "gradient_accumulation_steps")
         if current not in (None, AUTO) and not explicit:
             return int(current)
+        if explicit and "gradient_accumulation_steps" in self.plugin.soft_fields:
+            config["gradient_accumulation_steps"] = AUTO  # from the launcher: the script's value wins
         fill(self.plugin.deepspeed_config, "gradient_accumulation_steps", steps,
              "Accelerator(gradient_accumulation_steps=...)", _where(self.plugin))
         return steps

@@ -118,6 +118,8 @@ class DeepSpeedPlugin:
 
     def __post_init__(self) -> None:
         explicit = {k for k in _KEYS if getattr(self, k) is not None}
+        # Launcher settings are defaults: the script's own Accelerator arguments override them.
+        self.soft_fields = {k for k in _KEYS if k not in explicit and get_env(_ENV[k]) is not None}
         for name, env in _ENV.items():
             if getattr(self, name) is None:
                 setattr(self, name, get_env(env))
@@ -190,6 +192,7 @@ class DeepSpeedPlugin:
         for name in sorted(explicit):  # what the script gave the plugin outright
             fill(config, _KEYS[name], getattr(self, name), f"DeepSpeedPlugin({name}=...)", where)
         self.config_source = where
+        self.soft_fields = set()  # the file decides; the launcher's other flags do not apply
         return config
 
     def _check(self) -> None:
