@@ -223,6 +223,28 @@ def check_transformers_zero3_save_model_reloads():
     return worst
 
 
+def check_zero3_init_flag_builds_partitioned_models():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    acc = _accelerator(zero_stage=3, zero3_init_flag=True, gradient_clipping=1.0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)
+    model = AutoModelForCausalLM.from_config(cfg)
+    weight = model.model.embed_tokens.weight
+    assert weight.numel() == 0 and tuple(weight.ds_shape) == (64, 32)  # never materialised whole
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+    model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+    losses = []
+    for _ in range(3):
+        for (x,) in loader:
+            loss = model(input_ids=x, labels=x).loss
+            acc.backward(loss)
+            losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    return losses
+
+
 def check_bad_inputs():
     messages = {}
 

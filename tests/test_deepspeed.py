@@ -45,6 +45,10 @@ def test_transformers_zero3_save_model_reloads_with_from_pretrained(two):
     two.assert_passed("check_transformers_zero3_save_model_reloads")
 
 
+def test_zero3_init_flag_builds_transformers_models_partitioned(two):
+    two.assert_passed("check_zero3_init_flag_builds_partitioned_models")
+
+
 def test_bad_inputs_name_the_value_and_the_fix(two):
     two.assert_passed("check_bad_inputs")
 

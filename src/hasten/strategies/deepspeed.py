@@ -104,6 +104,20 @@ class DeepSpeedStrategy(Strategy):
         options.pop("fsdp_plugin", None)
         options.pop("ddp_kwargs", None)
         super().__init__(state, mixed_precision=mixed_precision, **options)
+        self.zero3_init_config = self._zero3_init()
+
+    def _zero3_init(self) -> Any:
+        """With ``zero3_init_flag`` at stage 3, let transformers build models already partitioned."""
+        if not (self.plugin.zero3_init_flag and self.plugin.zero_stage_value == 3):
+            return None
+        try:
+            from transformers.integrations import HfDeepSpeedConfig
+        except ImportError:
+            return None
+        deepspeed = import_deepspeed(self.state.device.type)
+        _init_comm(deepspeed, self.state)
+        # transformers holds only a weak reference: the strategy keeps it alive for the run.
+        return HfDeepSpeedConfig(_without_autos(self.plugin.deepspeed_config, self.mode))
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
         return Precision("no", self.state.device)  # the engine's bf16/fp16 sections do it
@@ -265,6 +279,18 @@ class DeepSpeedStrategy(Strategy):
         if strict and missing:
             raise ValueError(f"load_state_dict: missing keys {missing[:8]}")
         return None
+
+
+def _without_autos(config: dict, mode: str) -> dict:
+    """The config as ``deepspeed.zero.Init`` reads it before the script's values are known."""
+    def strip(node: Any) -> Any:
+        return {k: strip(v) for k, v in node.items() if v != AUTO} if isinstance(node, dict) else node
+
+    out = strip(config)
+    for name in ("bf16", "fp16"):  # parameters are created in the run's precision
+        out.setdefault(name, {})["enabled"] = mode == name
+    out.setdefault("train_micro_batch_size_per_gpu", 1)
+    return out
 
 
 def _partitioned(module: nn.Module) -> bool:
