@@ -292,6 +292,9 @@ def check_bad_inputs():
     expect("clip_value", lambda: acc.clip_grad_value_(model.parameters(), 0.3), "clip_grad_norm_")
     two = _model()
     expect("second_engine", lambda: acc.prepare(two, torch.optim.SGD(two.parameters(), lr=1)), "one model")
+    acc.free_memory()  # then a new model trains in the same Accelerator
+    assert acc.strategy.engines == [] and acc._models == []
+    _prepared(acc)
     return messages
 
 

@@ -564,6 +564,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin):
             getattr(tracker, "finish", lambda: None)()
         self.__dict__.pop("_hasten_background_save", None)  # its staging buffers
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.strategy.release()  # e.g. DeepSpeed engines
         self._prepared.clear()
         self.step = 0
         return release_memory(*objects)

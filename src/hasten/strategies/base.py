@@ -82,6 +82,9 @@ class Strategy:
         """What a checkpoint records about the layout it was written with."""
         return {"strategy": type(self).__name__, "mesh": self.mesh.shape, "state_dict": self.checkpoint_format}
 
+    def release(self) -> None:
+        """Drop what the strategy holds of prepared objects (``Accelerator.free_memory``)."""
+
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return the model as it should be trained (``model`` is already on the device)."""

@@ -137,6 +137,9 @@ class DeepSpeedStrategy(Strategy):
              "Accelerator(gradient_accumulation_steps=...)", _where(self.plugin))
         return steps
 
+    def release(self) -> None:
+        self.engines.clear()
+
     # -- joint preparation ----------------------------------------------------------------------
     def prepare_jointly(self, acc: Any, items: list[tuple[int, Any]]) -> dict[int, Any]:
         """Engines for the models of one ``prepare`` call; returns {argument position: prepared}."""
