@@ -30,9 +30,10 @@ def env(tmp_path_factory):
     return clean_env(cfg, OMP_NUM_THREADS=1)
 
 
-def _launch(env, out, project, mode, restarts=0):
+def _launch(env, out, project, mode, restarts=0, extra=()):
     os.makedirs(out, exist_ok=True)
-    args = ["launch", "--num_processes", "2", "--monitor_interval", "0.05", "--main_process_port", free_port()]
+    args = ["launch", "--num_processes", "2", "--monitor_interval", "0.05", "--main_process_port", free_port(),
+            *extra]
     if restarts:
         args += ["--max_restarts", str(restarts)]
     return args + [script("ckpt_recover.py"), out, project, mode]
@@ -197,3 +198,21 @@ def test_preemption_with_uneven_batches_per_process_neither_hangs_nor_mismatches
     for rank in range(2):
         assert resumed[rank]["weights"] == clean[rank]["weights"]
     assert [sum(r["evaluated"]) for r in clean] == [20, 20]  # 10 samples per epoch, gathered on every process
+
+DEEPSPEED = ["--use_deepspeed", "--zero_stage", "2", "--gradient_clipping", "1.0"]
+
+
+def test_deepspeed_kill_after_engine_files_resumes_from_the_previous_checkpoint(tmp_path, env):
+    """ZeRO-2 engine checkpoints inside the commit: rank 1 dies once its engine files are written."""
+    pytest.importorskip("deepspeed")
+    clean = tmp_path / "clean"
+    hasten(_launch(env, clean / "out", clean / "project", "clean", extra=DEEPSPEED), env, timeout=300)
+    reference = ranks(clean / "out", 2)
+    rc, out, err, _ = hasten(_launch(env, tmp_path / "out", tmp_path / "project", "kill", restarts=1,
+                                     extra=DEEPSPEED), env, timeout=300)
+    seen = ranks(tmp_path / "out", 2)
+    assert [s["attempt"] for s in seen] == [1, 1], err
+    assert [s["resumed_at"] for s in seen] == [4, 4]  # step 6's save died before its manifest
+    for rank in range(2):
+        assert seen[rank]["weights"] == reference[rank]["weights"]
+    assert sorted(os.listdir(tmp_path / "project" / "checkpoints")) == ["checkpoint_4", "checkpoint_5"]

@@ -36,6 +36,8 @@ _EXPORTS = {
 
     "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",
     "ParallelismConfig": ".utils.parallelism_config",
+
+    "DeepSpeedPlugin": ".utils.deepspeed_plugin",
     "init_empty_weights": ".big_modeling",
     "init_on_device": ".big_modeling",
 }

@@ -146,13 +146,19 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
 
             fsdp_plugin = FullyShardedDataParallelPlugin()
         self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device)
+        if deepspeed_plugin is not None:
+            deepspeed_plugin = _deepspeed_plugin(deepspeed_plugin)
+            self.state.deepspeed_plugin = deepspeed_plugin
         # The strategy owns the process layout and the precision machinery (autocast + scaler, or FSDP2's policy).
         self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
                                         scaler_kwargs=handlers.get(GradScalerKwargs),
                                         autocast_kwargs=handlers.get(AutocastKwargs),
                                         ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin,
-                                        parallelism_config=parallelism_config)
+                                        parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin)
         self._parallelism_config = parallelism_config
+        if self.strategy.joint_prepare:  # DeepSpeed: the config and the Accelerator agree on accumulation
+            explicit = gradient_accumulation_steps != 1 or gradient_accumulation_plugin is not None
+            self.gradient_accumulation_steps = self.strategy.agree_accumulation(self.gradient_state.num_steps, explicit)
         self.precision = self.strategy.precision
         self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
         self.device_placement = device_placement
@@ -283,6 +289,8 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects; give one per object"
             )
         result = list(args)
+        if self.strategy.joint_prepare:
+            return self._prepare_jointly(args, result, device_placement)
         passes = (
             (nn.Module, self.prepare_model), (torch.utils.data.DataLoader, self.prepare_data_loader),
             (torch.optim.Optimizer, self.prepare_optimizer), (_scheduler_types(), self.prepare_scheduler),
@@ -292,6 +300,25 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
                 if isinstance(obj, kinds):
                     kw = {} if prepare_one == self.prepare_scheduler else {"device_placement": device_placement[i]}
                     result[i] = prepare_one(obj, **kw)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_jointly(self, args: tuple, result: list, device_placement: Sequence[Optional[bool]]) -> Any:
+        """Dataloaders first (their batch size fills the engine's config), then models with their optimizers."""
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=device_placement[i])
+        pending = []
+        for i, obj in enumerate(args):
+            done = self._already(obj)
+            if done is not None:
+                result[i] = done
+            elif not isinstance(obj, torch.utils.data.DataLoader):
+                pending.append((i, obj))
+        for i, prepared in self.strategy.prepare_jointly(self, pending).items():
+            result[i] = prepared
+        for i, obj in pending:  # torch schedulers of an engine's optimizer, or a scheduler prepared later
+            if result[i] is obj and isinstance(obj, _scheduler_types()):
+                result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
     def _already(self, obj: Any) -> Any:
@@ -392,7 +419,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
     # -- the training step ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` divided by the accumulation steps and scaled for fp16."""
-        if self.gradient_accumulation_steps > 1:
+        if self.gradient_accumulation_steps > 1 and not self.strategy.scales_loss:
             loss = loss / self.gradient_accumulation_steps
         token = progress.enter(progress.BACKWARD)  # DDP all-reduces the gradients in here
         try:
@@ -630,6 +657,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         self._finish_trackers()
         self.__dict__.pop("_hasten_background_save", None)  # its staging buffers
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.strategy.release()  # e.g. DeepSpeed engines
         self._prepared.clear()
         self.step = 0
         return release_memory(*objects)
@@ -661,6 +689,16 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \
                f"mixed_precision={self.mixed_precision!r})"
+
+
+def _deepspeed_plugin(plugin: Any) -> Any:
+    from .utils.deepspeed_plugin import DeepSpeedPlugin
+
+    if plugin == "from-environment":
+        return DeepSpeedPlugin()
+    if not isinstance(plugin, DeepSpeedPlugin):
+        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}; pass a hasten.utils.DeepSpeedPlugin")
+    return plugin
 
 
 def _scheduler_types() -> tuple[type, ...]:

@@ -59,10 +59,19 @@ acc.register_for_checkpointing(steps)
 resumed_at = steps.done
 
 if mode == "kill" and attempt == 0 and acc.process_index == 1:
-    def die_inside_save(models, weights, folder):
-        if steps.done == 6:
-            os.kill(os.getpid(), signal.SIGKILL)
-    acc.register_save_state_pre_hook(die_inside_save)
+    if acc.distributed_type == "DEEPSPEED":  # die once DeepSpeed has written this rank's engine files
+        engine_save = model.save_checkpoint
+
+        def die_after_engine_files(*args, **kwargs):
+            engine_save(*args, **kwargs)
+            if steps.done == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+        model.save_checkpoint = die_after_engine_files
+    else:
+        def die_inside_save(models, weights, folder):
+            if steps.done == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+        acc.register_save_state_pre_hook(die_inside_save)
 handler = acc.save_on_preemption() if mode == "preempt" else None
 
 for epoch in range(dl.iteration, 2):

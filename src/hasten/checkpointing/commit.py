@@ -68,6 +68,7 @@ class SaveJob:
     manifest: dict[str, Any]  # everything but the file list
     total_limit: Optional[int]
     sharded: Optional[Callable[[], None]] = None  # collective DCP write of models/optimizers (every process)
+    listing: Optional[Callable[[str], dict]] = None  # manifest records of the files ``sharded`` wrote
 
 
 def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
@@ -135,7 +136,7 @@ def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
         if job.sharded is not None:
             from .sharded import files as sharded_files
 
-            files.update(sharded_files(folder))  # fsynced by the processes that wrote them
+            files.update((job.listing or sharded_files)(folder))  # fsynced by the processes that wrote them
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)

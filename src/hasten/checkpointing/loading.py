@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..saving import CheckpointMismatchError
-from . import layout, restorer, resume, rng, saver, sharded
+from . import deepspeed_state, layout, restorer, resume, rng, saver
 from .fileio import CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
@@ -149,8 +149,8 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
         for opt, state in zip(acc._optimizers, loaded["optimizers"]):
             if state is not None:
                 restorer.apply_optimizer(opt, state, inner)
-    if loaded["sharded"]:
-        sharded.load(folder, manifest["contents"], inner, acc._optimizers)
+    if loaded["sharded"] is not None:
+        loaded["sharded"].load(folder, manifest["contents"], inner, acc._optimizers)
     for sched, state in zip(acc._schedulers, loaded["schedulers"]):
         sched.load_state_dict(restorer.detach_state(state))
     if loaded["scaler"] is not None:
@@ -186,11 +186,18 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
                          "(after the load_state pre-hooks)"))
         return out
     inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
-    out["sharded"] = any("dcp" in e for e in contents["models"])
-    if out["sharded"]:  # DCP shards (any layout): names and global shapes against the live objects
-        problems.extend(("mismatch", p) for p in sharded.check(reader.folder, contents, inner, acc._optimizers))
+    backend = out["sharded"] = deepspeed_state.saved_backend(contents, acc.strategy)
+    live = acc.strategy.checkpoint_format
+    if (live == "deepspeed") != (backend is not None and backend.KEY == "deepspeed"):
+        problems.append(("mismatch", "it was written " + ("by DeepSpeed engines" if live != "deepspeed" else
+                         "without DeepSpeed") + f" and this run {'does not use' if live != 'deepspeed' else 'uses'} "
+                         "DeepSpeed; resume with the strategy that wrote it (or load its consolidated weights with "
+                         "load_checkpoint_in_model)"))
+        return out
+    if backend is not None:  # DCP shards (any layout) or engine checkpoints: checked against the live objects
+        problems.extend(("mismatch", p) for p in backend.check(reader.folder, contents, inner, acc._optimizers))
     for i, (entry, model) in enumerate(zip(contents["models"], inner)):
-        if "dcp" in entry:
+        if backend is not None:
             out["models"].append(None)
             continue
         view = reader.view(entry["file"])
@@ -198,7 +205,7 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
         problems.extend(("mismatch", p) for p in found)
         out["models"].append(restorer.model_state(view))
     for i, (entry, opt) in enumerate(zip(contents["optimizers"], acc._optimizers)):
-        if "dcp" in entry:
+        if backend is not None and backend.KEY in entry:
             out["optimizers"].append(None)
             continue
         state, _ = reader.state(entry["file"])

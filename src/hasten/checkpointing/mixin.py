@@ -15,7 +15,6 @@ A crash at any point leaves either a complete checkpoint or a temporary folder t
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import warnings
@@ -25,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import commit, layout, resume, rng, saver, sharded
+from . import commit, deepspeed_state, layout, resume, rng, saver
 from .commit import gather as _gather  # noqa: F401 - loading imports it from here
 
 _HOOKS_SAVE = "_hasten_save_state_pre_hooks"
@@ -160,15 +159,16 @@ class CheckpointMixin:
             folder, writes_shared, node = self._node_folder(target, token)
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
         contents: dict[str, Any] = {}
-        write_shards = None
+        write_shards = listing = None
         background = self._background() if not blocking else None
         group = background.process_group() if background is not None else None
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
             os.makedirs(folder, exist_ok=True)
-            dcp_format = self.strategy.checkpoint_format == "dcp"
+            backend = deepspeed_state.backend_for(self.strategy)  # None: one full file per model/optimizer
+            dcp_format = backend is not None
             if dcp_format:
-                sharded.refuse(blocking, mid_window)
+                backend.refuse(blocking, mid_window)
             weights = [] if dcp_format else [self.get_state_dict(model) for model in self._models]
             models = list(self._models)
             contents = self._contents(writes_shared)
@@ -176,10 +176,11 @@ class CheckpointMixin:
                 hook(models, weights, folder)
             if dcp_format:
                 inner = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
-                contents["models"], with_state = sharded.entries(inner, self._optimizers)
+                contents["models"], with_state = backend.entries(inner, self._optimizers)
                 for i, entry in enumerate(contents["optimizers"]):
-                    entry["dcp"] = sharded.optimizer_entry(i, with_state[i])
-                write_shards = functools.partial(sharded.save, folder, inner, list(self._optimizers), with_state, group)
+                    entry[backend.KEY] = backend.optimizer_entry(i, with_state[i])
+                write_shards = backend.writer(self, folder, inner, with_state, group)
+                listing = backend.listing
                 weights = []
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
             classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
@@ -198,7 +199,7 @@ class CheckpointMixin:
             prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
         job = commit.SaveJob(folder, target, token, number, self.process_index, self.num_processes, node,
                              writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit,
-                             sharded=write_shards)
+                             sharded=write_shards, listing=listing)
         if background is None:
             commit.write_and_commit(job, prepared)
         else:

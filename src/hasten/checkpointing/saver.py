@@ -123,8 +123,8 @@ def shared_items(weights: list[dict], accelerator: Any, contents: dict[str, Any]
         tensors, metadata = model_payload(state_dict)
         items.append(Item(contents["models"][i]["file"], tensors, metadata))
     for i, opt in enumerate(accelerator._optimizers):
-        if "dcp" in contents["optimizers"][i]:
-            continue  # in the sharded files
+        if "dcp" in contents["optimizers"][i] or "deepspeed" in contents["optimizers"][i]:
+            continue  # in the sharded files / the engine checkpoint
         items.append(state_item(contents["optimizers"][i]["file"], opt.state_dict(), contents["optimizers"][i]["class"]))
     for i, sched in enumerate(accelerator._schedulers):
         items.append(state_item(contents["schedulers"][i]["file"], sched.state_dict(), contents["schedulers"][i]["class"]))

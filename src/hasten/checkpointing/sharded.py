@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 SUBDIR = "sharded"
+KEY = "dcp"  # the manifest key of entries stored here
 
 
 def _owner(models: list[nn.Module], optimizer: Any) -> nn.Module:
@@ -59,6 +60,13 @@ def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state
     os.makedirs(path, exist_ok=True)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
     dcp.save(_targets(models, optimizers, with_state), storage_writer=writer, process_group=group)
+
+
+def writer(acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool], group: Any) -> Any:
+    """The collective write of ``save_state``, run once every process is ready."""
+    import functools
+
+    return functools.partial(save, folder, inner, list(acc._optimizers), with_state, group)
 
 
 def files(folder: str) -> dict[str, dict[str, Any]]:
@@ -145,6 +153,9 @@ def refuse(blocking: bool, mid_window: bool) -> None:
         raise ValueError("save_state inside a gradient-accumulation window: sharded models keep their partial "
                          "gradients unsharded inside FSDP, which a checkpoint cannot hold; save where "
                          "accelerator.sync_gradients is True")
+
+
+listing = files  # the backend interface's name (see checkpointing.deepspeed_state)
 
 
 def optimizer_entry(index: int, with_state: bool) -> Optional[str]:

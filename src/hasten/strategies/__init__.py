@@ -16,10 +16,12 @@ def select_strategy(state: Any, **options: Any) -> Strategy:
 
         options.pop("fsdp_plugin", None)
         options.pop("parallelism_config", None)
+        options.pop("deepspeed_plugin", None)
         return SingleDeviceStrategy(state, **options)
     if kind == DistributedType.FSDP:
         from .fsdp2 import FSDP2Strategy
 
+        options.pop("deepspeed_plugin", None)
         return FSDP2Strategy(state, **options)
     options.pop("fsdp_plugin", None)
     config = options.pop("parallelism_config", None)
@@ -28,10 +30,10 @@ def select_strategy(state: Any, **options: Any) -> Strategy:
 
         return TensorParallelStrategy(state, parallelism_config=config, **options)
     if kind == DistributedType.DEEPSPEED:
-        raise NotImplementedError(
-            f"distributed_type={kind} is not available in this version of hasten; remove deepspeed_plugin (or "
-            "HASTEN_USE_DEEPSPEED) to train with DDP, or use fsdp_plugin for sharded training"
-        )
+        from .deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(state, **options)
+    options.pop("deepspeed_plugin", None)
     from .ddp import DDPStrategy
 
     return DDPStrategy(state, **options)

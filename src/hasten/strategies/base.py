@@ -56,6 +56,10 @@ class Strategy:
     #: "full": each model/optimizer as one safetensors file written by one process (today's layout);
     #: "dcp": torch.distributed.checkpoint shards written by every process.
     checkpoint_format = "full"
+    #: models and optimizers are set up together (``prepare_jointly``) instead of one by one.
+    joint_prepare = False
+    #: ``backward`` divides the loss by the accumulation steps itself (DeepSpeed's engine does).
+    scales_loss = False
 
     def __init__(self, state: PartialState, mixed_precision: str = "no",
                  scaler_kwargs: Optional[GradScalerKwargs] = None, autocast_kwargs: Optional[AutocastKwargs] = None,
@@ -77,6 +81,9 @@ class Strategy:
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records about the layout it was written with."""
         return {"strategy": type(self).__name__, "mesh": self.mesh.shape, "state_dict": self.checkpoint_format}
+
+    def release(self) -> None:
+        """Drop what the strategy holds of prepared objects (``Accelerator.free_memory``)."""
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:

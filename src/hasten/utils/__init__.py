@@ -26,6 +26,7 @@ _EXPORTS = {
     )},
     "tqdm": ".tqdm",
     "FullyShardedDataParallelPlugin": ".fsdp_plugin",
+    "DeepSpeedPlugin": ".deepspeed_plugin",
     "ParallelismConfig": ".parallelism_config",
     **{name: ".environment" for name in (
         "get_env", "parse_flag", "parse_int", "parse_choice", "patch_environment", "clear_environment",

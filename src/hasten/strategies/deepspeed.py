@@ -1,0 +1,340 @@
+"""DeepSpeed ZeRO (stages 0-3) behind the strategy interface.
+
+``prepare`` hands the model and its optimizer to ``deepspeed.initialize`` together (one engine per
+trained model); DeepSpeed then owns gradient reduction, partitioning, precision (its bf16/fp16
+sections, not autocast) and clipping (its ``gradient_clipping``). The loop stays unchanged:
+``accelerator.backward`` runs ``engine.backward`` and, on a sync step, ``engine.step`` (which
+clips, steps and zeroes), so the prepared optimizer's ``step``/``zero_grad`` have nothing left to
+do. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory collectives are marked
+unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..optimizer import AcceleratedOptimizer
+from ..precision import Precision
+from ..utils.dataclasses import DistributedType
+from ..utils.deepspeed import DummyOptim, DummyScheduler
+from ..utils.deepspeed_plugin import AUTO, DeepSpeedPlugin, fill, get_path
+from .base import Params, Strategy
+
+
+def _engine_class() -> type:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedEngine
+
+
+def import_deepspeed(device_type: str) -> Any:
+    """``deepspeed``, with the CPU path kept free of op compilation."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError("deepspeed_plugin needs DeepSpeed: pip install 'hasten[deepspeed]' (on CPU with "
+                          "DS_BUILD_OPS=0)") from None
+    if device_type == "cpu":
+        # Its first CPU start would otherwise build the shared-memory collectives (~80 s); gloo does the job.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+class DeepSpeedOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer of a DeepSpeed engine: the engine steps and zeroes in ``backward``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Any) -> None:
+        super().__init__(optimizer, device_placement=False, precision=None)
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # engine.step() zeroed them
+
+    def step(self, closure: Any = None) -> None:
+        pass  # engine.step() ran in accelerator.backward on the sync step
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether DeepSpeed's fp16 loss scaler dropped the last step (gradients overflowed)."""
+        inner = self.engine.optimizer
+        return bool(getattr(inner, "overflow", False)) and self.gradient_state.sync_gradients
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+
+class DeepSpeedSchedulerWrapper:
+    """The engine's scheduler (from the config's ``scheduler`` section): DeepSpeed steps it."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO data parallelism over every process. Options: ``deepspeed_plugin``."""
+
+    distributed_type = DistributedType.DEEPSPEED
+    checkpoint_format = "deepspeed"
+    joint_prepare = True
+    scales_loss = True  # engine.backward divides by the accumulation steps itself
+
+    def __init__(self, state: Any, deepspeed_plugin: Any = None, mixed_precision: str = "no", **options: Any) -> None:
+        if not isinstance(deepspeed_plugin, DeepSpeedPlugin):
+            deepspeed_plugin = DeepSpeedPlugin()
+        self.plugin = deepspeed_plugin
+        self.mode = mixed_precision
+        self.engines: list[Any] = []
+        self.config: Optional[dict] = None
+        options.pop("fsdp_plugin", None)
+        options.pop("ddp_kwargs", None)
+        super().__init__(state, mixed_precision=mixed_precision, **options)
+        self.zero3_init_config = self._zero3_init()
+
+    def _zero3_init(self) -> Any:
+        """With ``zero3_init_flag`` at stage 3, let transformers build models already partitioned."""
+        if not (self.plugin.zero3_init_flag and self.plugin.zero_stage_value == 3):
+            return None
+        try:
+            from transformers.integrations import HfDeepSpeedConfig
+        except ImportError:
+            return None
+        deepspeed = import_deepspeed(self.state.device.type)
+        _init_comm(deepspeed, self.state)
+        # transformers holds only a weak reference: the strategy keeps it alive for the run.
+        return HfDeepSpeedConfig(_without_autos(self.plugin.deepspeed_config, self.mode))
+
+    def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
+        return Precision("no", self.state.device)  # the engine's bf16/fp16 sections do it
+
+    def describe(self) -> dict[str, Any]:
+        return dict(super().describe(), zero_stage=self.plugin.zero_stage_value)
+
+    def agree_accumulation(self, steps: int, explicit: bool) -> int:
+        """The accumulation steps of the run: the Accelerator's, or the config's when only it sets them."""
+        config = self.plugin.deepspeed_config
+        current = get_path(config, "gradient_accumulation_steps")
+        if current not in (None, AUTO) and not explicit:
+            return int(current)
+        if explicit and "gradient_accumulation_steps" in self.plugin.soft_fields:
+            config["gradient_accumulation_steps"] = AUTO  # from the launcher: the script's value wins
+        fill(self.plugin.deepspeed_config, "gradient_accumulation_steps", steps,
+             "Accelerator(gradient_accumulation_steps=...)", _where(self.plugin))
+        return steps
+
+    def release(self) -> None:
+        self.engines.clear()
+
+    # -- joint preparation ----------------------------------------------------------------------
+    def prepare_jointly(self, acc: Any, items: list[tuple[int, Any]]) -> dict[int, Any]:
+        """Engines for the models of one ``prepare`` call; returns {argument position: prepared}."""
+        models = [(i, o) for i, o in items if isinstance(o, nn.Module)]
+        optims = [(i, o) for i, o in items if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
+        scheds = [(i, o) for i, o in items if isinstance(o, DummyScheduler) or hasattr(o, "get_last_lr")]
+        out: dict[int, Any] = {}
+        if len(optims) > 1 or (optims and len(self.engines) + 1 > 1):
+            raise ValueError(f"DeepSpeed trains one model per Accelerator; prepare() got {len(optims)} optimizer(s)"
+                             f" with {len(self.engines)} engine(s) already built. Train the other models in a "
+                             "separate run, or combine them in one nn.Module with one optimizer")
+        trained = None
+        if optims:
+            pos, opt = optims[0]
+            owner = _owner_of(opt, [m for _, m in models])
+            if owner is None:
+                raise ValueError(f"prepare(): the optimizer (argument {pos}) updates no model of this prepare() call; "
+                                 "DeepSpeed builds model and optimizer together: accelerator.prepare(model, optimizer, "
+                                 "...)")
+            trained = owner
+        for i, model in models:
+            if model is not trained:  # evaluation-only models: plain modules on the device
+                out[i] = acc.prepare_model(model, evaluation_mode=True)
+        if trained is None:
+            for i, sched in scheds:
+                raise ValueError(f"prepare(): the scheduler (argument {i}) needs its model and optimizer in the same "
+                                 "prepare() call under DeepSpeed")
+            return out
+        m_pos = next(i for i, m in models if m is trained)
+        s_pos, sched = scheds[0] if scheds else (None, None)
+        engine, optimizer, ds_sched = self._initialize(acc, trained, optims[0][1], sched)
+        out[m_pos] = engine
+        out[optims[0][0]] = optimizer
+        if s_pos is not None:
+            out[s_pos] = DeepSpeedSchedulerWrapper(ds_sched) if ds_sched is not None else acc.prepare_scheduler(sched)
+        return out
+
+    def _initialize(self, acc: Any, model: nn.Module, opt: Any, sched: Any) -> tuple[Any, Any, Any]:
+        from .deepspeed_config import resolve_config
+
+        deepspeed = import_deepspeed(self.state.device.type)
+        config, torch_opt, build_sched = resolve_config(self.plugin, acc, model, opt, sched)
+        self.config = config
+        _init_comm(deepspeed, self.state)
+        model = model.to(self.state.device)
+        if self.plugin.leaf_modules():
+            from deepspeed.utils import set_z3_leaf_modules
+
+            classes = {type(m) for m in model.modules() if type(m).__name__ in self.plugin.leaf_modules()}
+            set_z3_leaf_modules(model, list(classes))
+        engine, _, _, ds_sched = deepspeed.initialize(model=model, optimizer=torch_opt, config=config,
+                                                      lr_scheduler=build_sched, dist_init_required=False)
+        self.engines.append(engine)
+        acc._models.append(engine)
+        acc._remember(model, engine)
+        prepared = DeepSpeedOptimizer(torch_opt, engine)
+        acc._optimizers.append(prepared)
+        acc._remember(opt, prepared)
+        return engine, prepared, ds_sched if isinstance(sched, DummyScheduler) else None
+
+    # -- the model ------------------------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        raise ValueError("under DeepSpeed, pass the model to prepare() together with its optimizer "
+                         "(accelerator.prepare(model, optimizer, ...)); a model alone is prepared for evaluation")
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, _engine_class()) else model
+
+    def engine_of(self, model: nn.Module) -> Optional[Any]:
+        for engine in self.engines:
+            if model is engine or model is engine.module:
+                return engine
+        return None
+
+    # -- a training step ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if not self.engines:
+            raise RuntimeError("accelerator.backward under DeepSpeed needs a model prepared with its optimizer")
+        from ..state import GradientState
+
+        sync = GradientState().sync_gradients
+        engine = self.engines[0]
+        engine.set_gradient_accumulation_boundary(is_boundary=sync)
+        engine.backward(loss, **kwargs)
+        if sync:
+            engine.step()
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine reduces only at the accumulation boundary
+
+    def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm the engine computed (and clipped at its ``gradient_clipping``) in its step."""
+        engine = self.engines[0]
+        configured = float(engine.gradient_clipping() or 0.0)
+        if float(norm_type) != 2.0 or abs(configured - float(max_norm)) > 1e-12:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) but DeepSpeed clips in its own step at "
+                f"gradient_clipping={configured} (L2 norm); set DeepSpeedPlugin(gradient_clipping={max_norm}) or "
+                f"\"gradient_clipping\": {max_norm} in the DeepSpeed config"
+            )
+        norm = engine.get_global_grad_norm()
+        return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
+
+    def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
+        raise ValueError("clip_grad_value_ is not available under DeepSpeed (it clips by norm inside its step); use "
+                         "clip_grad_norm_ with gradient_clipping set in the DeepSpeed config")
+
+    # -- state dict I/O -------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module, everyone: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU; ZeRO-3 parameters are gathered one at a time (every process must call)."""
+        module = self.unwrap_model(model)
+        if not _partitioned(module):
+            return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        import deepspeed
+
+        out: dict[str, torch.Tensor] = {}
+        params = dict(module.named_parameters())
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in params and hasattr(tensor, "ds_id"):
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    out[name] = tensor.detach().cpu().clone()
+            else:
+                out[name] = tensor.detach().cpu().clone()
+        return out
+
+    def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        module = self.unwrap_model(model)
+        if not _partitioned(module):
+            return module.load_state_dict(state_dict, strict=strict)
+        import deepspeed
+
+        names = set(state_dict)
+        for name, param in module.named_parameters():
+            if name in state_dict:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    with torch.no_grad():
+                        param.copy_(state_dict[name])
+        own = {n for n, _ in module.named_parameters()}
+        missing = sorted(own - names)
+        if strict and missing:
+            raise ValueError(f"load_state_dict: missing keys {missing[:8]}")
+        return None
+
+
+def _without_autos(config: dict, mode: str) -> dict:
+    """The config as ``deepspeed.zero.Init`` reads it before the script's values are known."""
+    def strip(node: Any) -> Any:
+        return {k: strip(v) for k, v in node.items() if v != AUTO} if isinstance(node, dict) else node
+
+    out = strip(config)
+    for name in ("bf16", "fp16"):  # parameters are created in the run's precision
+        out.setdefault(name, {})["enabled"] = mode == name
+    out.setdefault("train_micro_batch_size_per_gpu", 1)
+    return out
+
+
+def _partitioned(module: nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _where(plugin: DeepSpeedPlugin) -> str:
+    return getattr(plugin, "config_source", "the DeepSpeed config")
+
+
+def _owner_of(opt: Any, models: list[nn.Module]) -> Optional[nn.Module]:
+    if isinstance(opt, DummyOptim):
+        opt.params = list(opt.params)  # often a generator: read it once, keep it for the real optimizer
+    params = opt.params if isinstance(opt, DummyOptim) else [p for g in opt.param_groups for p in g["params"]]
+    ids = set()
+    for p in params:
+        if isinstance(p, dict):
+            ids.update(id(q) for q in p["params"])
+        else:
+            ids.add(id(p))
+    for model in models:
+        if any(id(p) in ids for p in model.parameters()):
+            return model
+    return None
+
+
+def _init_comm(deepspeed: Any, state: Any) -> None:
+    """Make DeepSpeed's communication layer use hasten's process group."""
+    import torch.distributed as dist
+
+    from deepspeed import comm
+
+    import os
+
+    # DeepSpeed reads the launcher's variables; a plain `python train.py` has none.
+    for name, value in (("LOCAL_RANK", state.local_process_index), ("RANK", state.process_index),
+                        ("WORLD_SIZE", state.num_processes)):
+        os.environ.setdefault(name, str(value))
+    if not dist.is_initialized():  # one process: DeepSpeed still talks through a (1-process) group
+        backend = "gloo" if state.device.type == "cpu" else "nccl"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not comm.is_initialized():
+        backend = dist.get_backend() if dist.is_initialized() else ("gloo" if state.device.type == "cpu" else "nccl")
+        deepspeed.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
