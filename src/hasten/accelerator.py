@@ -26,6 +26,7 @@ from .options import (
     check_parallelism,
     collect_handlers,
     dynamo_from_env,
+    deepspeed_plugin_from,
     merge_legacy_data_kwargs,
     unsupported_parallelism,
 )
@@ -37,11 +38,11 @@ from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState, warn_once
 from .strategies import foreign_wrapper, select_strategy, user_sharded
 from .tracking.mixin import TrackingMixin
+from .views import SettingsViewsMixin
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    FP8BackendType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -53,7 +54,7 @@ from .utils.deepspeed import check_not_dummy
 from .utils.environment import parse_flag
 
 
-class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
+class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
     """Adapts a plain PyTorch training loop to the current hardware and number of processes.
 
     The arguments keep Accelerate's names, order and defaults (hasten's own, ``resume``, are
@@ -147,7 +148,7 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
             fsdp_plugin = FullyShardedDataParallelPlugin()
         self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device)
         if deepspeed_plugin is not None:
-            deepspeed_plugin = _deepspeed_plugin(deepspeed_plugin)
+            deepspeed_plugin = deepspeed_plugin_from(deepspeed_plugin)
             self.state.deepspeed_plugin = deepspeed_plugin
         # The strategy owns the process layout and the precision machinery (autocast + scaler, or FSDP2's policy).
         self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
@@ -180,98 +181,6 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
         self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
         self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
-
-    # -- construction helpers -------------------------------------------------------------------
-    # -- read-only views ------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def distributed_type(self):
-        return self.state.distributed_type
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.state.mixed_precision
-
-    @property
-    def scaler(self) -> Optional[torch.amp.GradScaler]:
-        return self.precision.scaler
-
-    @property
-    def fp8_enabled(self) -> bool:
-        return self.fp8 is not None
-
-    @property
-    def fp8_backend(self) -> FP8BackendType:
-        """The library running fp8 (``FP8BackendType.NO`` without fp8)."""
-        return self.fp8.backend if self.fp8 is not None else FP8BackendType.NO
-
-    @property
-    def native_amp(self) -> bool:
-        return self.precision.enabled
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @sync_gradients.setter
-    def sync_gradients(self, value: bool) -> None:
-        self.gradient_state._set_sync_gradients(value)
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.gradient_state.num_steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, steps: int) -> None:
-        self.gradient_state.plugin_kwargs["num_steps"] = accumulation_plugin(steps, None).num_steps
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 gradients overflowed)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
-
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def dispatch_batches(self) -> Optional[bool]:
-        return self.dataloader_config.dispatch_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @even_batches.setter
-    def even_batches(self, value: bool) -> None:
-        self.dataloader_config.even_batches = value
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
-
-    @property
-    def use_stateful_dataloader(self) -> bool:
-        return self.dataloader_config.use_stateful_dataloader
-
-    @property
-    def project_dir(self) -> Optional[str]:
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self) -> Optional[str]:
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
 
     # -- prepare --------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Optional[Sequence[Optional[bool]]] = None) -> Any:
@@ -689,16 +598,6 @@ class Accelerator(CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelL
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \
                f"mixed_precision={self.mixed_precision!r})"
-
-
-def _deepspeed_plugin(plugin: Any) -> Any:
-    from .utils.deepspeed_plugin import DeepSpeedPlugin
-
-    if plugin == "from-environment":
-        return DeepSpeedPlugin()
-    if not isinstance(plugin, DeepSpeedPlugin):
-        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}; pass a hasten.utils.DeepSpeedPlugin")
-    return plugin
 
 
 def _scheduler_types() -> tuple[type, ...]:

@@ -102,3 +102,14 @@ def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
         world, device = topology.world_size, pick_device(topology, cpu or parse_flag("USE_CPU")).type
     config.check(world, sharded, device)
     return config
+
+
+def deepspeed_plugin_from(plugin: Any) -> Any:
+    """The ``DeepSpeedPlugin`` to use: the one given, or one read from the environment."""
+    from .utils.deepspeed_plugin import DeepSpeedPlugin
+
+    if plugin == "from-environment":
+        return DeepSpeedPlugin()
+    if not isinstance(plugin, DeepSpeedPlugin):
+        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}; pass a hasten.utils.DeepSpeedPlugin")
+    return plugin
