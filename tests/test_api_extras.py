@@ -166,12 +166,25 @@ def test_accelerator_positional_arguments_follow_accelerate():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # leaving split_batches out warns about nothing
         assert Accelerator(cpu=True).split_batches is False
-    for name in ("torch_tp_plugin", "megatron_lm_plugin", "parallelism_config"):
+    for name in ("torch_tp_plugin", "megatron_lm_plugin"):
         with pytest.raises(NotImplementedError, match=name):
             Accelerator(cpu=True, **{name: object()})
+    with pytest.raises(TypeError, match="parallelism_config must be a hasten.utils.ParallelismConfig"):
+        Accelerator(cpu=True, parallelism_config=object())
     with pytest.raises(TypeError):
         Accelerator(True, False, "no", 1, True, None, None, None, None, None, None, None, None, None, None, True,
                     None, None, None, None, None, "auto")  # resume is keyword-only
+
+
+def test_layout_ranks_come_from_the_parallelism_config_mesh():
+    from hasten.utils import ParallelismConfig
+
+    acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    assert acc.parallelism_config is not None and acc.torch_device_mesh is None  # one process: no mesh to build
+    ranks = (acc.data_parallel_rank, acc.data_parallel_shard_rank, acc.tensor_parallel_rank, acc.context_parallel_rank)
+    assert ranks == (0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="not configured"):
+        acc.pipeline_parallel_rank  # noqa: B018
 
 
 def test_accelerator_layout_facts_on_one_process():

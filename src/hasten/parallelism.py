@@ -54,8 +54,11 @@ class ParallelLayoutMixin:
 
     @property
     def torch_device_mesh(self) -> Optional[Any]:
-        """The torch ``DeviceMesh`` of the ``parallelism_config`` layout, or ``None`` without one."""
-        return self.strategy.mesh.device_mesh() if self.parallelism_config is not None else None
+        """The torch ``DeviceMesh`` of the ``parallelism_config`` layout, or ``None`` without one (or
+        without a process group: one process has nothing to lay out)."""
+        if self.parallelism_config is None or not self.state.use_distributed:
+            return None
+        return self.strategy.mesh.device_mesh()
 
     def _coordinate(self, dim: str, kind: str) -> int:
         if self.parallelism_config is None:
