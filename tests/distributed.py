@@ -31,6 +31,26 @@ def reset_state() -> None:
     GradientState._reset_state()
 
 
+def one_process_checkpoint(folder: str, model, features: int) -> tuple[str, dict]:
+    """Train ``model`` one AdamW step in this process and ``save_state`` it to ``folder``, for
+    tests that load a one-process checkpoint into a multi-process layout. Returns the folder and
+    the saved weights (as lists)."""
+    import torch
+
+    from hasten import Accelerator
+
+    reset_state()
+    acc = Accelerator()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, features)).pow(2).mean())
+    opt.step()
+    acc.save_state(folder)
+    expected = {k: v.tolist() for k, v in model.state_dict().items()}
+    reset_state()
+    return folder, expected
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

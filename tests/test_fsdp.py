@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from distributed import reset_state, run_checks
+from distributed import one_process_checkpoint, run_checks
 
 pytest.importorskip("transformers")
 
@@ -15,21 +15,8 @@ def single_checkpoint(tmp_path_factory):
     """A checkpoint written by one process (plain model), for the 1 -> 2 load."""
     import checks_fsdp
 
-    from hasten import Accelerator
-
     folder = str(tmp_path_factory.mktemp("single") / "ckpt")
-    reset_state()
-    acc = Accelerator()
-    model = checks_fsdp._model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, opt = acc.prepare(model, opt)
-    x = torch.randn(4, checks_fsdp.FEATURES)
-    acc.backward(model(x).pow(2).mean())
-    opt.step()
-    acc.save_state(folder)
-    expected = {k: v.tolist() for k, v in model.state_dict().items()}
-    reset_state()
-    return folder, expected
+    return one_process_checkpoint(folder, checks_fsdp._model(), checks_fsdp.FEATURES)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from distributed import free_port, reset_state, run_checks
+from distributed import free_port, one_process_checkpoint, run_checks
 
 pytest.importorskip("transformers")
 
@@ -18,20 +18,8 @@ def single_checkpoint(tmp_path_factory):
     """A checkpoint written by one process without tensor parallelism."""
     import checks_tp
 
-    from hasten import Accelerator
-
     folder = str(tmp_path_factory.mktemp("single") / "ckpt")
-    reset_state()
-    acc = Accelerator()
-    model = checks_tp._mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, opt = acc.prepare(model, opt)
-    acc.backward(model(torch.randn(4, checks_tp.FEATURES)).pow(2).mean())
-    opt.step()
-    acc.save_state(folder)
-    expected = {k: v.tolist() for k, v in model.state_dict().items()}
-    reset_state()
-    return folder, expected
+    return one_process_checkpoint(folder, checks_tp._mlp(), checks_tp.FEATURES)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from hasten.checkpointing.fileio import quiet_frombuffer  # noqa: E402
 from hasten.checkpointing.restorer import Reader  # noqa: E402
 from hasten.state import AcceleratorState, GradientState  # noqa: E402
 from hasten.utils import ProjectConfiguration  # noqa: E402
+from ckpt_step import Step  # noqa: E402 - beside this script
 
 TOTAL_LIMIT = 2
 BLOCKING = (sys.argv[5] if len(sys.argv) > 5 else "blocking") != "background"
@@ -42,17 +43,6 @@ if (sys.argv[6] if len(sys.argv) > 6 else "buffered") == "direct":
     from hasten.checkpointing import fileio
 
     fileio._DIRECT_MIN = 1
-
-
-class Step:
-    def __init__(self) -> None:
-        self.value = -1
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
 
 
 def child(project: str, pipe: int) -> None:

@@ -18,17 +18,7 @@ torch.set_num_threads(1)
 from hasten import Accelerator  # noqa: E402
 from hasten.utils import ProjectConfiguration  # noqa: E402
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin  # noqa: E402
-
-
-class Step:
-    def __init__(self) -> None:
-        self.value = -1
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+from ckpt_step import Step  # noqa: E402 - beside this script
 
 
 def main() -> None:

@@ -181,7 +181,6 @@ class CheckpointMixin:
                     entry[backend.KEY] = backend.optimizer_entry(i, with_state[i])
                 write_shards = backend.writer(self, folder, inner, with_state, group)
                 listing = backend.listing
-                weights = []
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
             classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
             if not dcp_format:

@@ -76,7 +76,7 @@ class PreemptionHandler:
         self.received = signum
 
     def _clock(self, dataloader: Any) -> tuple[int, int]:
-        this_pass = (dataloader, dataloader.__dict__.get("_passes", 0))
+        this_pass = (dataloader, dataloader._passes)
         if self._current is None or self._current[0] is not this_pass[0] or self._current[1] != this_pass[1]:
             self._passes += 1
             self._current = this_pass

@@ -97,6 +97,7 @@ class PreparedLoaderMixin:
         self._stream_after: Optional[tuple] = None  # StreamTracker.point() of the batch handed out last
         self._in_iteration = False
         self._left_at: Optional[dict] = None  # exact_resume_state() of a pass left early (break)
+        self._passes = 0  # passes begun; tells passes apart (preemption's clock)
         self._plan: Optional[EpochPlan] = None
         self._plan_rank = 0
         self._step: Optional[int] = None
@@ -123,7 +124,7 @@ class PreparedLoaderMixin:
         self._left_at = None
         self._stream_after = None
         self._epoch, self._position, self._in_iteration = epoch, skip, True
-        self._passes = self.__dict__.get("_passes", 0) + 1  # tells passes apart (preemption's clock)
+        self._passes += 1
         self._step, self._gfm_calls = None, 0
         self.reset()
         try:
