@@ -1,40 +1,17 @@
 """fp8 (torchao) under DDP, run inside each of 2 ranks over gloo. See distributed.py.
 
-The reference is computed in the same process with plain PyTorch: the hand-converted model
-takes each rank's shard in turn and the two gradients are averaged, which is exactly what DDP
-does; with float8 the scales are per shard, so a single big batch would not be the same thing.
+The reference (``fp8_common.per_shard_reference``) is computed in the same process with plain
+PyTorch.
 """
 
 import torch
 
-from fp8_common import loss_of, make_data, make_model, reference_forward, reference_model
+from fp8_common import loss_of, make_data, make_model, per_shard_reference
 from hasten import Accelerator
 from hasten.utils import AORecipeKwargs
 from hasten.utils.operations import gather
 
 BATCH = 8  # per rank
-
-
-def _reference(steps, accumulate):
-    model = reference_model("tensorwise")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = make_data()
-    grads = None
-    for step in range(steps):
-        per_rank = []
-        for rank in range(2):
-            start = (step * 2 + rank) * BATCH
-            model.zero_grad()
-            (loss_of(reference_forward(model, x[start:start + BATCH]), y[start:start + BATCH]) / accumulate).backward()
-            per_rank.append([p.grad.clone() for p in model.parameters()])
-        mean = [(a / 2) + (b / 2) for a, b in zip(*per_rank)]  # DDP divides, then sums
-        grads = mean if grads is None else [g + m for g, m in zip(grads, mean)]
-        if (step + 1) % accumulate == 0:
-            for p, g in zip(model.parameters(), grads):
-                p.grad = g
-            opt.step()
-            grads = None
-    return model
 
 
 def _ddp_run(steps, accumulate):
@@ -56,7 +33,7 @@ def _ddp_run(steps, accumulate):
 def _compare(accumulate):
     acc, model = _ddp_run(4, accumulate)
     assert type(model[2]).__name__ == "Float8Linear" and type(model[0]).__name__ == "Linear"
-    ref = _reference(4, accumulate)
+    ref = per_shard_reference(4, accumulate, BATCH)
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         both = gather(p.detach()[None])

@@ -37,3 +37,29 @@ def reference_model(recipe: str = "tensorwise", seed: int = 0) -> nn.Module:
 def reference_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return model(x).float()
+
+
+def per_shard_reference(steps: int, accumulate: int, batch: int, lr: float = 0.05) -> nn.Module:
+    """One process doing what 2 data-parallel ranks do, in plain PyTorch + torchao: rank r's batch
+    of step s is ``x[(2s + r) * batch % len(x):][:batch]``; each rank's gradient is computed on its own shard
+    and the two are averaged (with float8 the activation scales are per shard, so one big batch
+    would not be the same thing); SGD steps every ``accumulate`` micro-steps."""
+    model = reference_model("tensorwise")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = make_data()
+    grads = None
+    for step in range(steps):
+        per_rank = []
+        for rank in range(2):
+            start = ((step * 2 + rank) * batch) % len(x)
+            model.zero_grad()
+            (loss_of(reference_forward(model, x[start:start + batch]), y[start:start + batch]) / accumulate).backward()
+            per_rank.append([p.grad.clone() for p in model.parameters()])
+        mean = [(a / 2) + (b / 2) for a, b in zip(*per_rank)]  # DDP divides, then sums
+        grads = mean if grads is None else [g + m for g, m in zip(grads, mean)]
+        if (step + 1) % accumulate == 0:
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            opt.step()
+            grads = None
+    return model

@@ -43,6 +43,7 @@ from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -146,7 +147,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
 
             fsdp_plugin = FullyShardedDataParallelPlugin()
-        self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device)
+        self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device,
+                            sharded=self.state.distributed_type == DistributedType.FSDP)
         if deepspeed_plugin is not None:
             deepspeed_plugin = deepspeed_plugin_from(deepspeed_plugin)
             self.state.deepspeed_plugin = deepspeed_plugin
@@ -256,7 +258,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
         if self.fp8 is not None:
-            self.fp8.convert(model)
+            self.strategy.convert_fp8(model, self.fp8)
         self.precision.wrap_forward(model)
         dynamo = self.state.dynamo_plugin
         regional = dynamo is not None and not dynamo.disable and dynamo.use_regional_compilation

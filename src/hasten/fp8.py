@@ -231,9 +231,15 @@ class Float8Plan:
             # The all-gather wrapper replaces each weight Parameter, so an optimizer built before
             # prepare() would keep updating the old ones (Accelerate 1.15 trains nothing in the
             # converted layers this way). Without FSDP the wrapper does nothing else: leave it out.
+            # Under FSDP2 the strategy re-points optimizers at the sharded wrappers (convert_fp8).
             import dataclasses
 
             self.config = dataclasses.replace(self.config, enable_fsdp_float8_all_gather=False)
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """Whether converted weights are all-gathered by FSDP2 in float8 (and their scales precomputed)."""
+        return bool(self.config.enable_fsdp_float8_all_gather)
 
     def convert(self, model: nn.Module) -> list[str]:
         """Swap the chosen ``nn.Linear`` layers of ``model`` for float8 ones, in place; returns their names.
@@ -251,7 +257,7 @@ class Float8Plan:
         chosen = self.recipe.module_filter_func or default_module_filter(model)
         params_before = {id(p) for p in model.parameters()}
         float8.convert_to_float8_training(model, config=self.config, module_filter_fn=chosen)
-        if {id(p) for p in model.parameters()} != params_before:
+        if not self.float8_all_gather and {id(p) for p in model.parameters()} != params_before:
             raise RuntimeError("converting to float8 replaced the model's parameters, so an optimizer built "
                                "before prepare() would not train them; report this as a hasten bug")
         converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
@@ -276,3 +282,35 @@ def plan_for(handlers: dict[type, Any], mixed_precision: str, device: torch.devi
     recipe = select_recipe(handlers, mixed_precision)
     return None if recipe is None else Float8Plan(recipe, device, sharded=sharded)
 
+
+
+# -- float8 all-gather under FSDP2 -----------------------------------------------------------------
+_CAST_WEIGHT = "WeightWithDynamicFloat8CastTensor"  # torchao's weight wrapper that FSDP2 all-gathers in float8
+
+
+def is_float8_cast_weight(tensor: Any) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) is torchao's float8 all-gather weight wrapper."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return type(local).__name__ == _CAST_WEIGHT
+
+
+def gathers_in_float8(model: nn.Module) -> bool:
+    """Whether FSDP2 all-gathers some of ``model``'s weights in float8."""
+    return any(is_float8_cast_weight(p) for p in model.parameters())
+
+
+def plain_tensor(tensor: Any) -> Any:
+    """The high-precision tensor inside torchao's weight wrapper (anything else unchanged), so that
+    state dicts hold plain tensors that load into the unconverted model."""
+    return tensor._tensor if type(tensor).__name__ == _CAST_WEIGHT else tensor
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """Compute the float8 scales of every float8 all-gathered weight of ``model`` from its current
+    values, in one all-reduce. Run after each real optimizer step and after loading weights: the
+    next all-gather uses them (a stale scale would clip or waste float8's range). Every process
+    must call it (collective)."""
+    with _quiet_torchao_import():
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

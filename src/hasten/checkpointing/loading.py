@@ -151,6 +151,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
                 restorer.apply_optimizer(opt, state, inner)
     if loaded["sharded"] is not None:
         loaded["sharded"].load(folder, manifest["contents"], inner, acc._optimizers)
+    acc.strategy.weights_loaded(inner)
     for sched, state in zip(acc._schedulers, loaded["schedulers"]):
         sched.load_state_dict(restorer.detach_state(state))
     if loaded["scaler"] is not None:

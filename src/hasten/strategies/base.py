@@ -94,6 +94,13 @@ class Strategy:
         """The user's module inside whatever ``wrap_model`` returned."""
         return model
 
+    def convert_fp8(self, model: nn.Module, plan: Any) -> None:
+        """Swap ``model``'s chosen layers for float8 ones (``hasten.fp8.Float8Plan``), before ``wrap_model``."""
+        plan.convert(model)
+
+    def weights_loaded(self, models: list[nn.Module]) -> None:
+        """Hook run on every process after ``load_state`` changed the weights of ``models``."""
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Hook for strategies that must rebuild the optimizer around sharded parameters."""
         return optimizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -70,6 +71,9 @@ class FSDP2Strategy(Strategy):
         self.parallelism_config = parallelism_config
         self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> sharded parameter
         self._sharded_ids: set[int] = set()
+        self._fp8_replaced: dict[int, nn.Parameter] = {}  # id(float8 weight wrapper) -> the parameter it replaced
+        self._fp8_models: list[weakref.ref] = []  # models whose weights FSDP2 all-gathers in float8
+        self._fp8_hooks: list[Any] = []  # optimizer step hooks that precompute their float8 scales
         super().__init__(state, **options)
 
     # -- layout and precision -------------------------------------------------------------------
@@ -80,9 +84,11 @@ class FSDP2Strategy(Strategy):
         return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type)
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
-        if mode == "fp8":  # torchao's float8 all-gather needs its own wiring into fully_shard
-            raise NotImplementedError("mixed_precision='fp8' is not available with FSDP2 yet; use mixed_precision="
-                                      "'bf16' with FSDP2, or fp8 with one process or DDP")
+        if mode == "fp8" and self.mesh.sizes["tp"] > 1:
+            raise NotImplementedError("mixed_precision='fp8' with tensor parallelism (tp_size > 1) is not supported; "
+                                      "use fp8 with FSDP2 alone (tp_size=1), or mixed_precision='bf16'")
+        # fp8: the float8 layers cast their weights and inputs themselves; the rest runs in bf16
+        # through the policy (as "bf16"), with fp32 master weights and gradient reduction.
         return ShardedPrecision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
 
     def _mp_policy(self) -> Any:
@@ -94,6 +100,7 @@ class FSDP2Strategy(Strategy):
         if isinstance(policy, dict):
             return MixedPrecisionPolicy(**{k: _LOW.get(v, v) if isinstance(v, str) else v for k, v in policy.items()})
         mode = policy if isinstance(policy, str) else self.precision.mode
+        mode = "bf16" if mode == "fp8" else mode
         if mode in _LOW:
             return MixedPrecisionPolicy(param_dtype=_LOW[mode], reduce_dtype=torch.float32)
         if mode not in ("no", "fp32", None):
@@ -137,6 +144,10 @@ class FSDP2Strategy(Strategy):
             self._fully_shard(model)
         if efficient:
             _fill_from_rank0(model, full, self.state)
+        from ..fp8 import gathers_in_float8
+
+        if gathers_in_float8(model):
+            self._fp8_models.append(weakref.ref(model))
         return self._remember_params(model, before)
 
     def _fully_shard(self, model: nn.Module) -> None:
@@ -172,7 +183,20 @@ class FSDP2Strategy(Strategy):
             if new is not None:
                 self._new_params[id(old)] = new
                 self._sharded_ids.add(id(new))
+                replaced = self._fp8_replaced.pop(id(old), None)
+                if replaced is not None:  # the optimizer may hold the weight from before fp8 conversion
+                    self._new_params[id(replaced)] = new
         return model
+
+    def convert_fp8(self, model: nn.Module, plan: Any) -> None:
+        """Convert before sharding; remember which weights torchao's float8 all-gather wrapper
+        replaced, so that optimizers built on the original weights are re-pointed too."""
+        before = dict(model.named_parameters(remove_duplicate=False))
+        plan.convert(model)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            old = before.get(name)
+            if old is not None and old is not param:
+                self._fp8_replaced[id(param)] = old
 
     def _layers(self, model: nn.Module) -> list[nn.Module]:
         """The submodules that become their own FSDP group, in post-order."""
@@ -210,8 +234,45 @@ class FSDP2Strategy(Strategy):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module in place
 
+    def release(self) -> None:
+        for handle in self._fp8_hooks:
+            handle.remove()
+        self._fp8_hooks.clear()
+        self._fp8_models.clear()
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point ``optimizer`` at the sharded parameters that replaced the ones it was built on."""
+        optimizer = self._repoint(optimizer)
+        self._hook_float8_scales(optimizer)
+        return optimizer
+
+    def _hook_float8_scales(self, optimizer: torch.optim.Optimizer) -> None:
+        """After each step the optimizer really takes (not on accumulation micro-steps, not when
+        the fp16 scaler skips it: the inner step does not run then), precompute the float8 scales
+        of the models it trains, in one all-reduce, as torchao asks."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        models = [ref for ref in self._fp8_models
+                  if ref() is not None and any(id(p) in held for p in ref().parameters())]
+        if not models:
+            return
+        from ..fp8 import precompute_float8_scales
+
+        def precompute(*_: Any) -> None:
+            for ref in models:
+                model = ref()
+                if model is not None:
+                    precompute_float8_scales(model)
+
+        self._fp8_hooks.append(optimizer.register_step_post_hook(precompute))
+
+    def weights_loaded(self, models: list[nn.Module]) -> None:
+        from ..fp8 import gathers_in_float8, precompute_float8_scales
+
+        for model in models:
+            if gathers_in_float8(model):  # the scales of the old weights no longer fit
+                precompute_float8_scales(model)
+
+    def _repoint(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         swapped: dict[int, nn.Parameter] = {}
         for g, group in enumerate(optimizer.param_groups):
             params = []
@@ -266,8 +327,11 @@ class FSDP2Strategy(Strategy):
 
     # -- state dict I/O -------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, everyone: bool = False) -> dict[str, torch.Tensor]:
-        """The full state dict on CPU, on process 0 (everywhere with ``everyone``); others get {}."""
-        return full_state_dict(model, everyone=everyone)
+        """The full state dict on CPU, on process 0 (everywhere with ``everyone``); others get {}.
+        float8 all-gather weights come out as the plain tensors they wrap."""
+        from ..fp8 import plain_tensor
+
+        return {k: plain_tensor(v) for k, v in full_state_dict(model, everyone=everyone).items()}
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         return load_full_state_dict(model, state_dict, strict=strict)
