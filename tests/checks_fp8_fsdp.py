@@ -130,6 +130,37 @@ def check_gradient_accumulation_optimizer_built_after_prepare():
     return _compare(accumulate=2, build_optimizer_first=False)
 
 
+def check_rank0_loading_layer_wrap_and_activation_checkpointing():
+    """Process 1 builds on meta, each Linear is its own FSDP unit, activations are recomputed:
+    the same numbers as the plain run."""
+    from hasten import init_empty_weights
+
+    acc = _accelerator(cpu_ram_efficient_loading=True, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=500,
+                       activation_checkpointing=True)
+    if acc.is_main_process:
+        model = make_model()
+    else:
+        with init_empty_weights():
+            model = make_model(seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    assert _full(acc, model).keys() == make_model().state_dict().keys()
+    assert all(torch.equal(v, make_model().state_dict()[k]) for k, v in _full(acc, model).items())
+    wrapped = [n for n, p in model.named_parameters() if type(p._local_tensor).__name__ != "Tensor"]
+    assert wrapped == [f"{n}._checkpoint_wrapped_module.weight" for n in CONVERTED], wrapped
+    for step in range(4):
+        x, y = _batch(step, acc.process_index)
+        acc.backward(loss_of(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    got = _full(acc, model)
+    acc, plain, *_ = _hasten_run(4, 1)
+    expected = _full(acc, plain)
+    worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    assert worst == 0.0, worst
+    return worst
+
+
 def _resume_setup():
     acc = _accelerator()
     model = make_model()

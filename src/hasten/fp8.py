@@ -6,6 +6,9 @@ given (``AORecipeKwargs``, ``TERecipeKwargs``, ``MSAMPRecipeKwargs`` or the depr
 refuses hardware that cannot do fp8 (never a quiet fallback to bf16) and converts each prepared
 model before the strategy wraps it. Around the converted layers the model runs under bf16 autocast
 (``Precision`` treats "fp8" as bf16), as Accelerate does: torchao's float8 matmuls then return bf16.
+Under FSDP2 the bf16 comes from the sharding policy instead, and the converted weights are
+all-gathered in float8 (``enable_fsdp_float8_all_gather``) with scales precomputed after each step
+(the FSDP2 strategy calls the helpers at the end of this module).
 
 Only torchao is driven here. Transformer Engine and MS-AMP cannot be installed without CUDA;
 missing, they fail with the install command; present, with a clear "not driven yet" error.
@@ -244,7 +247,9 @@ class Float8Plan:
     def convert(self, model: nn.Module) -> list[str]:
         """Swap the chosen ``nn.Linear`` layers of ``model`` for float8 ones, in place; returns their names.
 
-        A model that already holds float8 layers (converted by the user) is left as it is.
+        A model that already holds float8 layers (converted by the user) is left as it is. The
+        weight ``Parameter`` objects stay the same, except with float8 all-gather (FSDP2), where
+        torchao wraps each converted weight in a new one (the strategy maps the old to the new).
         """
         float8 = import_torchao_float8()
         from torchao.float8.float8_linear import Float8Linear
@@ -283,7 +288,6 @@ def plan_for(handlers: dict[type, Any], mixed_precision: str, device: torch.devi
     return None if recipe is None else Float8Plan(recipe, device, sharded=sharded)
 
 
-
 # -- float8 all-gather under FSDP2 -----------------------------------------------------------------
 _CAST_WEIGHT = "WeightWithDynamicFloat8CastTensor"  # torchao's weight wrapper that FSDP2 all-gathers in float8
 
@@ -297,12 +301,6 @@ def is_float8_cast_weight(tensor: Any) -> bool:
 def gathers_in_float8(model: nn.Module) -> bool:
     """Whether FSDP2 all-gathers some of ``model``'s weights in float8."""
     return any(is_float8_cast_weight(p) for p in model.parameters())
-
-
-def plain_tensor(tensor: Any) -> Any:
-    """The high-precision tensor inside torchao's weight wrapper (anything else unchanged), so that
-    state dicts hold plain tensors that load into the unconverted model."""
-    return tensor._tensor if type(tensor).__name__ == _CAST_WEIGHT else tensor
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -328,10 +328,8 @@ class FSDP2Strategy(Strategy):
     # -- state dict I/O -------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, everyone: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict on CPU, on process 0 (everywhere with ``everyone``); others get {}.
-        float8 all-gather weights come out as the plain tensors they wrap."""
-        from ..fp8 import plain_tensor
-
-        return {k: plain_tensor(v) for k, v in full_state_dict(model, everyone=everyone).items()}
+        (Gathering a float8 all-gather weight gives the plain fp32 tensor: no fp8 subclass leaks out.)"""
+        return full_state_dict(model, everyone=everyone)
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
         return load_full_state_dict(model, state_dict, strict=strict)

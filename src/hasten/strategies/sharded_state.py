@@ -71,7 +71,6 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
     import os
     import uuid
 
-    from ..fp8 import plain_tensor
     from ..saving import (ALIASES_KEY, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID_KEY, parse_size,
                           write_atomically, write_weights_file)
 
@@ -104,7 +103,7 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
         shard = {}
         for name in names:
             value = kept[name]
-            full = plain_tensor(value.full_tensor() if hasattr(value, "full_tensor") else value)
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
             if is_main_process:
                 shard[name] = full.detach().to("cpu").contiguous()
                 total += shard[name].nbytes
