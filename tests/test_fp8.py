@@ -241,6 +241,8 @@ def test_deprecated_fp8_recipe_kwargs_maps_to_its_backend(fresh_state):
     (lambda u: u.AORecipeKwargs(config="colwise"), ValueError, ["'colwise'", "rowwise"]),
     (lambda u: u.AORecipeKwargs(config="rowwise", pad_inner_dim=True), ValueError, ["pad_inner_dim", "contradicts"]),
     (lambda u: u.AORecipeKwargs(module_filter_func="0"), TypeError, ["module_filter_func", "callable"]),
+    (lambda u: u.AORecipeKwargs(config="rowwise", enable_fsdp_float8_all_gather=True), ValueError,
+     ["enable_fsdp_float8_all_gather=True", "rowwise", "only tensorwise", "config='tensorwise'"]),
     (lambda u: u.TERecipeKwargs(fp8_format="E3M4"), ValueError, ["fp8_format='E3M4'", "HYBRID"]),
     (lambda u: u.TERecipeKwargs(override_linear_precision=(True,)), ValueError, ["three booleans"]),
     (lambda u: u.TERecipeKwargs(), ImportError, ["Transformer Engine", "pip install"]),

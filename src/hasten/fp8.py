@@ -105,6 +105,10 @@ def build_ao_config(config: Any, pad_inner_dim: Optional[bool], fsdp_all_gather:
         raise TypeError(f"AORecipeKwargs(config=...) got a {type(config).__name__}; pass a "
                         "torchao.float8.Float8LinearConfig, a recipe name ('tensorwise', 'rowwise') or None")
     # Accelerate ignores these two next to a config; silently dropping a setting is worse.
+    if fsdp_all_gather and not config.enable_fsdp_float8_all_gather and _recipe_label(config) == "rowwise":
+        raise ValueError("AORecipeKwargs(enable_fsdp_float8_all_gather=True) cannot go with a rowwise recipe: torchao "
+                         "all-gathers only tensorwise-scaled weights in float8. Use config='tensorwise', or leave "
+                         "enable_fsdp_float8_all_gather unset (FSDP2 then all-gathers rowwise weights in bf16)")
     for field_name, value in (("pad_inner_dim", pad_inner_dim), ("enable_fsdp_float8_all_gather", fsdp_all_gather)):
         if value is not None and value != getattr(config, field_name):
             raise ValueError(f"AORecipeKwargs({field_name}={value}) contradicts config.{field_name}="
