@@ -20,8 +20,10 @@ from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
 BATCH = 8  # per rank
 CONVERTED = ("2", "4")  # the inner Linear layers the default filter converts
 # FSDP2 runs the unconverted layers with bf16 weights (the policy), the one-process reference under
-# bf16 autocast: the roundings differ a little. Measured worst weight gap after 4 steps: ~2e-4.
-TRACKING_TOLERANCE = 2e-3
+# bf16 autocast; measured, the weights after 4 steps are bitwise equal. The margin allows the
+# gradient average to round its last bit differently (as for DDP in checks_fp8.py); the weights
+# of the float8 layers move by ~2e-3 over these steps, so training nothing could not pass.
+TRACKING_TOLERANCE = 1e-6
 
 
 def _accelerator(accumulate=1, recipe=None, **plugin):
@@ -110,7 +112,7 @@ def _compare(accumulate, build_optimizer_first=True):
     tracking = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert tracking < TRACKING_TOLERANCE, f"worst weight gap to one process: {tracking}"
     moved = min(float((got[f"{n}.weight"] - start[f"{n}.weight"]).abs().max()) for n in CONVERTED)
-    assert moved > 10 * tracking, f"the float8 layers barely trained ({moved}); the comparison proves nothing"
+    assert moved > 1000 * TRACKING_TOLERANCE, f"the float8 layers barely trained ({moved}); the comparison proves nothing"
     # The weight the float8 layer computes with is what FSDP2 all-gathered: float8 data with a scale.
     kinds = {(type(w).__name__, str(getattr(w, "_data", w).dtype)) for w in gathered}
     assert kinds == {("Float8TrainingTensor", "torch.float8_e4m3fn")}, kinds

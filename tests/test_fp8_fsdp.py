@@ -20,15 +20,6 @@ def test_fp8_fsdp(two_ranks, name):
     two_ranks.assert_passed(name)
 
 
-def test_tracking_tolerance_is_met_with_margin(two_ranks):
-    """The stated tolerance is not loose: the measured gap sits well inside it on both ranks."""
-    import checks_fp8_fsdp
-
-    for name in ("check_float8_all_gather_matches_hand_written_loop", "check_gradient_accumulation_optimizer_built_after_prepare"):
-        for value in two_ranks.assert_passed(name):
-            assert value["tracking"] < checks_fp8_fsdp.TRACKING_TOLERANCE / 2, value
-
-
 def test_fp8_with_fsdp_and_tensor_parallel_is_refused():
     report = run_checks("checks_fp8_fsdp", world_size=4, only=["four_ranks_fp8_with_tensor_parallel_is_refused"])
     for message in report.assert_passed("four_ranks_fp8_with_tensor_parallel_is_refused"):
