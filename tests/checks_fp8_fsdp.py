@@ -9,7 +9,6 @@ match exactly; and one process running the two shards in turn under autocast
 import os
 
 import torch
-from torch import nn
 
 from distributed import reset_state
 from fp8_common import loss_of, make_data, make_model, per_shard_reference

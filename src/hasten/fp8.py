@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .logging import get_logger
-from .utils.dataclasses import (
+from .utils.fp8_recipes import (
     AORecipeKwargs,
     FP8BackendType,
     FP8RecipeKwargs,

@@ -9,12 +9,30 @@ import warnings
 from typing import Any, Optional, Sequence
 
 from .utils.dataclasses import (
-    KWARGS_HANDLERS,
+    AutocastKwargs,
     DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
     TorchDynamoPlugin,
 )
 from .utils.environment import parse_flag, parse_int
+from .utils.fp8_recipes import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+
+# Kwargs handlers that the Accelerator accepts, by class.
+KWARGS_HANDLERS: tuple[type, ...] = (
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    AutocastKwargs,
+    AORecipeKwargs,
+    FP8RecipeKwargs,  # before its base classes, so that it is recognised as itself
+    TERecipeKwargs,
+    MSAMPRecipeKwargs,
+    ProfileKwargs,
+)
 
 _LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 # Default of Accelerator(split_batches=...): tells "not given" from an explicit False.

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .options import accumulation_plugin
-from .utils.dataclasses import FP8BackendType
+from .utils.fp8_recipes import FP8BackendType
 
 
 class SettingsViewsMixin:

@@ -8,9 +8,11 @@ _EXPORTS = {
         "DistributedType", "PrecisionType", "RNGType", "DDPCommunicationHookType", "KwargsHandler",
         "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
         "GradientAccumulationPlugin", "DataLoaderConfiguration", "ProjectConfiguration", "TorchDynamoPlugin",
-        "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",
         "DynamoBackend",
         "LoggerType", "ProfileKwargs",
+    )},
+    **{name: ".fp8_recipes" for name in (
+        "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",
     )},
     # collectives and nested-structure helpers
     **{name: ".operations" for name in (
