@@ -236,6 +236,17 @@ def test_deprecated_fp8_recipe_kwargs_maps_to_its_backend(fresh_state):
     assert isinstance(acc.fp8.recipe, AORecipeKwargs) and acc.fp8_backend == "AO"
 
 
+def test_recipes_import_torch_free_from_every_public_place():
+    import subprocess
+
+    code = ("import sys, hasten, hasten.utils, hasten.utils.dataclasses as d, hasten.utils.fp8_recipes as r; "
+            "names = ('AORecipeKwargs', 'TERecipeKwargs', 'MSAMPRecipeKwargs', 'FP8RecipeKwargs'); "
+            "same = all(getattr(hasten, n) is getattr(hasten.utils, n) is getattr(d, n) is getattr(r, n) for n in names); "
+            "print(same, d.FP8BackendType is hasten.utils.FP8BackendType, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True", "False"], out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda u: u.AORecipeKwargs(config=3), TypeError, ["int", "Float8LinearConfig"]),
     (lambda u: u.AORecipeKwargs(config="colwise"), ValueError, ["'colwise'", "rowwise"]),
