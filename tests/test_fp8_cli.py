@@ -78,3 +78,20 @@ def test_hasten_launch_trains_fp8_on_two_processes(tmp_path):
         assert report["layers"] == ["Linear", "Float8Linear", "Linear"]
     assert reports[0]["weight_sum"] == reports[1]["weight_sum"]  # DDP kept the ranks in step
     assert "Failed to load" not in err  # torchao's CPU import noise is kept out of the log
+    assert reports[0]["float8_all_gather"] == ["Parameter", "Parameter"]  # no all-gather wrapper without FSDP2
+
+
+def test_hasten_launch_trains_fp8_with_fsdp(tmp_path):
+    pytest.importorskip("torchao")
+    env = clean_env(tmp_path / "absent.yaml", PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    rc, out, err, _ = hasten(["launch", "--cpu", "--num_processes", "2", "--mixed_precision", "fp8", "--use_fsdp",
+                              "--fp8_backend", "ao", "--fp8_enable_fsdp_float8_all_gather", "true",
+                              script("launch_fp8.py"), tmp_path], env, timeout=300)
+    assert rc == 0, err[-3000:]
+    reports = ranks(tmp_path, 2)
+    for report in reports:
+        assert report["precision"] == "fp8" and report["distributed_type"] == "FSDP"
+        assert report["layers"] == ["Linear", "Float8Linear", "Linear"]
+        assert report["float8_all_gather"] == ["WeightWithDynamicFloat8CastTensor", "Tensor"], report
+    weight_sum = reports[0]["weight_sum"]
+    assert reports[1]["weight_sum"] is None and weight_sum is not None and weight_sum == weight_sum  # not NaN

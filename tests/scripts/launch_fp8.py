@@ -21,8 +21,10 @@ for _ in range(2):
     opt.step()
     opt.zero_grad()
 inner = acc.unwrap_model(model)
+full = acc.get_state_dict(model)  # under FSDP2: on process 0 only
 with open(os.path.join(out, f"rank{acc.process_index}.json"), "w") as f:
     json.dump({"precision": acc.mixed_precision, "backend": str(acc.fp8_backend.value),
-               "pad_inner_dim": acc.fp8.config.pad_inner_dim,
+               "pad_inner_dim": acc.fp8.config.pad_inner_dim, "distributed_type": str(acc.distributed_type.value),
                "layers": [type(m).__name__ for m in inner if "Linear" in type(m).__name__],
-               "weight_sum": float(inner[2].weight.detach().sum())}, f)
+               "float8_all_gather": [type(getattr(p, "_local_tensor", p)).__name__ for p in inner[2].parameters()],
+               "weight_sum": float(full["2.weight"].sum()) if full else None}, f)
