@@ -10,7 +10,8 @@ read from a DataLoader (hasten: a prepared one; hand-written: ``DistributedSampl
 batches), loss ``model(x).pow(2).mean()``, ``zero_grad(set_to_none=True)``. Three phases:
 
 1. **DDP through hasten** (``Accelerator()``): per-process parameter + gradient + Adam bytes (the
-   local tensors after a step) and a few timed steps; then freed.
+   local tensors after a step, with the gradients of a backward present) and a few timed steps;
+   then freed.
 2. **FSDP2 through hasten vs a hand-written FSDP2 loop**, both models alive in the same processes:
    hasten's ``FullyShardedDataParallelPlugin(fsdp_version=2)`` with SIZE_BASED_WRAP (one FSDP group
    per Linear, then the root), against ``fully_shard`` on each Linear and on the root with the same
@@ -61,7 +62,13 @@ def _dataset(args):
     return TensorDataset(torch.randn(2 * args.batch * args.block_steps, args.width, generator=g))
 
 
-def _local_bytes(model, opt) -> int:
+def _local_bytes(model, opt, backward, width: int) -> int:
+    """Parameter + gradient + optimizer-state bytes this process holds, with the gradients of one backward
+    present (then zeroed again: the models stay in step with each other)."""
+    import torch
+
+    backward(model(torch.ones(1, width)).pow(2).mean())
+
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -74,6 +81,7 @@ def _local_bytes(model, opt) -> int:
         for v in state.values():
             if hasattr(v, "numel") and v.dim() > 0:
                 total += local(v).numel() * local(v).element_size()
+    opt.zero_grad(set_to_none=True)
     return total
 
 
@@ -111,6 +119,7 @@ def _hasten_loop(args, plugin):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    epoch.bytes = lambda: _local_bytes(model, opt.optimizer, acc.backward, args.width)
     return epoch, acc, model, opt
 
 
@@ -141,6 +150,7 @@ def _raw_loop(args):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    epoch.bytes = lambda: _local_bytes(model, opt, lambda loss: loss.backward(), args.width)
     return epoch, model, opt
 
 
@@ -149,7 +159,7 @@ def _ddp_phase(args, barrier) -> dict:
 
     epoch, acc, model, opt = _hasten_loop(args, None)
     epoch()  # warm-up; creates the Adam state
-    out = {"bytes": _local_bytes(model, opt.optimizer)}
+    out = {"bytes": epoch.bytes()}
     out["block_s"] = [_timed(epoch, barrier) for _ in range(args.ddp_blocks)]
     acc.free_memory()
     del epoch, acc, model, opt
@@ -191,7 +201,7 @@ def _fsdp2_phase(args, barrier, folder: str) -> dict:
     loops = {"hasten": ours, "raw": raw}
     for run in loops.values():  # warm-up; creates the Adam state
         run()
-    out: dict = {"bytes": {"hasten": _local_bytes(model, opt.optimizer), "raw": _local_bytes(raw_model, raw_opt)}}
+    out: dict = {"bytes": {name: run.bytes() for name, run in loops.items()}}
     out["calls_per_step"] = {name: {k: v / args.block_steps for k, v in _python_calls(run).items()}
                              for name, run in loops.items()}
     times: dict = {"hasten": [], "raw": []}
@@ -292,6 +302,8 @@ def _summary(results: dict, args) -> dict:
             "memory_fsdp2_over_ddp": fsdp["bytes"]["hasten"] / results["ddp"]["bytes"],
             "step_rate_hasten_over_raw": _spread(per_quartet),
             "step_rate_total_time": sum(blocks["raw"]) / sum(blocks["hasten"]),
+            # The least disturbed block of each: a low-noise view on a loaded machine.
+            "step_rate_fastest_blocks": min(blocks["raw"]) / min(blocks["hasten"]),
             "save_speed_hasten_over_dcp": _spread(pairs["save"]),
             "load_speed_hasten_over_dcp": _spread(pairs["load"]),
         },
@@ -316,7 +328,7 @@ def _verdicts(s: dict) -> list[str]:
              "FSDP2 (hasten) / DDP parameter + gradient + Adam bytes per process"),
         line("step rate", step["median"], TARGETS["step_rate"], True,
              f"hasten FSDP2 / hand-written fully_shard, per ABBA quartet: {spread(step)}; "
-             f"total time ratio {r['step_rate_total_time']:.3f}"),
+             f"total time ratio {r['step_rate_total_time']:.3f}, fastest blocks {r['step_rate_fastest_blocks']:.3f}"),
         line("save", r["save_speed_hasten_over_dcp"]["median"], TARGETS["save"], True,
              f"save_state / dcp.save speed, per pair: {spread(r['save_speed_hasten_over_dcp'])}"),
         line("load", r["load_speed_hasten_over_dcp"]["median"], TARGETS["load"], True,
