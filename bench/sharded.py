@@ -19,8 +19,9 @@ batches), loss ``model(x).pow(2).mean()``, ``zero_grad(set_to_none=True)``. Thre
    alternate in ABBA quartets (hasten, raw, raw, hasten, then raw, hasten, hasten, raw, ...), each
    block between two barriers, so machine noise and slow drift hit both alike; the figure is the
    median over quartets of (raw time / hasten time), with its spread. The Python function calls
-   of one step of each loop are counted too (cProfile; deterministic, independent of noise), and
-   the two models' parameters are compared at the end (same data, same steps: equal up to rounding).
+   of one step of each loop are counted too (cProfile: counted, not timed, so load barely moves
+   them), and the two models' parameters are compared at the end (same data, same steps: equal up
+   to rounding).
 3. **Sharded checkpoint of hasten's FSDP2 model**: ``save_state``/``load_state`` (DCP shards
    fsynced, RNG and data-position files, manifest, atomic rename) against ``dcp.save``/``dcp.load``
    of the same model and optimizer with ``FileSystemWriter(sync_files=True)`` (the same fsync of
