@@ -4,6 +4,7 @@ bf16, transformer-layer wrapping, exact resume, loads across layouts, rank-0 loa
 import os
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from distributed import reset_state
@@ -177,7 +178,12 @@ def check_bitwise_resume():
     whole = _run(acc, model, opt, _batches(loader), 18, folder, save_at=7)  # mid-epoch (6 steps per epoch)
     final = _full(acc, model)
     acc, model, opt, loader = _setup()
-    acc.load_state(folder)
+    reads, read = [], dcp.FileSystemReader.read_metadata
+    dcp.FileSystemReader.read_metadata = lambda self, *a, **k: reads.append(1) or read(self, *a, **k)
+    try:
+        acc.load_state(folder)
+    finally:
+        dcp.FileSystemReader.read_metadata = read
     at_save = {k: v.tolist() for k, v in _full(acc, model).items()}
     rest = _run(acc, model, opt, _batches(loader), 11)
     again = _full(acc, model)
@@ -187,7 +193,7 @@ def check_bitwise_resume():
 
     with open(os.path.join(folder, "manifest.json")) as f:
         layout = json.load(f)["layout"]
-    return {"layout": layout, "at_save": at_save, "saved_losses": whole[7:]}
+    return {"layout": layout, "at_save": at_save, "saved_losses": whole[7:], "metadata_reads": len(reads)}
 
 
 def check_ddp_checkpoint_into_fsdp():

@@ -216,3 +216,33 @@ def test_deepspeed_kill_after_engine_files_resumes_from_the_previous_checkpoint(
     for rank in range(2):
         assert seen[rank]["weights"] == reference[rank]["weights"]
     assert sorted(os.listdir(tmp_path / "project" / "checkpoints")) == ["checkpoint_4", "checkpoint_5"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names the fsynced descriptors through /proc")
+def test_a_save_fsyncs_every_file_and_folder_a_crash_needs_each_once(fresh_state, tmp_path, monkeypatch):
+    """What the commit makes durable (every file, the folder, its parent after the rename), and nothing twice:
+    an fsync flushes the device's cache even with nothing left to write, so a repeated one is pure cost."""
+    import torch
+
+    from hasten import Accelerator
+
+    acc = Accelerator()
+    model = torch.nn.Linear(4, 4)
+    model, opt = acc.prepare(model, torch.optim.Adam(model.parameters()))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    synced, real = [], os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    target = acc.save_state(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert len(synced) == len(set(synced)), f"fsynced more than once: {sorted(synced)}"
+    temp = [p for p in synced if os.path.basename(p).startswith(".ckpt.tmp-")]
+    assert len(temp) == 1 and str(tmp_path) in synced, synced
+    for name in os.listdir(target):
+        written = {os.path.join(temp[0], name), os.path.join(temp[0], name + ".tmp")}  # the manifest: via a temp
+        assert written & set(synced), f"{name} was never fsynced: {synced}"

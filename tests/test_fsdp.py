@@ -49,6 +49,7 @@ def test_bitwise_resume_and_manifest_layout(two):
     r = two.assert_passed("check_bitwise_resume")[0]
     assert r["layout"] == {"strategy": "FSDP2Strategy", "state_dict": "dcp",
                            "mesh": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
+    assert r["metadata_reads"] == 1  # checked, then loaded, from one read of DCP's .metadata
 
 
 def test_ddp_checkpoint_loads_into_fsdp(two):

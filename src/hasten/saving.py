@@ -91,8 +91,7 @@ def atomic_write(path: PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterat
     with atomic_path(path) as tmp:
         with open(tmp, mode, **open_kwargs) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+        # atomic_path fsyncs the closed file before the rename (a second fsync would flush the device again).
 
 
 def write_atomically(path: PathLike, writer: Callable[[str], Any]) -> None:

@@ -80,10 +80,39 @@ def files(folder: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+_LAST_METADATA: list = [None]  # (folder, file identity, Metadata) of the last read: ``check`` then ``load``
+
+
 def _metadata(folder: str) -> Any:
+    """DCP's ``.metadata`` of ``folder``, read once for ``check`` and ``load`` (unpickling it costs
+    milliseconds per hundred tensors); a file replaced in between is read again."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.FileSystemReader(os.path.join(folder, SUBDIR)).read_metadata()
+    info = os.stat(os.path.join(folder, SUBDIR, ".metadata"))
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    last = _LAST_METADATA[0]
+    if last is None or last[:2] != (folder, identity):
+        last = _LAST_METADATA[0] = (folder, identity, dcp.FileSystemReader(os.path.join(folder, SUBDIR)).read_metadata())
+    return last[2]
+
+
+def _reader(folder: str) -> Any:
+    """A ``FileSystemReader`` that hands DCP the metadata ``check`` already read."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(os.path.join(folder, SUBDIR))
+    read = reader.read_metadata
+
+    def read_metadata(*args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # a rank-local metadata file: DCP's own reading
+            return read(*args, **kwargs)
+        metadata = _metadata(folder)
+        _LAST_METADATA[0] = None  # used: a later load reads the file again
+        metadata.storage_meta.load_id = reader.load_id
+        return metadata
+
+    reader.read_metadata = read_metadata
+    return reader
 
 
 def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
@@ -135,7 +164,7 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
 
     with_state = [bool(e.get("dcp")) for e in contents["optimizers"]]
     state = _targets(models, optimizers, with_state)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(folder, SUBDIR)), process_group=group)
+    dcp.load(state, storage_reader=_reader(folder), process_group=group)
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
     for i, opt in enumerate(optimizers):
