@@ -113,11 +113,13 @@ class FSDP2Strategy(Strategy):
 
     def _shard_mesh(self) -> Any:
         sizes = self.mesh.sizes
-        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
-            return self.mesh[("dp_replicate", "dp_shard")]  # HSDP: 2-D mesh
+        # With context parallelism the cp processes shard the model too (Accelerate's dp_shard_cp).
+        shard = "dp_shard_cp" if sizes["cp"] > 1 else "dp_shard"
+        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] * sizes["cp"] > 1:
+            return self.mesh[("dp_replicate", shard)]  # HSDP: 2-D mesh
         if sizes["dp_replicate"] > 1:
             return self.mesh["dp_replicate"]
-        return self.mesh["dp_shard"]
+        return self.mesh[shard]
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -129,6 +131,10 @@ class FSDP2Strategy(Strategy):
                              "weights fill it, or build the model with real weights")
         full = _rank0_weights(model, self.state) if efficient else None
         before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        if self.mesh.sizes["cp"] > 1:
+            from .context_parallel import prepare_model
+
+            prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
         if self.mesh.sizes["tp"] > 1:
             from .tensor_parallel import apply_tensor_parallel
 
