@@ -351,7 +351,9 @@ def check_fp16_overflow_on_one_process_skips_everywhere():
     scheduler unchanged, scale backed off everywhere); the scaler's state saves and resumes; it trains."""
     folder = os.path.join(os.environ["FSDP_TMP"], "fp16")
     acc, model, opt, sched, loader = _fp16_setup()
-    assert type(acc.scaler).__name__ == "ShardedGradScaler", type(acc.scaler)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert isinstance(acc.scaler, ShardedGradScaler), type(acc.scaler)
     batches = _batches(loader)
     steps = [_fp16_step(acc, model, opt, sched, batches, poison) for poison in (None, "batch", None, "grad", None)]
     assert [s["skipped"] for s in steps] == [False, True, False, True, False], steps

@@ -193,12 +193,16 @@ def check_tp_checkpoint_roundtrip():
 
 
 def check_tp_device_mesh_and_fp16_overflow_on_one_process():
-    """The mesh is Accelerate's (``tp`` only, no flattened data-parallel dims); with fp16, an overflow in one
-    process's gradient shard skips the step on both (they hold different shards of the same weights)."""
+    """The mesh is Accelerate's (``tp`` only, no flattened data-parallel dims); fp16 trains a model whose last
+    layer is outside the plan (DTensor and plain gradients), and an overflow in one process's gradient
+    shard skips the step on both (they hold different shards of the same weights)."""
     if int(os.environ["WORLD_SIZE"]) != 2:
         return "skipped"
     reset_state()
-    acc = Accelerator(mixed_precision="fp16", parallelism_config=ParallelismConfig(tp_size=2, tp_plan=MLP_PLAN))
+    from hasten.utils import GradScalerKwargs
+
+    acc = Accelerator(mixed_precision="fp16", parallelism_config=ParallelismConfig(tp_size=2, tp_plan=MLP_PLAN),
+                      kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])  # only the forced overflow skips
     facts = mesh_facts(acc)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

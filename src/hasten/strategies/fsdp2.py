@@ -24,6 +24,7 @@ from ..utils.dataclasses import DistributedType
 from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin
 from .base import Params, Strategy
 from .mesh import ParallelMesh
+from .scaler import agreeing_scaler
 from .sharded_state import full_state_dict, load_full_state_dict
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -35,15 +36,7 @@ class ShardedPrecision(Precision):
 
     def __init__(self, mode: str, device: torch.device, *args: Any, **kwargs: Any) -> None:
         super().__init__(mode, device, *args, **kwargs)
-        if self.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            # Finds infs on every shard and agrees on them over the processes.
-            self.scaler = ShardedGradScaler(device.type, init_scale=self.scaler.get_scale(),
-                                            growth_factor=self.scaler.get_growth_factor(),
-                                            backoff_factor=self.scaler.get_backoff_factor(),
-                                            growth_interval=self.scaler.get_growth_interval(),
-                                            enabled=self.scaler.is_enabled())
+        self.scaler = agreeing_scaler(self.scaler, device)
 
     def wrap_forward(self, model: nn.Module) -> None:
         return None  # the policy casts parameters and inputs
