@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from distributed import reset_state
+from distributed import mesh_facts, reset_state
 from hasten import Accelerator
 from hasten.utils import set_seed
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
@@ -317,3 +317,122 @@ def check_save_model_streams_full_weights():
             got.update(load_file(os.path.join(folder, name)))
     assert set(got) == set(full) and all(torch.equal(got[k], full[k]) for k in full)
     return names
+
+
+def _fp16_setup():
+    reset_state()
+    from hasten.utils import GradScalerKwargs
+
+    # A scale that these gradients fit in fp16, so only the forced overflows skip.
+    acc = Accelerator(mixed_precision="fp16", fsdp_plugin=Plugin(fsdp_version=2),
+                      kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.99)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=4)
+    return acc, *acc.prepare(model, opt, sched, loader)
+
+
+def _fp16_step(acc, model, opt, sched, batches, poison=None):
+    """One step; ``poison``: an overflow on process 1 only, in its batch or in its gradient shard."""
+    x, y = next(batches)
+    if poison == "batch" and acc.process_index == 1:
+        x = x.clone()
+        x[0, 0] = float("inf")
+    before, lr = _full(acc, model), sched.get_last_lr()
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    acc.backward(loss)
+    if poison == "grad" and acc.process_index == 1:  # only this process's shard of the reduced gradient
+        model[0].weight.grad.to_local()[0, 0] = float("inf")
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    after = _full(acc, model)
+    return {"skipped": acc.optimizer_step_was_skipped, "changed": any(not torch.equal(before[k], after[k]) for k in after),
+            "lr_moved": sched.get_last_lr() != lr, "scale": acc.scaler.get_scale(), "loss": float(loss)}
+
+
+def check_fp16_overflow_on_one_process_skips_everywhere():
+    """fp16 under FSDP2: an overflow on one process skips the step on every process (parameters and
+    scheduler unchanged, scale backed off everywhere); the scaler's state saves and resumes; it trains."""
+    folder = os.path.join(os.environ["FSDP_TMP"], "fp16")
+    acc, model, opt, sched, loader = _fp16_setup()
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert isinstance(acc.scaler, ShardedGradScaler), type(acc.scaler)
+    batches = _batches(loader)
+    steps = [_fp16_step(acc, model, opt, sched, batches, poison) for poison in (None, "batch", None, "grad", None)]
+    assert [s["skipped"] for s in steps] == [False, True, False, True, False], steps
+    assert [s["changed"] for s in steps] == [True, False, True, False, True], steps
+    assert [s["lr_moved"] for s in steps] == [True, False, True, False, True], steps
+    assert [s["scale"] for s in steps] == [1024.0, 512.0, 512.0, 256.0, 256.0], steps
+    acc.save_state(folder)
+    saved, saved_scaler = _full(acc, model), acc.scaler.state_dict()
+    _fp16_step(acc, model, opt, sched, batches, "grad")  # moves the scale on after the save
+    losses = [_fp16_step(acc, model, opt, sched, batches)["loss"] for _ in range(24)]  # 3 epochs: it trains
+    assert sum(losses[-8:]) < sum(losses[:8]), losses
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    acc, model, opt, sched, loader = _fp16_setup()
+    acc.load_state(folder)
+    assert acc.scaler.state_dict() == saved_scaler, (acc.scaler.state_dict(), saved_scaler)
+    assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
+    assert _fp16_step(acc, model, opt, sched, _batches(loader), "grad")["scale"] == saved_scaler["scale"] / 2
+    return {"steps": steps, "scaler": saved_scaler}
+
+
+def check_device_mesh_and_ranks():
+    """``torch_device_mesh`` as Accelerate's: None without a parallelism_config; with dp_shard_size=2
+    the dim ``dp_shard`` plus the flattened ``dp``, ``dp_shard_cp``, ``dp_cp``; FSDP2 shards over it."""
+    from hasten.utils.parallelism_config import ParallelismConfig
+
+    acc = _accelerator()
+    assert acc.torch_device_mesh is None
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2), fsdp_plugin=Plugin(fsdp_version=2))
+    facts = mesh_facts(acc)
+    model = acc.prepare(_model())
+    assert model[0].weight.device_mesh.mesh_dim_names == ("dp_shard",)
+    return facts
+
+
+def check_background_save_while_training_goes_on():
+    """``save_state(blocking=False)`` under FSDP2: the shards are copied when it returns, so the steps
+    taken while the background thread writes do not leak into the checkpoint; two saves in a row (host
+    buffers reused), each loads bitwise and resumes with the same losses."""
+    folders = [os.path.join(os.environ["FSDP_TMP"], f"background{i}") for i in range(2)]
+    acc, model, opt, loader = _setup()
+    batches = _batches(loader)
+    saved, after = [], []
+    for folder in folders:
+        _run(acc, model, opt, batches, 3)
+        acc.save_state(folder, blocking=False)
+        saved.append(_full(acc, model))
+        after.append(_run(acc, model, opt, batches, 3))  # while the save is written
+    buffers = acc._background().stager.tree_buffers
+    acc.wait_for_checkpoint()
+    assert buffers and all(name.startswith("/model_0/") or name.startswith("/optimizer_0/") for name in buffers)
+    for folder, weights, losses in zip(folders, saved, after):
+        acc, model, opt, loader = _setup()
+        acc.load_state(folder)
+        assert all(torch.equal(weights[k], v) for k, v in _full(acc, model).items())
+        assert _run(acc, model, opt, _batches(loader), 3) == losses
+    return sorted(os.listdir(os.path.join(folders[0], "sharded")))
+
+
+def check_save_inside_accumulation_window_names_the_fix():
+    acc = _accelerator()
+    acc.gradient_accumulation_steps = 2
+    model = _model()
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.utils.data.DataLoader(_data(), batch_size=2))
+    x, y = next(iter(loader))
+    with acc.accumulate(model):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    try:
+        acc.save_state(os.path.join(os.environ["FSDP_TMP"], "mid_window"))
+    except RuntimeError as e:  # every process's refusal, raised on every process
+        assert "if accelerator.sync_gradients" in str(e), str(e)
+        assert not os.path.exists(os.path.join(os.environ["FSDP_TMP"], "mid_window"))
+        return str(e)
+    raise AssertionError("saved inside an accumulation window")

@@ -10,7 +10,7 @@ import os
 import torch
 from torch import nn
 
-from distributed import reset_state
+from distributed import mesh_facts, reset_state
 from hasten import Accelerator
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
 from hasten.utils.parallelism_config import ParallelismConfig
@@ -192,6 +192,37 @@ def check_tp_checkpoint_roundtrip():
             "from_single": {k: v.tolist() for k, v in _full(acc, model).items()}}
 
 
+def check_tp_device_mesh_and_fp16_overflow_on_one_process():
+    """The mesh is Accelerate's (``tp`` only, no flattened data-parallel dims); fp16 trains a model whose last
+    layer is outside the plan (DTensor and plain gradients), and an overflow in one process's gradient
+    shard skips the step on both (they hold different shards of the same weights)."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    reset_state()
+    from hasten.utils import GradScalerKwargs
+
+    acc = Accelerator(mixed_precision="fp16", parallelism_config=ParallelismConfig(tp_size=2, tp_plan=MLP_PLAN),
+                      kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])  # only the forced overflow skips
+    facts = mesh_facts(acc)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(_data(), batch_size=4))
+    steps = []
+    for x, y in loader:
+        before = _full(acc, model)
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        if len(steps) == 1 and acc.process_index == 1:
+            model[0].weight.grad.to_local()[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+        changed = any(not torch.equal(before[k], v) for k, v in _full(acc, model).items())
+        steps.append([acc.optimizer_step_was_skipped, changed])
+        if len(steps) == 3:
+            break
+    assert steps == [[False, True], [True, False], [False, True]], steps
+    return facts
+
+
 def check_tp_bad_heads_named_before_communication():
     if int(os.environ["WORLD_SIZE"]) != 2:
         return "skipped"
@@ -216,6 +247,7 @@ def check_dp_shard_times_tp_equals_one_process():
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2, tp_plan=MLP_PLAN),
                       fsdp_plugin=Plugin(fsdp_version=2))
     out = _mlp_equivalence(acc)
+    out["mesh"] = mesh_facts(acc)
     assert "Shard(dim=0), Shard(dim=0)" in out["placements"] or "_StridedShard" in out["placements"], out
     out["gathered"] = len(_gather_exact(acc))
     return out

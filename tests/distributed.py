@@ -51,6 +51,21 @@ def one_process_checkpoint(folder: str, model, features: int) -> tuple[str, dict
     return folder, expected
 
 
+def mesh_facts(acc) -> dict:
+    """What ``acc.torch_device_mesh`` and the rank properties say about this process (for mesh checks)."""
+    mesh = acc.torch_device_mesh
+    flat = {}
+    for name in ("dp", "dp_shard_cp", "dp_cp"):
+        try:
+            flat[name] = [mesh[name].size(), mesh[name].get_local_rank()]
+        except (KeyError, ValueError, RuntimeError):  # not built: no enabled part
+            flat[name] = None
+    return {"names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "flat": flat,
+            "ranks": {"dp_replicate": acc.data_parallel_rank, "dp_shard": acc.data_parallel_shard_rank,
+                      "tp": acc.tensor_parallel_rank, "cp": acc.context_parallel_rank},
+            "local": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

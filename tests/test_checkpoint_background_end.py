@@ -22,12 +22,12 @@ def env(tmp_path_factory):
     return clean_env(tmp_path_factory.mktemp("cfg") / "absent.yaml", OMP_NUM_THREADS=1)
 
 
-def _run(launcher, project, mode, env):
+def _run(launcher, project, mode, env, layout="ddp"):
     if launcher == "hasten launch":
         return hasten(["launch", "--num_processes", "2", "--main_process_port", free_port(),
-                       script("ckpt_background_end.py"), project, mode], env, timeout=300)[:3]
+                       script("ckpt_background_end.py"), project, mode, layout], env, timeout=300)[:3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           script("ckpt_background_end.py"), str(project), mode]
+           script("ckpt_background_end.py"), str(project), mode, layout]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -41,15 +41,17 @@ def _saved_weights(project):
     return [json.load(open(project / f"saved{r}.json"))["weights"] for r in (0, 1)]
 
 
-@pytest.mark.parametrize("launcher", ["hasten launch", "torchrun"])
-def test_background_save_as_last_line_is_complete_and_loads_on_two_processes(tmp_path, env, launcher):
+@pytest.mark.parametrize("launcher, layout", [("hasten launch", "ddp"), ("torchrun", "ddp"), ("hasten launch", "fsdp")])
+def test_background_save_as_last_line_is_complete_and_loads_on_two_processes(tmp_path, env, launcher, layout):
     project = tmp_path / "project"
-    rc, out, err = _run(launcher, project, "late", env)
+    rc, out, err = _run(launcher, project, "late", env, layout)
     assert rc == 0, err[-3000:]
     assert _committed(project) == ["checkpoint_0"]
     manifest = json.load(open(project / "checkpoints" / "checkpoint_0" / "manifest.json"))
     assert {"rank_0.safetensors", "rank_1.safetensors"} <= set(manifest["files"]), sorted(manifest["files"])
-    rc, out, err = _run(launcher, project, "load", env)
+    if layout == "fsdp":  # every process's DCP shard file made it in
+        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= set(manifest["files"])
+    rc, out, err = _run(launcher, project, "load", env, layout)
     assert rc == 0, err[-3000:]
     loaded = [json.load(open(project / f"loaded{r}.json")) for r in (0, 1)]
     assert [item["world"] for item in loaded] == [2, 2]

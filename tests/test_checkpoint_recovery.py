@@ -68,22 +68,24 @@ def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path
     assert all(r["complete"] and len(r["complete"]) <= 3 for r in rounds[1:])
 
 
-def _sharded_ranks(project, saves):
+def _sharded_ranks(project, saves, mode="blocking"):
     """Start the 2 ranks of scripts/ckpt_killer_sharded.py; returns them (rank 0's stdout is a pipe)."""
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = clean_env(os.devnull, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1, HASTEN_USE_CPU=1)
-        procs.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py"), str(project), str(saves)],
+        procs.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py"), str(project), str(saves), mode],
                                       env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, text=True))
     return procs
 
 
-def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
-    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards: the next job resumes from the newest
-    complete checkpoint, whose weights and Adam state agree with its recorded step."""
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
+    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards (in the foreground, or on the
+    background thread of ``save_state(blocking=False)`` while the next step changes the weights): the next
+    job resumes from the newest complete checkpoint, whose weights and Adam state agree with its recorded step."""
     import random
 
     from hasten.checkpointing import layout
@@ -93,7 +95,7 @@ def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadab
     root = layout.auto_root(str(project))
     expected, mid_save = -1, 0
     for round_ in range(4):
-        procs = _sharded_ranks(project, 10_000)
+        procs = _sharded_ranks(project, 10_000, mode)
         try:
             hello = procs[0].stdout.readline().split()
             assert hello[:1] == ["hello"] and int(hello[1]) == expected and hello[2] == "True", (round_, hello)

@@ -111,6 +111,21 @@ def test_save_model_writes_consolidated_safetensors(two):
     assert "model.safetensors.index.json" in names and len(names) > 2
 
 
+def test_fp16_overflow_on_one_process_skips_the_step_everywhere_and_the_scaler_resumes(two):
+    r = two.assert_passed("check_fp16_overflow_on_one_process_skips_everywhere")
+    for key in ("skipped", "changed", "lr_moved", "scale"):  # every process took the same decisions
+        assert [s[key] for s in r[0]["steps"]] == [s[key] for s in r[1]["steps"]], key
+    assert r[0]["scaler"] == r[1]["scaler"] and r[0]["scaler"]["scale"] == 256.0
+
+
+def test_device_mesh_and_ranks_match_accelerate(two):
+    for rank, facts in enumerate(two.assert_passed("check_device_mesh_and_ranks")):
+        assert facts["names"] == ["dp_shard"] and facts["shape"] == [2]
+        assert facts["flat"] == {"dp": [2, rank], "dp_shard_cp": [2, rank], "dp_cp": [2, rank]}
+        assert facts["ranks"] == {"dp_replicate": 0, "dp_shard": rank, "tp": 0, "cp": 0}
+        assert facts["local"] == {"dp_shard": rank}
+
+
 # -- the plugin (no processes) ---------------------------------------------------------------------
 def test_plugin_reads_fsdp_environment(monkeypatch):
     from hasten import FullyShardedDataParallelPlugin

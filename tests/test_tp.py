@@ -70,6 +70,14 @@ def test_tp_checkpoint_loads_without_tp(two, fresh_state):
     assert all(torch.equal(got[k], torch.tensor(saved[k])) for k in saved)
 
 
+def test_tp_device_mesh_ranks_and_fp16_overflow_agreed(two):
+    for rank, facts in enumerate(two.assert_passed("check_tp_device_mesh_and_fp16_overflow_on_one_process")):
+        assert facts["names"] == ["tp"] and facts["shape"] == [2]
+        assert facts["flat"] == {"dp": None, "dp_shard_cp": None, "dp_cp": None}
+        assert facts["ranks"] == {"dp_replicate": 0, "dp_shard": 0, "tp": rank, "cp": 0}
+        assert facts["local"] == {"tp": rank}
+
+
 def test_tp_size_not_dividing_heads_is_named(two):
     assert "tp_size=2 does not divide num_attention_heads=3" in two.assert_passed(
         "check_tp_bad_heads_named_before_communication")[0]
@@ -82,8 +90,13 @@ def four(tmp_path_factory):
 
 
 def test_dp_shard_times_tp_on_four_processes(four):
-    for r in four.assert_passed("check_dp_shard_times_tp_equals_one_process"):
+    for rank, r in enumerate(four.assert_passed("check_dp_shard_times_tp_equals_one_process")):
         assert r["worst"] < 1e-5 and r["gathered"] == 13
+        shard, tp = divmod(rank, 2)  # row-major over (dp_shard, tp), as Accelerate's mesh
+        assert r["mesh"]["names"] == ["dp_shard", "tp"] and r["mesh"]["shape"] == [2, 2]
+        assert r["mesh"]["flat"] == {"dp": [2, shard], "dp_shard_cp": [2, shard], "dp_cp": [2, shard]}
+        assert r["mesh"]["ranks"] == {"dp_replicate": 0, "dp_shard": shard, "tp": tp, "cp": 0}
+        assert r["mesh"]["local"] == {"dp_shard": shard, "tp": tp}
 
 
 def test_hsdp_on_four_processes(four):
@@ -122,6 +135,8 @@ def test_bad_layouts_fail_before_any_process_group_work():
     assert "tp_size=4 = 4 processes, but this job runs 2" in lines[0]
     assert "dp_shard_size=2 x cp_size=1 x tp_size=2 = 4 processes" in lines[1]
     assert "cp_size=2 needs GPUs" in lines[2]
+    assert "this job runs on the CPU with dp_replicate_size=1 x dp_shard_size=1 x cp_size=2 x tp_size=1" in lines[2]
+    assert "use cp_size=1 and give those processes to dp_shard_size (dp_shard_size=2, with fsdp_plugin)" in lines[2]
     assert "dp_shard_size=2 shards the model with FSDP2" in lines[3]
     assert "dp_replicate_size=2 with dp_shard_size=1 under FSDP" in lines[4]
 
@@ -162,3 +177,54 @@ def test_unknown_tp_plan_key_and_style_are_named():
         resolve_plan(model, {"0": "diagonal"})
     with pytest.raises(ValueError, match="has no tensor-parallel plan"):
         resolve_plan(model, None)
+
+
+# -- context parallelism: the CPU-checkable parts (the ring attention itself needs CUDA) ---------------
+def test_maybe_context_parallel_is_a_no_op_without_cp(fresh_state, caplog):
+    from hasten import Accelerator
+    from hasten.utils import ParallelismConfig
+
+    for config in (None, ParallelismConfig()):
+        acc = Accelerator(parallelism_config=config)
+        ids, labels = torch.arange(12).reshape(2, 6), torch.arange(12).reshape(2, 6) + 1
+        before = ids.clone(), labels.clone()
+        with caplog.at_level("WARNING"):
+            with acc.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers={ids}):
+                inside = ids.shape, labels.shape
+        assert inside == ((2, 6), (2, 6)) and torch.equal(ids, before[0]) and torch.equal(labels, before[1])
+        from hasten.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert "context parallelism is off (cp_size=1)" in caplog.text
+
+
+def test_cp_comm_strategy_is_checked():
+    from hasten.strategies.context_parallel import comm_strategy
+
+    class Handler:
+        cp_comm_strategy = "alltoall"
+
+    assert comm_strategy(None) == "allgather" and comm_strategy(Handler()) == "alltoall"
+    Handler.cp_comm_strategy = "ring"
+    with pytest.raises(ValueError, match="cp_comm_strategy='ring'; use one of \\['allgather', 'alltoall'\\]"):
+        comm_strategy(Handler())
+
+
+def test_cp_model_preparation_drops_masks_and_refuses_what_ring_attention_cannot_run():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from hasten.strategies.context_parallel import prepare_model
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        prepare_model(MistralForCausalLM(MistralConfig(sliding_window=8, **small)), None)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        prepare_model(LlamaForCausalLM(LlamaConfig(**small, attn_implementation="eager")), None)
+    model = LlamaForCausalLM(LlamaConfig(**small, attn_implementation="sdpa"))
+    prepare_model(model, None)
+    seen = {}
+    attn = model.model.layers[0].self_attn
+    attn.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    model(input_ids=torch.arange(8).reshape(1, 8), attention_mask=torch.ones(1, 8, dtype=torch.long))
+    assert seen["attention_mask"] is None and seen["is_causal"] is True

@@ -164,6 +164,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             self.gradient_accumulation_steps = self.strategy.agree_accumulation(self.gradient_state.num_steps, explicit)
         self.precision = self.strategy.precision
         self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
+        if parallelism_config is not None and self.state.use_distributed:
+            self.strategy.mesh.device_mesh()  # collective: built here by every process, as Accelerate does
         self.device_placement = device_placement
         self.dataloader_config = dataloader_config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]

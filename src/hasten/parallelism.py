@@ -7,7 +7,8 @@ read from the strategy's mesh. Kept apart so the facade stays about training.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from .utils.dataclasses import DistributedType
 
@@ -89,6 +90,30 @@ class ParallelLayoutMixin:
     @property
     def pipeline_parallel_rank(self) -> int:
         raise _not_configured("Pipeline")
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: Optional[list] = None, buffer_seq_dims: Optional[list[int]] = None,
+                               no_restore_buffers: Optional[set] = None) -> Iterator[None]:
+        """Run the block with each sequence split over the context-parallel processes (``cp_size > 1``).
+
+        ``buffers`` (input ids, labels, position ids; not parameters) are sharded in place along their
+        ``buffer_seq_dims`` and restored on exit, except those in ``no_restore_buffers``; attention
+        must be causal ``scaled_dot_product_attention``. Enter it anew for every step. With
+        ``cp_size == 1`` (or no ``parallelism_config``) it changes nothing (one warning says so), so
+        the same loop runs with and without context parallelism.
+        """
+        config = self.parallelism_config
+        if config is None or config.cp_size == 1:
+            from .logging import get_logger
+
+            get_logger(__name__).warning_once("maybe_context_parallel: context parallelism is off (cp_size=1); the "
+                                              "block runs unchanged. Set ParallelismConfig(cp_size=N) to turn it on")
+            yield
+            return
+        from .strategies.context_parallel import sharded_sequences
+
+        with sharded_sequences(self.strategy.mesh["cp"], buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     def verify_device_map(self, model: Any) -> bool:
         """Whether ``model`` was loaded spread over several devices (an ``hf_device_map`` with >1 entry)."""

@@ -8,6 +8,8 @@ Usage: ckpt_background_end.py PROJECT MODE (or ``main(project, mode)`` from note
            itself: the save must fail loudly and commit nothing
   load     build the same objects and load the newest checkpoint
 Each rank writes PROJECT/saved<rank>.json (weights at the save) or PROJECT/loaded<rank>.json.
+A third argument ``fsdp`` runs the model under FSDP2 (sharded DCP files, staged for the background
+write); the weights are then each process's own shards.
 """
 
 import json
@@ -23,7 +25,8 @@ from hasten.utils import ProjectConfiguration, set_seed
 
 
 def weights(model):
-    return sum(float(p.detach().double().sum()) for p in model.parameters())
+    local = [getattr(p.detach(), "to_local", p.detach)() for p in model.parameters()]  # FSDP2: own shards
+    return sum(float(t.double().sum()) for t in local)
 
 
 def slow_disk():
@@ -40,10 +43,13 @@ def slow_disk():
     saver.Writer.write = slow_write
 
 
-def main(project, mode):
+def main(project, mode, layout="ddp"):
+    from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
     os.makedirs(project, exist_ok=True)
     set_seed(0)
-    acc = Accelerator(project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True))
+    acc = Accelerator(project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if layout == "fsdp" else None)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
@@ -71,4 +77,4 @@ def main(project, mode):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

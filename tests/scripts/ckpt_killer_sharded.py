@@ -4,9 +4,11 @@ Each save follows one optimizer step and sets every weight to the step number, s
 is consistent when its weights equal its recorded step. Rank 0 prints ``hello <resumed step>
 <weights ok>`` after resuming and ``saved <step>`` after each save (the test kills both ranks
 with SIGKILL at a random moment after the first save of the round). With SAVES=0 it only resumes
-and reports.
+and reports. With MODE "background" it saves with ``save_state(blocking=False)`` (each save waits
+for the previous one; the first of the round is waited for before ``saved``), so most kills land
+while a background thread writes the shards and the next step changes the live weights.
 
-Usage (torchrun-style environment): python ckpt_killer_sharded.py PROJECT_DIR SAVES
+Usage (torchrun-style environment): python ckpt_killer_sharded.py PROJECT_DIR SAVES [MODE]
 """
 
 import sys
@@ -23,6 +25,7 @@ from ckpt_step import Step  # noqa: E402 - beside this script
 
 def main() -> None:
     project, saves = sys.argv[1], int(sys.argv[2])
+    blocking = (sys.argv[3] if len(sys.argv) > 3 else "blocking") != "background"
     acc = Accelerator(project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=2),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), resume="auto")
     torch.manual_seed(0)
@@ -37,6 +40,7 @@ def main() -> None:
     if acc.is_main_process:
         print(f"hello {step.value} {ok}", flush=True)
     x = torch.randn(4, 256)
+    saves_start = step.value
     for _ in range(saves):
         step.value += 1
         model(x).sum().backward()
@@ -45,7 +49,9 @@ def main() -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().fill_(float(step.value))
-        acc.save_state()
+        acc.save_state(blocking=blocking)
+        if not blocking and step.value == saves_start + 1:
+            acc.wait_for_checkpoint()
         if acc.is_main_process:
             print(f"saved {step.value}", flush=True)
     acc.wait_for_everyone()

@@ -177,30 +177,65 @@ class Stager:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.tree_buffers: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _copy(old: dict, kept: dict, key: Any, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into the buffer ``old[key]`` (a new one when its shape or dtype changed)."""
+        tensor = tensor.detach()
+        on_cuda = tensor.device.type == "cuda"
+        buffer = old.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
+        buffer.copy_(tensor, non_blocking=on_cuda)
+        kept[key] = buffer
+        return buffer
+
+    @staticmethod
+    def _sync(kept: dict) -> None:
+        if any(b.is_pinned() for b in kept.values()):  # CUDA copies went out asynchronously
+            torch.cuda.synchronize()
 
     def stage(self, items: list) -> list:
         kept: dict[tuple[str, str], torch.Tensor] = {}
         staged_items = []
-        cuda = False
         for item in items:
             if item.tensors is None:
                 staged_items.append(item)  # bytes: already a copy
                 continue
-            staged = {}
-            for key, tensor in item.tensors.items():
-                tensor = tensor.detach()
-                on_cuda = tensor.device.type == "cuda"
-                buffer = self.buffers.get((item.name, key))
-                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
-                buffer.copy_(tensor, non_blocking=on_cuda)
-                cuda = cuda or on_cuda
-                staged[key] = kept[(item.name, key)] = buffer
+            staged = {key: self._copy(self.buffers, kept, (item.name, key), tensor)
+                      for key, tensor in item.tensors.items()}
             staged_items.append(item._replace(tensors=staged))
-        if cuda:
-            torch.cuda.synchronize()
+        self._sync(kept)
         self.buffers = kept  # buffers of tensors that are gone are freed
         return staged_items
+
+    def stage_tree(self, tree: Any) -> Any:
+        """A copy of a nested state (dicts, lists, tensors, DTensors; other values as they are) whose
+        tensors live in host buffers kept for the next save. A DTensor stays a DTensor with the same
+        placement over the same mesh: each process copies its own shard (a sharded checkpoint's state)."""
+        kept: dict[str, torch.Tensor] = {}
+
+        def visit(value: Any, path: str) -> Any:
+            if isinstance(value, dict):
+                return {k: visit(v, f"{path}/{k}") for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(visit(v, f"{path}/{i}") for i, v in enumerate(value))
+            if not isinstance(value, torch.Tensor):
+                return value
+            spec = getattr(value, "_spec", None)
+            if spec is None:
+                return self._copy(self.tree_buffers, kept, path, value)
+            from torch.distributed.tensor import DTensor
+
+            # Built from the spec, not DTensor.from_local: that would move a host copy back to the GPU.
+            return DTensor(self._copy(self.tree_buffers, kept, path, value.detach().to_local()), spec,
+                           requires_grad=False)
+
+        staged = visit(tree, "")
+        self._sync(kept)
+        self.tree_buffers = kept
+        return staged
 
 
 class Background:

@@ -179,7 +179,8 @@ class CheckpointMixin:
                 contents["models"], with_state = backend.entries(inner, self._optimizers)
                 for i, entry in enumerate(contents["optimizers"]):
                     entry[backend.KEY] = backend.optimizer_entry(i, with_state[i])
-                write_shards = backend.writer(self, folder, inner, with_state, group)
+                staging = {"stager": background.stager} if background is not None else {}  # copy shards now
+                write_shards = backend.writer(self, folder, inner, with_state, group, **staging)
                 listing = backend.listing
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
             classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []

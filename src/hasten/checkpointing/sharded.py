@@ -54,19 +54,33 @@ def entries(models: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict],
 
 def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state: list[bool], group: Any = None) -> None:
     """Every process writes its shards of the models and optimizers into ``folder/sharded``."""
+    write(folder, _targets(models, optimizers, with_state), group)
+
+
+def write(folder: str, state: dict[str, Any], group: Any = None) -> None:
+    """Every process writes its shards of ``state`` into ``folder/sharded`` and fsyncs them."""
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save(_targets(models, optimizers, with_state), storage_writer=writer, process_group=group)
+    dcp.save(state, storage_writer=writer, process_group=group)
 
 
-def writer(acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool], group: Any) -> Any:
-    """The collective write of ``save_state``, run once every process is ready."""
+def writer(acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool], group: Any,
+           stager: Any = None) -> Any:
+    """The collective write of ``save_state``, run once every process is ready.
+
+    With a ``stager`` (``save_state(blocking=False)``) each process copies its shards into host
+    buffers now, so training may go on changing the live ones while a background thread writes
+    the copies (over ``group``, the save's own process group).
+    """
     import functools
 
-    return functools.partial(save, folder, inner, list(acc._optimizers), with_state, group)
+    optimizers = list(acc._optimizers)
+    if stager is None:
+        return functools.partial(save, folder, inner, optimizers, with_state, group)
+    return functools.partial(write, folder, stager.stage_tree(_targets(inner, optimizers, with_state)), group)
 
 
 def files(folder: str) -> dict[str, dict[str, Any]]:
@@ -174,14 +188,13 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
 
 
 def refuse(blocking: bool, mid_window: bool) -> None:
-    """What sharded checkpoints do not support yet, named before anything is written."""
-    if not blocking:
-        raise ValueError("save_state(blocking=False) is not available for sharded models (FSDP2/DTensor) yet; "
-                         "call save_state() without blocking=False")
+    """What sharded checkpoints do not support, named before anything is written."""
     if mid_window:
-        raise ValueError("save_state inside a gradient-accumulation window: sharded models keep their partial "
-                         "gradients unsharded inside FSDP, which a checkpoint cannot hold; save where "
-                         "accelerator.sync_gradients is True")
+        raise ValueError("save_state inside a gradient-accumulation window (accelerator.sync_gradients is False): "
+                         "with a sharded model (FSDP2, tensor parallel) the partial gradients of the window live "
+                         "in FSDP's unsharded buffers or as DTensor shards, which a checkpoint does not hold; call "
+                         "save_state after the window's last micro-step (`if accelerator.sync_gradients: "
+                         "accelerator.save_state()`)")
 
 
 listing = files  # the backend interface's name (see checkpointing.deepspeed_state)

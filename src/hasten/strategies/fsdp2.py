@@ -25,6 +25,7 @@ from ..utils.dataclasses import DistributedType
 from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin
 from .base import Params, Strategy
 from .mesh import ParallelMesh
+from .scaler import agreeing_scaler
 from .sharded_state import full_state_dict, load_full_state_dict
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -36,15 +37,7 @@ class ShardedPrecision(Precision):
 
     def __init__(self, mode: str, device: torch.device, *args: Any, **kwargs: Any) -> None:
         super().__init__(mode, device, *args, **kwargs)
-        if self.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            # Finds infs on every shard and agrees on them over the processes.
-            self.scaler = ShardedGradScaler(device.type, init_scale=self.scaler.get_scale(),
-                                            growth_factor=self.scaler.get_growth_factor(),
-                                            backoff_factor=self.scaler.get_backoff_factor(),
-                                            growth_interval=self.scaler.get_growth_interval(),
-                                            enabled=self.scaler.is_enabled())
+        self.scaler = agreeing_scaler(self.scaler, device)
 
     def wrap_forward(self, model: nn.Module) -> None:
         return None  # the policy casts parameters and inputs
@@ -120,11 +113,13 @@ class FSDP2Strategy(Strategy):
 
     def _shard_mesh(self) -> Any:
         sizes = self.mesh.sizes
-        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
-            return self.mesh[("dp_replicate", "dp_shard")]  # HSDP: 2-D mesh
+        # With context parallelism the cp processes shard the model too (Accelerate's dp_shard_cp).
+        shard = "dp_shard_cp" if sizes["cp"] > 1 else "dp_shard"
+        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] * sizes["cp"] > 1:
+            return self.mesh[("dp_replicate", shard)]  # HSDP: 2-D mesh
         if sizes["dp_replicate"] > 1:
             return self.mesh["dp_replicate"]
-        return self.mesh["dp_shard"]
+        return self.mesh[shard]
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -136,6 +131,10 @@ class FSDP2Strategy(Strategy):
                              "weights fill it, or build the model with real weights")
         full = _rank0_weights(model, self.state) if efficient else None
         before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        if self.mesh.sizes["cp"] > 1:
+            from .context_parallel import prepare_model
+
+            prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
         if self.mesh.sizes["tp"] > 1:
             from .tensor_parallel import apply_tensor_parallel
 

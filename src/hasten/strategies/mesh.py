@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+# Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class ParallelMesh:
         check_layout(self.sizes, world_size)
         self.rank, self.world_size, self.device_type = rank, world_size, device_type
         self._device_mesh: Any = None
+        self._flattened: dict[str, Any] = {}
         self._data_parallel: Optional[DataParallel] = None
 
     @classmethod
@@ -109,18 +113,32 @@ class ParallelMesh:
         return DataParallel(dp_rank, self.dp_size, groups[self.rank % inner], members)
 
     def device_mesh(self) -> Any:
-        """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively)."""
+        """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively).
+
+        As Accelerate's, it also holds the joint dimensions flattened from the enabled ones
+        (``FLATTENED``): ``dp`` (data parallel), ``dp_shard_cp`` (what FSDP2 shards over) and
+        ``dp_cp`` (what the loss is averaged over), each only when one of its parts is larger than 1.
+        """
         if self._device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             names = tuple(n for n in DIMS if self.sizes[n] > 1) or ("dp_shard",)
             shape = tuple(self.sizes[n] for n in names) if any(self.sizes[n] > 1 for n in DIMS) else (1,)
-            self._device_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            for joint, parts in FLATTENED.items():
+                enabled = tuple(n for n in parts if self.sizes[n] > 1)
+                if enabled:  # every process flattens the same dimensions in the same order (new groups)
+                    self._flattened[joint] = mesh[enabled]._flatten(joint)
+            self._device_mesh = mesh
         return self._device_mesh
 
     def __getitem__(self, names: Any) -> Any:
-        """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``)."""
-        return self.device_mesh()[names]
+        """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``,
+        or a flattened dimension such as ``mesh["dp_shard_cp"]``)."""
+        mesh = self.device_mesh()
+        if isinstance(names, str) and names in self._flattened:
+            return self._flattened[names]  # kept: slicing a flattened dimension from the root is deprecated
+        return mesh[names]
 
     def __repr__(self) -> str:
         return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..precision import Precision
 from .fsdp2 import FSDP2Strategy
+from .scaler import agreeing_scaler
 
 # transformers' style names -> how to build torch's ParallelStyle.
 _STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel")
@@ -131,7 +132,9 @@ class TensorParallelStrategy(FSDP2Strategy):
         self.distributed_type = state.distributed_type
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
-        return Precision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
+        precision = Precision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
+        precision.scaler = agreeing_scaler(precision.scaler, self.state.device)  # shards: agree on infs
+        return precision
 
     def shards_data_parallel(self) -> bool:
         return False

@@ -126,17 +126,24 @@ class ParallelismConfig:
             raise ValueError(f"ParallelismConfig: {shown} = {self.total_size} processes, but this job runs "
                              f"{world_size}; make the product of the sizes equal the number of processes "
                              "(hasten launch --num_processes, or change the sizes)")
-        if self.cp_size > 1 and device_type == "cpu":
+        if self.cp_size > 1 and device_type != "cuda":
             raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} needs GPUs (context parallelism runs "
-                             "attention on CUDA); this job runs on the CPU, so use cp_size=1")
+                             f"attention with CUDA kernels); this job runs on the {device_type.upper()} with {shown}, "
+                             f"so use cp_size=1 and give those processes to dp_shard_size "
+                             f"(dp_shard_size={self.dp_shard_size * self.cp_size}, with fsdp_plugin)")
+        if self.cp_size > 1 and not sharded:
+            raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} shards the model over dp_shard x cp with "
+                             "FSDP2; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "
+                             "--use_fsdp")
         if self.cp_size > 1:
-            raise ValueError(f"ParallelismConfig: cp_size={self.cp_size}: context parallelism is not available in "
-                             "this version of hasten; use cp_size=1")
+            from ..strategies.context_parallel import comm_strategy
+
+            comm_strategy(self.cp_handler)  # a wrong value named now, not at the first step
         if self.dp_shard_size > 1 and not sharded:
             raise ValueError(f"ParallelismConfig: dp_shard_size={self.dp_shard_size} shards the model with FSDP2; "
                              "turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "
                              "--use_fsdp, or use dp_replicate_size for plain data parallelism")
-        if sharded and self.dp_shard_size == 1 and self.dp_replicate_size == 1:
+        if sharded and self.dp_shard_size == 1 and self.dp_replicate_size == 1 and self.cp_size == 1:
             raise ValueError(f"ParallelismConfig: FSDP is on but {shown} leaves no data-parallel processes to shard "
                              f"over; set dp_shard_size > 1, or train without fsdp_plugin/--use_fsdp")
         if self.dp_replicate_size > 1 and self.dp_shard_size == 1 and sharded:
