@@ -109,7 +109,9 @@ def check_bf16_trains():
     losses = []
     for _ in range(6):
         for x, y in loader:
-            loss = nn.functional.mse_loss(model(x).float(), y)
+            out = model(x)
+            assert out.dtype == torch.float32, out.dtype  # outputs come back in fp32, as with DDP
+            loss = nn.functional.mse_loss(out, y)
             acc.backward(loss)
             opt.step()
             opt.zero_grad()

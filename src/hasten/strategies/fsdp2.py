@@ -168,7 +168,19 @@ class FSDP2Strategy(Strategy):
             kwargs["ignored_params"] = ignored
         for layer in layers:
             fully_shard(layer, **kwargs)
+        policy = kwargs["mp_policy"]
+        if policy.param_dtype is not None and policy.output_dtype is None and not self._user_policy():
+            # The root hands back fp32 outputs, as autocast-based precision does, so a loss computed
+            # from them is fp32 (a bf16/fp16 loss loses digits and overflows sooner when scaled).
+            import dataclasses
+
+            kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=torch.float32)
         fully_shard(model, **kwargs)
+
+    def _user_policy(self) -> bool:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return isinstance(self.plugin.mixed_precision_policy, (MixedPrecisionPolicy, dict))
 
     def shards_data_parallel(self) -> bool:
         """Whether ``fully_shard`` runs over the data-parallel dimensions (FSDP2: yes)."""
