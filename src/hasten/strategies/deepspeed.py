@@ -366,9 +366,14 @@ def _init_comm(deepspeed: Any, state: Any) -> None:
 
     import os
 
-    # DeepSpeed reads the launcher's variables; a plain `python train.py` has none.
-    for name, value in (("LOCAL_RANK", state.local_process_index), ("RANK", state.process_index),
-                        ("WORLD_SIZE", state.num_processes)):
+    # DeepSpeed reads the launcher's variables; a plain `python train.py` has none. LOCAL_SIZE is what
+    # the deepspeed launcher sets: without it, its CPU accelerator runs `numactl --hardware` in a
+    # subprocess each time it counts devices, which is on every training step.
+    values = [("LOCAL_RANK", state.local_process_index), ("RANK", state.process_index),
+              ("WORLD_SIZE", state.num_processes)]
+    if state.device.type == "cpu":
+        values.append(("LOCAL_SIZE", state.topology.local_world_size))
+    for name, value in values:
         os.environ.setdefault(name, str(value))
     if not dist.is_initialized():  # one process: DeepSpeed still talks through a (1-process) group
         backend = "gloo" if state.device.type == "cpu" else "nccl"
