@@ -9,14 +9,16 @@ Linear(width, width) layers (fp32, AdamW, batch 8 per process, gradient clipping
   ddp    hasten, DDP (no deepspeed_plugin)
   zero3  hasten, DeepSpeedPlugin(zero_stage=3)
   raw    deepspeed.initialize by hand with the config hasten passes, engine.backward / engine.step
-Measured on process 0 after one warm-up step and ``steps`` timed steps (fetching the batch from
-each variant's dataloader included, between barriers):
-  state_bytes   parameter + gradient + optimizer-state bytes the process holds: the storages of the
+Measured on process 0: the step rate over ``steps`` timed steps after one warm-up step (fetching the
+batch from each variant's dataloader included, between barriers), then, in one more step:
+  state_bytes   parameter + gradient + optimizer-state bytes the process holds after the optimizer
+                step (before zero_grad, so DDP's gradients still exist): the storages of the
                 parameters (ZeRO-3: their partitions), gradients (ZeRO-3: the gradient partitions),
                 the optimizer's own parameters (ZeRO-3: fp32 master partitions) and its state,
                 each storage counted once (the FSDP2 figure of bench/sharded.py counts the same)
   other_bytes   every other live tensor storage (found through the garbage collector): DeepSpeed's
-                reduce bucket, DDP's buckets, the batch, ...
+                reduce bucket, the batch, ... (tensors only C++ holds, such as DDP's reducer
+                buckets when gradients are not views of them, show in the RSS alone)
   rss           resident memory after gc + malloc_trim, minus the resident memory before the model
                 was built; peak_rss: the high-water mark minus the same baseline
 Reports medians over rounds, the ratio ZeRO-3 / DDP of each memory figure, and the step-rate ratio
@@ -107,7 +109,7 @@ def worker(args) -> None:
     variant = args.worker
     torch.manual_seed(0)
     batch = 8
-    data = torch.utils.data.TensorDataset(torch.randn(batch * 2 * (args.steps + 2), args.width))
+    data = torch.utils.data.TensorDataset(torch.randn(batch * 2 * (args.steps + 3), args.width))
     if variant == "raw":
         from hasten.strategies.deepspeed_config import CPU_REDUCE_BUCKET
 
@@ -138,19 +140,23 @@ def worker(args) -> None:
         del model
         model = engine
 
-        def step(x):
+        def step(x, measure=None):
             loss = engine(x.to(device)).pow(2).mean()
             engine.backward(loss)
             engine.step()
+            if measure:
+                measure()
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=batch)
         model, opt, loader = acc.prepare(model, opt, loader)
         engine = model if variant == "zero3" else None
 
-        def step(x):
+        def step(x, measure=None):
             loss = model(x).pow(2).mean()
             acc.backward(loss)
             opt.step()
+            if measure:
+                measure()
             opt.zero_grad()
 
     batches = iter(loader)
@@ -161,7 +167,12 @@ def worker(args) -> None:
         step(*next(batches))
     dist.barrier()
     rate = args.steps / (time.perf_counter() - start)
-    held = _held(engine.module if engine is not None else model, opt, engine)
+    found: dict = {}
+    # One more step, measured after the optimizer step and before zero_grad: gradients, parameters and
+    # optimizer state all exist then (DDP frees its .grad tensors in zero_grad; ZeRO keeps a buffer).
+    step(*next(batches), measure=lambda: found.update(_held(engine.module if engine is not None else model, opt,
+                                                             engine)))
+    held = found
     rss = _rss() - base
     live = _live_storages()
     other = sum(n for ptr, n in live.items() if ptr not in held)
