@@ -339,3 +339,85 @@ def check_load_on_one_process():
     after = acc.get_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     return message
+
+
+def check_zero3_fp32_keeps_one_copy_of_partitions():
+    """fp32 ZeRO-3 holds each parameter partition once: the optimizer's master partitions are the parameter
+    partitions (DeepSpeed would clone them), and the CPU reduce bucket is not DeepSpeed's 1.9 GB default."""
+    acc = _accelerator(zero_stage=3, gradient_clipping=1.0)
+    m = _model()
+    model, opt, loader = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=0.01),
+                                     torch.utils.data.DataLoader(_data(), batch_size=2))
+    for x, y in loader:
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+    def storages(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    partitions = storages(p.ds_tensor for p in model.module.parameters())
+    masters = storages(k for k in opt.optimizer.state)
+    assert masters <= partitions, (masters, partitions)
+    numel = sum(p.ds_numel for p in model.module.parameters())
+    assert model.optimizer.reduce_bucket_size == numel, model.optimizer.reduce_bucket_size
+    return len(partitions)
+
+
+def _fp16_capable(enable: bool):
+    """DeepSpeed refuses fp16 on CPUs without oneDNN fp16; the overflow check lifts that on its own engine."""
+    from deepspeed.accelerator import get_accelerator
+
+    kind = type(get_accelerator())
+    original = kind.__dict__.get("is_fp16_supported")
+    if enable:
+        kind.is_fp16_supported = lambda self: True
+    return kind, original
+
+
+def check_fp16_on_cpu_without_support_is_one_clear_error():
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        return "supported"
+    try:
+        acc = _accelerator(mixed_precision="fp16", zero_stage=2, gradient_clipping=1.0)
+        _prepared(acc)
+    except ValueError as e:
+        assert "mixed_precision='fp16'" in str(e) and "bf16" in str(e), str(e)
+        return str(e)
+    raise AssertionError("fp16 DeepSpeed on a CPU without fp16 support did not fail")
+
+
+def check_fp16_overflow_skips_step_and_scheduler():
+    kind, original = _fp16_capable(True)
+    try:
+        return [_fp16_overflow(stage) for stage in (2, 3)]
+    finally:
+        kind.is_fp16_supported = original
+
+
+def _fp16_overflow(stage):
+    # A small initial loss scale: DeepSpeed's 2**16 overflows (and skips) the first steps of its own accord.
+    acc = _accelerator(mixed_precision="fp16", hf_ds_config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+                                                             "fp16": {"enabled": "auto", "initial_scale_power": 4}})
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, loader, sched = acc.prepare(m, opt, torch.utils.data.DataLoader(_data(), batch_size=2), sched)
+    seen = []
+    for i, (x, y) in enumerate(loader):
+        if i == 3:
+            break
+        before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}  # on CPU it may alias the weights
+        lr = sched.get_last_lr()[0]
+        loss = nn.functional.mse_loss(model(x.half()).float(), y)
+        acc.backward(loss * float("inf") if i == 1 else loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        after = acc.get_state_dict(model)
+        unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        seen.append((acc.optimizer_step_was_skipped, unchanged, sched.get_last_lr()[0] == lr))
+    assert seen == [(False, False, False), (True, True, True), (False, False, False)], (stage, seen)
+    return seen

@@ -58,3 +58,17 @@ def test_other_process_count_is_refused_before_anything_changes(two):
     one = run_checks("checks_deepspeed", world_size=1, env={"DS_FOLDER": folder}, only=["check_load_on_one_process"])
     message = one.assert_passed("check_load_on_one_process")[0]
     assert "2 processes" in message and "this run has 1" in message, message
+
+
+def test_zero3_fp32_holds_each_partition_once(two):
+    two.assert_passed("check_zero3_fp32_keeps_one_copy_of_partitions")
+
+
+def test_fp16_on_a_cpu_without_fp16_is_one_clear_error(two):
+    message = two.assert_passed("check_fp16_on_cpu_without_support_is_one_clear_error")[0]
+    if message == "supported":
+        pytest.skip("this CPU runs DeepSpeed fp16")
+
+
+def test_fp16_overflow_skips_the_step_and_the_scheduler(two):
+    two.assert_passed("check_fp16_overflow_skips_step_and_scheduler")

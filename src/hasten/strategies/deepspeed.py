@@ -181,6 +181,7 @@ class DeepSpeedStrategy(Strategy):
         from .deepspeed_config import resolve_config
 
         deepspeed = import_deepspeed(self.state.device.type)
+        _check_fp16_support(self.mode, self.state.device)
         config, torch_opt, build_sched = resolve_config(self.plugin, acc, model, opt, sched)
         self.config = config
         _init_comm(deepspeed, self.state)
@@ -192,6 +193,7 @@ class DeepSpeedStrategy(Strategy):
             set_z3_leaf_modules(model, list(classes))
         engine, _, _, ds_sched = deepspeed.initialize(model=model, optimizer=torch_opt, config=config,
                                                       lr_scheduler=build_sched, dist_init_required=False)
+        _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
         acc._models.append(engine)
         acc._remember(model, engine)
@@ -296,6 +298,42 @@ def _without_autos(config: dict, mode: str) -> dict:
     return out
 
 
+def _check_fp16_support(mode: str, device: torch.device) -> None:
+    """DeepSpeed refuses fp16 on processors without oneDNN fp16 from deep inside its engine; say so up front."""
+    if mode != "fp16" or device.type != "cpu":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        raise ValueError("mixed_precision='fp16' with DeepSpeed on CPU: DeepSpeed refuses fp16 on this processor "
+                         "(it needs oneDNN fp16 support, AVX512-FP16 or AMX-FP16); use mixed_precision='bf16' "
+                         "(--mixed_precision bf16), or 'no'")
+
+
+def _share_fp32_master(optimizer: Any) -> None:
+    """Drop ZeRO-3's second fp32 copy of its partitions when the model already trains in fp32.
+
+    DeepSpeed's stage 3 means to let the fp32 master partitions be the parameter partitions
+    themselves when dtype and device agree (``_create_fp32_partitions``), but it compares a
+    ``torch.device`` with a device name string, which is never equal, so it always clones: one more
+    full partition per process (a quarter of ZeRO-3's parameter + gradient + Adam bytes). Pointing
+    the master tensors at the parameter partitions gives the sharing it intended; the step's copy of
+    master into parameters becomes a copy onto itself.
+    """
+    lows = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if not lows or not masters or len(lows) != len(masters):
+        return
+    if getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "offload_param", False) \
+            or getattr(optimizer, "optimizer_swapper", None) is not None:
+        return  # the master copy lives elsewhere (CPU / NVMe)
+    for low, master in zip(lows, masters):
+        if (low is None or master is low or low.dtype != master.dtype or low.device != master.device
+                or low.shape != master.shape):
+            continue
+        master.data = low.data
+
+
 def _partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
@@ -328,9 +366,14 @@ def _init_comm(deepspeed: Any, state: Any) -> None:
 
     import os
 
-    # DeepSpeed reads the launcher's variables; a plain `python train.py` has none.
-    for name, value in (("LOCAL_RANK", state.local_process_index), ("RANK", state.process_index),
-                        ("WORLD_SIZE", state.num_processes)):
+    # DeepSpeed reads the launcher's variables; a plain `python train.py` has none. LOCAL_SIZE is what
+    # the deepspeed launcher sets: without it, its CPU accelerator runs `numactl --hardware` in a
+    # subprocess each time it counts devices, which is on every training step.
+    values = [("LOCAL_RANK", state.local_process_index), ("RANK", state.process_index),
+              ("WORLD_SIZE", state.num_processes)]
+    if state.device.type == "cpu":
+        values.append(("LOCAL_SIZE", state.topology.local_world_size))
+    for name, value in values:
         os.environ.setdefault(name, str(value))
     if not dist.is_initialized():  # one process: DeepSpeed still talks through a (1-process) group
         backend = "gloo" if state.device.type == "cpu" else "nccl"

@@ -13,6 +13,13 @@ from ..utils.deepspeed_plugin import AUTO, DeepSpeedPlugin, fill, get_path, set_
 
 _PRECISION = {"bf16": "bf16", "fp16": "fp16"}
 
+# On CPU, DeepSpeed's default reduce bucket (5e8 elements) is a 1.9 GB fp32 buffer that gradients are
+# copied through: every step touches as many of its pages as the model has gradients, so a process
+# keeps a second full-size gradient copy resident. 1e7 elements (40 MB) keeps it small; DeepSpeed
+# documents the setting as the bound on the memory used for reducing gradients. A smaller model gets a
+# bucket of its own size.
+CPU_REDUCE_BUCKET = 10_000_000
+
 
 def _leftover_autos(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
@@ -118,6 +125,9 @@ def resolve_config(plugin: DeepSpeedPlugin, acc: Any, model: nn.Module, opt: Any
     config.setdefault("zero_force_ds_cpu_optimizer", False)
     config["steps_per_print"] = 2 ** 62
     _bucket_sizes(config, model)
+    if acc.device.type == "cpu" and isinstance(config.get("zero_optimization"), dict):
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        config["zero_optimization"].setdefault("reduce_bucket_size", max(1, min(CPU_REDUCE_BUCKET, numel)))
 
     section = config.pop("optimizer", None)
     if isinstance(opt, DummyOptim):
