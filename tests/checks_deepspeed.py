@@ -32,7 +32,12 @@ def _equivalence(stage, accum, clip):
     model, opt, loader = acc.prepare(model, opt, loader)
     assert type(model).__name__ == "DeepSpeedEngine" and acc.unwrap_model(model) is model.module
     steps = 4 * accum
+    from hasten import progress
+
+    stepped = progress.STATE.steps
     norms, _ = _train(acc, model, opt, loader, steps, clip)
+    # The hang watchdog's step counter moves once per real (engine) step, as with DDP.
+    assert progress.STATE.steps - stepped == 4, progress.STATE.steps - stepped
     ref, ref_norms = _reference(steps, accum, clip, 2, acc.num_processes)
     got = acc.get_state_dict(model)
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)

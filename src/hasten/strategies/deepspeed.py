@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import progress
 from ..optimizer import AcceleratedOptimizer
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
@@ -55,7 +56,9 @@ class DeepSpeedOptimizer(AcceleratedOptimizer):
         pass  # engine.step() zeroed them
 
     def step(self, closure: Any = None) -> None:
-        pass  # engine.step() ran in accelerator.backward on the sync step
+        # engine.step() ran in accelerator.backward on the sync step; the watchdog still counts it.
+        if self.gradient_state.sync_gradients:
+            progress.stepped()
 
     @property
     def step_was_skipped(self) -> bool:
