@@ -335,10 +335,10 @@ def _save_reference(acc, model, path):
 
 
 def check_zero_checkpoints_for_merge_weights():
-    """ZeRO 1, 2, 3 checkpoints (and each model's get_state_dict) for test_merge_weights, written by 2 processes;
+    """ZeRO 0-3 checkpoints (and each model's get_state_dict) for the merge-weights tests, written by 2 processes;
     the ZeRO-1 one is then loaded by ZeRO-3 on the same processes (another stage: consolidated weights)."""
     root = os.environ["HASTEN_TEST_TMP"]
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         acc, model = _trained(stage, os.path.join(root, f"zero{stage}"))
         _save_reference(acc, model, os.path.join(root, f"zero{stage}.safetensors"))
         acc.free_memory()
@@ -419,7 +419,19 @@ def check_load_on_one_process():
             again = os.path.join(os.path.dirname(folder), "from_one")
             acc.save_state(again)
             _save_reference(acc, model, again + ".safetensors")
+        if name == "plain":
+            acc.save_state(os.path.join(os.path.dirname(folder), "plain"))
         acc.free_memory()
+    # A DeepSpeed run loads only engine checkpoints: a plain one is refused before anything changes.
+    acc = _accelerator(zero_stage=2)
+    model, _, _ = _prepared(acc)
+    try:
+        acc.load_state(os.path.join(os.path.dirname(folder), "plain"))
+    except Exception as e:  # noqa: BLE001
+        assert "written without DeepSpeed and this run uses DeepSpeed" in str(e), str(e)
+    else:
+        raise AssertionError("a plain checkpoint loaded into a DeepSpeed run")
+    assert all(torch.equal(v, _model().state_dict()[k]) for k, v in acc.get_state_dict(model).items())
     # A model the weights do not fit: refused before anything changes, naming both layouts.
     acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
     wide = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 1))

@@ -74,21 +74,26 @@ def test_checkpoint_of_another_stage_loads_as_weights(two):
     two.assert_passed("check_zero_checkpoints_for_merge_weights")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("what", ["hasten", "raw", "tag"])
-def test_merge_weights_consolidates_zero_checkpoints(two, tmp_path, stage, what):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_merge_weights_consolidates_zero_checkpoints(two, tmp_path, stage):
+    """A hasten checkpoint in a fresh process (no process group can exist); its DeepSpeed folder and tag in this one."""
     from safetensors.torch import load_file
+
+    from hasten.commands.cli import main
     from test_merge_weights import assert_same, fresh_process_merge
 
     root = two.assert_passed("check_zero_checkpoints_for_merge_weights")[0]
     source = os.path.join(root, f"zero{stage}")
-    source = {"hasten": source, "raw": os.path.join(source, "deepspeed"),
-              "tag": os.path.join(source, "deepspeed", "model_0")}[what]
-    result = fresh_process_merge(source, str(tmp_path / "out"))
+    expected = load_file(os.path.join(root, f"zero{stage}.safetensors"))
+    result = fresh_process_merge(source, str(tmp_path / "hasten"))
     assert result.returncode == 0, result.stderr
-    assert os.listdir(tmp_path / "out") == ["model.safetensors"], result.stdout
-    assert result.stdout.startswith("hasten merge-weights: wrote"), result.stdout
-    assert_same(load_file(tmp_path / "out" / "model.safetensors"), load_file(os.path.join(root, f"zero{stage}.safetensors")))
+    assert result.stdout.startswith("hasten merge-weights: wrote 6 tensors"), result.stdout
+    for what, folder in (("hasten", source), ("raw", os.path.join(source, "deepspeed")),
+                         ("tag", os.path.join(source, "deepspeed", "model_0"))):
+        if what != "hasten":
+            assert main(["merge-weights", folder, str(tmp_path / what)]) == 0
+        assert os.listdir(tmp_path / what) == ["model.safetensors"], what
+        assert_same(load_file(tmp_path / what / "model.safetensors"), expected)
 
 
 def test_merge_weights_zero_sharded_output(two, tmp_path):
