@@ -65,7 +65,8 @@ def test_checkpoint_loads_on_another_process_count_and_back(two):
     assert "moments, step counts" in result["warning"], result
     assert "saved by ZeRO stage 2 on 2 processes, this run ZeRO stage 2 on 1 process(es)" in result["refused"]
     assert "nothing was changed" in result["refused"], result
-    back = run_checks("checks_deepspeed", world_size=2, env={"DS_FOLDER": os.path.join(os.path.dirname(folder), "from_one")},
+    saved_by_one = os.path.join(os.path.dirname(folder), "from_one")
+    back = run_checks("checks_deepspeed", world_size=2, env={"DS_FOLDER": saved_by_one},
                       only=["check_load_back_on_two_processes"])
     back.assert_passed("check_load_back_on_two_processes")
 

@@ -1,7 +1,7 @@
 """Models and optimizers of a checkpoint as torch.distributed.checkpoint (DCP) shards.
 
-Strategies whose ``checkpoint_backend()`` is this module (FSDP2, TP, models the user sharded) store their
-models and optimizers in ``<checkpoint>/sharded/``: every process writes its own shards
+Strategies whose ``checkpoint_backend()`` is this module (FSDP2, TP, models the user sharded)
+store their models and optimizers in ``<checkpoint>/sharded/``: every process writes its own shards
 (``__<rank>_0.distcp``, fsynced), process 0 the ``.metadata``, all inside the checkpoint's
 temporary folder, before the manifest is written and the folder renamed. Keys are
 ``model_<i>.<parameter name>`` and ``optimizer_<i>.state.<parameter name>.<key>``, with the

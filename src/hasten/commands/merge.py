@@ -39,7 +39,8 @@ def add_parser(subparsers: Any) -> None:
         "merge-weights",
         help="Write consolidated safetensors weights from a sharded (DCP, DeepSpeed ZeRO) or hasten checkpoint.",
         description="Read the model weights of CHECKPOINT (a torch.distributed.checkpoint folder, a DeepSpeed "
-                    "checkpoint folder, or a hasten checkpoint folder) in this one process, without a process group, and write them to the "
+                    "checkpoint folder, or a hasten checkpoint folder) in this one process, without a process "
+                    "group, and write them to the "
                     "folder OUTPUT as model.safetensors (or shards and model.safetensors.index.json), loadable "
                     "with from_pretrained or load_checkpoint_in_model. Optimizer state is left out. Needs enough "
                     "memory for one copy of the weights.",
