@@ -316,34 +316,161 @@ def _section_clash(acc, m):
         acc.strategy.plugin.deepspeed_config.pop("optimizer")
 
 
-def check_resume_on_other_world_size_refused():
-    """Written by this 2-process run; the test module loads it with 1 process and expects one clear error."""
+def _trained(stage, folder=None, steps=3, optimizer=torch.optim.AdamW):
+    """A model trained ``steps`` steps under ZeRO ``stage`` on this run's processes, saved to ``folder``."""
+    acc = _accelerator(zero_stage=stage, gradient_clipping=1.0)
+    m = _model()
+    model, opt, loader = acc.prepare(m, optimizer(m.parameters(), lr=0.01),
+                                     torch.utils.data.DataLoader(_data(), batch_size=2))
+    for _, (x, y) in zip(range(steps), loader):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+    if folder is not None:
+        acc.save_state(folder)
+    return acc, model
+
+
+def _save_reference(acc, model, path):
+    from safetensors.torch import save_file
+
+    state = acc.get_state_dict(model)
+    if acc.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    acc.wait_for_everyone()
+    return state
+
+
+def check_zero_checkpoints_for_merge_weights():
+    """ZeRO 0-3 checkpoints (and each model's get_state_dict) for the merge-weights tests, written by 2 processes;
+    the ZeRO-1 one is then loaded by ZeRO-3 on the same processes (another stage: consolidated weights)."""
+    root = os.environ["HASTEN_TEST_TMP"]
+    for stage in (0, 1, 2, 3):
+        acc, model = _trained(stage, os.path.join(root, f"zero{stage}"))
+        _save_reference(acc, model, os.path.join(root, f"zero{stage}.safetensors"))
+        acc.free_memory()
+    from safetensors.torch import load_file
+
+    acc, model = _trained(3, steps=1)
+    with _Warnings() as caught:
+        acc.load_state(os.path.join(root, "zero1"))
+    got, expected = acc.get_state_dict(model), load_file(os.path.join(root, "zero1.safetensors"))
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert any("ZeRO stage 1 on 2 processes" in w and "optimizers start fresh" in w for w in caught), caught
+    return root
+
+
+class _Warnings:
+    """Collect the messages of warnings raised inside (the checks run without pytest's fixtures)."""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        self._records = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        self.messages = []
+        return self.messages
+
+    def __exit__(self, *exc):
+        self.messages.extend(str(w.message) for w in self._records)
+        return self._ctx.__exit__(*exc)
+
+
+def check_resume_on_other_world_size():
+    """Written by this 2-process run for check_load_on_one_process (run alone afterwards)."""
     folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "for_one")
-    acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
-    model, opt, loader = _prepared(acc)
-    x, y = next(iter(loader))
-    acc.backward(nn.functional.mse_loss(model(x), y))
-    acc.save_state(folder)
+    acc, model = _trained(2, folder, optimizer=torch.optim.SGD)
+    _save_reference(acc, model, folder + ".safetensors")
     return folder
 
 
+def _one_sgd_step(acc, model, opt, x, y):
+    """One plain SGD step (lr 0.1, fresh optimizer) from the model's current weights: what a run must produce."""
+    start = {k: v.clone().requires_grad_(True) for k, v in acc.get_state_dict(model).items()}
+    out = torch.func.functional_call(_model(), start, (x,))
+    grads = torch.autograd.grad(nn.functional.mse_loss(out, y), list(start.values()))
+    expected = {k: (v - 0.1 * g).detach() for (k, v), g in zip(start.items(), grads)}
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    got = acc.get_state_dict(model)
+    return max(float((got[k] - expected[k]).abs().max()) for k in expected)
+
+
 def check_load_on_one_process():
-    """Run alone (world_size=1, DS_FOLDER set): the 2-process checkpoint is refused before anything changes."""
+    """Run alone (world_size=1, DS_FOLDER set): the 2-process ZeRO-2 checkpoint loads as consolidated weights into
+    ZeRO 2 and 3 and a plain process, trains on from them, and is saved again for 2 processes (ZeRO-3)."""
     folder = os.environ.get("DS_FOLDER")
     if folder is None:
         return "skipped"
+    from safetensors.torch import load_file
+
+    expected = load_file(folder + ".safetensors")
+    worst, messages = {}, {}
+    for name, plugin in (("zero2", {"zero_stage": 2}), ("zero3", {"zero_stage": 3}), ("plain", None)):
+        reset_state()
+        acc = (Accelerator() if plugin is None else
+               Accelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin)))
+        model, opt, loader = _prepared(acc)
+        with _Warnings() as caught:
+            acc.load_state(folder)
+        got = acc.get_state_dict(model)
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
+        messages[name] = [m for m in caught if "optimizers start fresh" in m]
+        assert messages[name] and "ZeRO stage 2 on 2 processes" in messages[name][0], caught
+        x, y = next(iter(loader))
+        worst[name] = _one_sgd_step(acc, model, opt, x, y)  # the fp32 masters hold the loaded weights
+        assert worst[name] < 1e-6, worst
+        if name == "zero3":
+            again = os.path.join(os.path.dirname(folder), "from_one")
+            acc.save_state(again)
+            _save_reference(acc, model, again + ".safetensors")
+        if name == "plain":
+            acc.save_state(os.path.join(os.path.dirname(folder), "plain"))
+        acc.free_memory()
+    # A DeepSpeed run loads only engine checkpoints: a plain one is refused before anything changes.
+    acc = _accelerator(zero_stage=2)
+    model, _, _ = _prepared(acc)
+    try:
+        acc.load_state(os.path.join(os.path.dirname(folder), "plain"))
+    except Exception as e:  # noqa: BLE001
+        assert "written without DeepSpeed and this run uses DeepSpeed" in str(e), str(e)
+    else:
+        raise AssertionError("a plain checkpoint loaded into a DeepSpeed run")
+    assert all(torch.equal(v, _model().state_dict()[k]) for k, v in acc.get_state_dict(model).items())
+    # A model the weights do not fit: refused before anything changes, naming both layouts.
     acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
-    model, opt, _ = _prepared(acc)
-    before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    wide = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 1))
+    model, _, _ = acc.prepare(wide, torch.optim.SGD(wide.parameters(), lr=0.1),
+                              torch.utils.data.DataLoader(_data(), batch_size=2))
+    before = acc.get_state_dict(model)
     try:
         acc.load_state(folder)
     except Exception as e:  # noqa: BLE001 - the message is what the test judges
-        message = str(e)
+        refused = str(e)
     else:
-        raise AssertionError("loading a 2-process ZeRO checkpoint on 1 process did not fail")
+        raise AssertionError("a checkpoint of other shapes loaded")
     after = acc.get_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    return message
+    return {"worst": worst, "warning": messages["zero2"][0], "refused": refused}
+
+
+def check_load_back_on_two_processes():
+    """Run with DS_FOLDER: the checkpoint saved by 1 process (ZeRO-3) loads on 2 (ZeRO-2)."""
+    folder = os.environ.get("DS_FOLDER")
+    if folder is None:
+        return "skipped"
+    from safetensors.torch import load_file
+
+    acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
+    model, opt, loader = _prepared(acc)
+    with _Warnings() as caught:
+        acc.load_state(folder)
+    got, expected = acc.get_state_dict(model), load_file(folder + ".safetensors")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert any("ZeRO stage 3 on 1 processes" in m for m in caught), caught
+    x, y = next(iter(loader))
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    return len(caught)
 
 
 def check_zero3_fp32_keeps_one_copy_of_partitions():

@@ -1,22 +1,32 @@
 """Models and optimizers of a checkpoint as DeepSpeed engine checkpoints.
 
-Strategies whose ``checkpoint_format`` is "deepspeed" store each engine with
+The DeepSpeed strategy's checkpoint backend stores each engine with
 ``engine.save_checkpoint(<checkpoint>/deepspeed, tag="model_<i>")`` inside the checkpoint's
 temporary folder: every process writes its ZeRO partition, then fsyncs what it wrote, before
 the manifest is written and the folder renamed (so a crash mid-save leaves the previous
 checkpoint as the newest complete one). The manifest entry records the ZeRO stage, the number
 of processes and each parameter's name and full shape: ``load_state`` compares them with the
-live engine on every process before anything is loaded. ZeRO partitions belong to the process
-count that wrote them; another count is refused (consolidate the weights with
-``hasten merge-weights`` or ``zero_to_fp32`` and start a new run from them).
+live model on every process before anything is loaded.
+
+Loading: a DeepSpeed run with the same number of processes and the same stage loads the engine
+checkpoint with DeepSpeed (exact, optimizer included). Any other run (another process count,
+another stage, DDP, one process, FSDP2) loads the consolidated fp32 weights
+(``consolidated_weights``, DeepSpeed's ``zero_to_fp32`` reading the partitions in each process)
+and starts its optimizers fresh, with a warning saying so: ZeRO partitions the optimizer state
+by flat buffers tied to the process count that wrote them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
+import io
 import os
+import warnings
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 SUBDIR = "deepspeed"
@@ -32,6 +42,8 @@ class DeepSpeedCheckpoint:
     """The checkpoint backend of a ``DeepSpeedStrategy`` (same interface as ``checkpointing.sharded``)."""
 
     KEY = KEY
+    NAME = "DeepSpeed"
+    EXCLUSIVE = True  # engines restore only from engine checkpoints (their optimizer lives in them)
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
@@ -94,35 +106,69 @@ class DeepSpeedCheckpoint:
                 out[os.path.relpath(full, folder)] = {"size": os.path.getsize(full), "checksum": None, "rank": KEY}
         return out
 
+    def _native(self, contents: dict[str, Any]) -> bool:
+        """Whether DeepSpeed itself can load it: a DeepSpeed run with the stage and process count that wrote it."""
+        from ..strategies.deepspeed import DeepSpeedStrategy
+
+        if not isinstance(self.strategy, DeepSpeedStrategy):
+            return False
+        world, stage = self.strategy.state.num_processes, self.strategy.plugin.zero_stage_value
+        return all(e.get("world_size") == world and e.get("zero_stage") == stage for e in contents["models"])
+
+    def _this_run(self) -> str:
+        stage = getattr(getattr(self.strategy, "plugin", None), "zero_stage_value", None)
+        kind = f"ZeRO stage {stage}" if stage is not None else type(self.strategy).__name__
+        return f"{kind} on {self.strategy.state.num_processes} process(es)"
+
     def check(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
-        """Differences between the stored engines and the live ones (reads only)."""
+        """Differences between the stored engines and the live models; reads the consolidated weights
+        when DeepSpeed cannot load the partitions itself (reads only, changes nothing)."""
+        from ..strategies.deepspeed import DeepSpeedStrategy
+
+        if isinstance(self.strategy, DeepSpeedStrategy):
+            try:
+                self._engines(inner)
+            except ValueError as e:
+                return [str(e)]
+        self.native = self._native(contents)
+        self.weights: list[dict[str, torch.Tensor]] = []
         problems = []
-        try:
-            self._engines(inner)
-        except ValueError as e:
-            return [str(e)]
-        world = self.strategy.state.num_processes
-        stage = self.strategy.plugin.zero_stage_value
         for i, (entry, module) in enumerate(zip(contents["models"], inner)):
-            if entry.get("world_size") != world:
-                problems.append(f"model {i} was saved by DeepSpeed on {entry.get('world_size')} processes and this run "
-                                f"has {world}; ZeRO partitions only load on the same number of processes: resume with "
-                                f"{entry.get('world_size')}, or consolidate the weights (hasten merge-weights) and start "
-                                "from them")
-            if entry.get("zero_stage") != stage:
-                problems.append(f"model {i} was saved with ZeRO stage {entry.get('zero_stage')} and this run uses "
-                                f"stage {stage}; resume with zero_stage={entry.get('zero_stage')}")
+            label = f"model {i} ({type(module).__name__}, saved by ZeRO stage {entry.get('zero_stage')} on " \
+                    f"{entry.get('world_size')} processes, this run {self._this_run()})"
             live, saved = _shapes(module), entry.get("shapes", {})
             wrong = [f"{k} (checkpoint {saved.get(k)}, model {v})" for k, v in live.items() if saved.get(k) != v]
             extra = [k for k in saved if k not in live]
             if wrong or extra:
-                problems.append(f"model {i} ({type(module).__name__}): parameters differ: "
-                                f"{', '.join((wrong + extra)[:8])}")
-            if not os.path.isdir(os.path.join(folder, SUBDIR, entry[KEY])):
+                problems.append(f"{label}: parameters differ: {', '.join((wrong + extra)[:8])}")
+            path = os.path.join(folder, SUBDIR, entry[KEY])
+            if not os.path.isdir(path):
                 problems.append(f"model {i}: the engine checkpoint folder {SUBDIR}/{entry[KEY]} is missing")
+            elif not self.native and not problems:
+                try:
+                    weights = consolidated_weights(path)
+                except ValueError as e:
+                    problems.append(f"{label}: {e}")
+                    continue
+                missing = sorted(set(module.state_dict()) - set(weights))
+                if missing:
+                    problems.append(f"{label}: the consolidated weights lack {', '.join(missing[:8])}")
+                self.weights.append(weights)
         return problems
 
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
+        if not self.native:
+            for module, weights in zip(inner, self.weights):
+                self.strategy.load_model_state_dict(module, weights, strict=False)
+            entry = contents["models"][0] if contents["models"] else {}
+            warnings.warn(
+                f"load_state: the DeepSpeed checkpoint was written by ZeRO stage {entry.get('zero_stage')} on "
+                f"{entry.get('world_size')} processes and this run is {self._this_run()}: the consolidated fp32 "
+                "weights were loaded, the optimizer state (moments, step counts, fp16 loss scale) was not restored "
+                "and the optimizers start fresh; schedulers, data positions, RNG and registered objects were restored",
+                stacklevel=4)
+            self.weights = []
+            return
         path = os.path.join(folder, SUBDIR)
         for i, engine in enumerate(self._engines(inner)):
             loaded, _ = engine.load_checkpoint(path, tag=f"model_{i}")
@@ -130,24 +176,68 @@ class DeepSpeedCheckpoint:
                 raise RuntimeError(f"DeepSpeed could not load {path}/model_{i}")
 
 
-def backend_for(strategy: Any) -> Any:
-    """The checkpoint backend of ``strategy``: None (full files), the DCP module, or a DeepSpeed one."""
-    fmt = strategy.checkpoint_format
-    if fmt == "deepspeed":
-        return DeepSpeedCheckpoint(strategy)
-    if fmt == "dcp":
-        from . import sharded
-
-        return sharded
-    return None
+# DeepSpeed's checkpoint files are pickles holding tensors, dicts and these plain records.
+_RECORDS = (("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+            ("deepspeed.utils.tensor_fragment", "fragment_address"))
 
 
-def saved_backend(contents: dict[str, Any], strategy: Any) -> Any:
-    """The backend that reads a checkpoint's models, from its manifest entries."""
-    if any(KEY in e for e in contents["models"]):
-        return DeepSpeedCheckpoint(strategy)
-    if any("dcp" in e for e in contents["models"]):
-        from . import sharded
+@contextlib.contextmanager
+def _weights_only_reads():
+    """Make DeepSpeed's readers (which pass ``weights_only=False``) unpickle weights-only, allowing
+    only DeepSpeed's plain record classes: a checkpoint cannot run code when it is consolidated."""
+    import importlib
 
-        return sharded
-    return None
+    allowed = [getattr(importlib.import_module(m), n) for m, n in _RECORDS]
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+def is_engine_checkpoint(path: str) -> bool:
+    """Whether ``path`` is one engine checkpoint folder (``<save dir>/<tag>``)."""
+    return os.path.isdir(path) and bool(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
+
+
+def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of the engine checkpoint folder ``path`` (``<save dir>/<tag>``), rebuilt
+    from every process's ZeRO partitions in this process alone (no process group, no engine).
+    Raises ``ValueError`` with one line naming what is missing or damaged."""
+    if not is_engine_checkpoint(path):
+        raise ValueError(f"{path!r} holds no DeepSpeed model states (*model_states.pt); pass an engine checkpoint "
+                         "folder (the folder save_checkpoint wrote for one tag)")
+    try:
+        from deepspeed.utils import zero_to_fp32
+    except ImportError:
+        raise ValueError("reading a DeepSpeed checkpoint needs DeepSpeed: pip install 'hasten[deepspeed]' (on CPU "
+                         "with DS_BUILD_OPS=0)") from None
+    noise = io.StringIO()
+    try:
+        with _weights_only_reads(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+            if not glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")):
+                return _stage0_weights(path)
+            parent, tag = os.path.split(os.path.normpath(path))
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+    except Exception as e:  # noqa: BLE001 - missing partitions, truncated files, foreign pickles
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
+                         f"{lines[0] if lines else 'no message'}); it is incomplete or damaged") from None
+    return {k: v.detach() for k, v in state.items()}
+
+
+def _stage0_weights(path: str) -> dict[str, torch.Tensor]:
+    """Without ZeRO (stage 0) the model states file holds the whole module."""
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
+    module = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
+    return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
+
+
+from .backends import register  # noqa: E402
+
+register(KEY, DeepSpeedCheckpoint)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..saving import CheckpointMismatchError
-from . import deepspeed_state, layout, restorer, resume, rng, saver
+from . import backends, layout, restorer, resume, rng, saver
 from .fileio import CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
@@ -187,13 +187,12 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
                          "(after the load_state pre-hooks)"))
         return out
     inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
-    backend = out["sharded"] = deepspeed_state.saved_backend(contents, acc.strategy)
-    live = acc.strategy.checkpoint_format
-    if (live == "deepspeed") != (backend is not None and backend.KEY == "deepspeed"):
-        problems.append(("mismatch", "it was written " + ("by DeepSpeed engines" if live != "deepspeed" else
-                         "without DeepSpeed") + f" and this run {'does not use' if live != 'deepspeed' else 'uses'} "
-                         "DeepSpeed; resume with the strategy that wrote it (or load its consolidated weights with "
-                         "load_checkpoint_in_model)"))
+    backend = out["sharded"] = backends.reader_for(contents, acc.strategy)
+    live = acc.strategy.checkpoint_backend()
+    if getattr(live, "EXCLUSIVE", False) and getattr(backend, "KEY", None) != live.KEY:
+        problems.append(("mismatch", f"it was written without {live.NAME} and this run uses {live.NAME}, which "
+                         "loads only its own checkpoints; resume with the strategy that wrote it, or load its "
+                         "weights with load_checkpoint_in_model before prepare"))
         return out
     if backend is not None:  # DCP shards (any layout) or engine checkpoints: checked against the live objects
         problems.extend(("mismatch", p) for p in backend.check(reader.folder, contents, inner, acc._optimizers))

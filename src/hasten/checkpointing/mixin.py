@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import commit, deepspeed_state, layout, resume, rng, saver
+from . import commit, layout, resume, rng, saver
 from .commit import gather as _gather  # noqa: F401 - loading imports it from here
 
 _HOOKS_SAVE = "_hasten_save_state_pre_hooks"
@@ -165,7 +165,7 @@ class CheckpointMixin:
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
             os.makedirs(folder, exist_ok=True)
-            backend = deepspeed_state.backend_for(self.strategy)  # None: one full file per model/optimizer
+            backend = self.strategy.checkpoint_backend()  # None: one full file per model/optimizer
             dcp_format = backend is not None
             if dcp_format:
                 backend.refuse(blocking, mid_window)

@@ -40,8 +40,10 @@ def grads_file(rank: int) -> str:
 
 
 def class_name(obj: Any) -> str:
-    inner = getattr(obj, "optimizer", None) if type(obj).__name__ == "AcceleratedOptimizer" else None
-    inner = inner or (getattr(obj, "scheduler", None) if type(obj).__name__ == "AcceleratedScheduler" else None)
+    """The user's class of a prepared optimizer/scheduler (any wrapper's, DeepSpeed's included), else ``obj``'s."""
+    wrappers = {c.__name__ for c in type(obj).__mro__}
+    inner = getattr(obj, "optimizer", None) if "AcceleratedOptimizer" in wrappers else None
+    inner = inner or (getattr(obj, "scheduler", None) if "AcceleratedScheduler" in wrappers else None)
     return type(inner or obj).__name__
 
 

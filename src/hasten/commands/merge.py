@@ -1,13 +1,15 @@
 """``hasten merge-weights``: consolidated safetensors from a sharded checkpoint, without a process group.
 
 CHECKPOINT may be a torch.distributed.checkpoint (DCP) folder (``.metadata`` + ``*.distcp``), a
-folder holding such folders (Accelerate's ``pytorch_model_fsdp_0``), or a hasten checkpoint
-(``manifest.json``), whose model entries are DCP folders (sharded strategies) or safetensors files
+folder holding such folders (Accelerate's ``pytorch_model_fsdp_0``), a DeepSpeed checkpoint (a
+``save_checkpoint`` folder, or one tag of it: ZeRO 0-3, rebuilt with DeepSpeed's ``zero_to_fp32``
+reading every partition weights-only), or a hasten checkpoint (``manifest.json``), whose model
+entries are DCP folders (sharded strategies), engine checkpoints (DeepSpeed) or safetensors files
 (single/DDP). Only the model weights are read (the optimizer state is never loaded), wrapper
 prefixes (``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``)
 are removed, and the result is written with ``hasten.saving.save_model``: atomic files,
 transformers' names, shards plus an index above ``--max_shard_size``. Peak memory: one copy of
-the model's weights.
+the model's weights (DeepSpeed: plus the fp32 partitions of every process).
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ _INNER_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "merge-weights",
-        help="Write consolidated safetensors weights from a sharded (DCP) or hasten checkpoint.",
-        description="Read the model weights of CHECKPOINT (a torch.distributed.checkpoint folder, or a hasten "
-                    "checkpoint folder) in this one process, without a process group, and write them to the "
+        help="Write consolidated safetensors weights from a sharded (DCP, DeepSpeed ZeRO) or hasten checkpoint.",
+        description="Read the model weights of CHECKPOINT (a torch.distributed.checkpoint folder, a DeepSpeed "
+                    "checkpoint folder, or a hasten checkpoint folder) in this one process, without a process "
+                    "group, and write them to the "
                     "folder OUTPUT as model.safetensors (or shards and model.safetensors.index.json), loadable "
                     "with from_pretrained or load_checkpoint_in_model. Optimizer state is left out. Needs enough "
                     "memory for one copy of the weights.",
     )
     p.add_argument("checkpoint_directory", metavar="CHECKPOINT",
-                   help="A DCP folder (with .metadata), a folder holding one, or a hasten checkpoint folder.")
+                   help="A DCP folder (with .metadata), a folder holding one, a DeepSpeed checkpoint folder (or one "
+                        "tag of it), or a hasten checkpoint folder.")
     p.add_argument("output_path", metavar="OUTPUT",
                    help="Folder to write the weights into (created; must not hold weight files already). With "
                         "several models in a hasten checkpoint: OUTPUT/model_0, OUTPUT/model_1, ...")
@@ -60,7 +64,7 @@ class Source(NamedTuple):
     """One model's weights inside a checkpoint: a DCP folder (and the top-level key of that model in
     it, when it holds several objects) or a safetensors file."""
 
-    kind: str  # "dcp" | "safetensors"
+    kind: str  # "dcp" | "safetensors" | "deepspeed" (an engine checkpoint folder: one tag)
     path: str
     key: Optional[str] = None
 
@@ -88,14 +92,41 @@ def find_sources(checkpoint: str) -> tuple[list[Source], bool]:
     folders = _dcp_folders(checkpoint)
     if folders:
         return [Source("dcp", f) for f in folders], False
+    tag = _deepspeed_tag(checkpoint)
+    if tag is not None:
+        return [Source("deepspeed", tag)], False
     raise HastenCLIError(f"CHECKPOINT {checkpoint!r} is not a checkpoint: it has no {DCP_METADATA} (a "
-                         f"torch.distributed.checkpoint folder), no {MANIFEST} (a hasten checkpoint) and no "
-                         "subfolder holding model weights in DCP format")
+                         f"torch.distributed.checkpoint folder), no {MANIFEST} (a hasten checkpoint), no DeepSpeed "
+                         "model states (*model_states.pt) and no subfolder holding model weights in these formats")
+
+
+def _deepspeed_tag(folder: str) -> Optional[str]:
+    """The engine checkpoint in ``folder``: itself, the tag its ``latest`` file names, or its only tag."""
+    from ..checkpointing.deepspeed_state import is_engine_checkpoint
+
+    if is_engine_checkpoint(folder):
+        return folder
+    tags = [n for n in sorted(os.listdir(folder)) if is_engine_checkpoint(os.path.join(folder, n))]
+    if not tags:
+        return None
+    latest = os.path.join(folder, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        if tag not in tags:
+            raise HastenCLIError(f"{latest!r} names the DeepSpeed checkpoint {tag!r}, which {folder!r} does not hold "
+                                 f"(it holds {', '.join(tags)}); pass one of them")
+        return os.path.join(folder, tag)
+    if len(tags) > 1:
+        raise HastenCLIError(f"{folder!r} holds several DeepSpeed checkpoints ({', '.join(tags)}) and no 'latest' "
+                             "file; pass one of them")
+    return os.path.join(folder, tags[0])
 
 
 def _hasten_sources(folder: str) -> list[Source]:
-    """Model entries of a hasten manifest: ``{"file": "model.safetensors"}`` (single/DDP) or
-    ``{"dcp": "model_0"}``, the model's top-level key in the checkpoint's DCP folder (sharded)."""
+    """Model entries of a hasten manifest: ``{"file": "model.safetensors"}`` (single/DDP),
+    ``{"dcp": "model_0"}``, the model's top-level key in the checkpoint's DCP folder (sharded), or
+    ``{"deepspeed": "model_0"}``, the tag of its engine checkpoint under ``deepspeed/``."""
     from ..checkpointing.layout import IncompleteCheckpointError, read_manifest
 
     try:
@@ -107,8 +138,10 @@ def _hasten_sources(folder: str) -> list[Source]:
     sources = []
     for i, entry in enumerate(entries):
         entry = entry if isinstance(entry, dict) else {}
-        file, key = entry.get("file"), entry.get("dcp")
-        if isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
+        file, key, tag = entry.get("file"), entry.get("dcp"), entry.get("deepspeed")
+        if isinstance(tag, str):
+            sources.append(Source("deepspeed", os.path.join(folder, "deepspeed", tag)))
+        elif isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
             sources.append(Source("safetensors", os.path.join(folder, file)))
         elif isinstance(key, str) and _is_dcp(os.path.join(folder, key)):  # a folder per model
             sources.append(Source("dcp", os.path.join(folder, key)))
@@ -247,6 +280,18 @@ def read_safetensors(path: str) -> dict[str, Any]:
     return tensors
 
 
+def read_deepspeed(path: str) -> dict[str, Any]:
+    """The consolidated fp32 weights of one DeepSpeed engine checkpoint (every ZeRO partition read here)."""
+    # Consolidating runs on the CPU: DeepSpeed need not probe for a device (and warn on stdout that it found none).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from ..checkpointing.deepspeed_state import consolidated_weights
+
+    try:
+        return consolidated_weights(path)
+    except ValueError as e:
+        raise HastenCLIError(str(e)) from None
+
+
 def _unwrapped(state: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in state.items():
@@ -305,6 +350,8 @@ def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True,
             if skipped:
                 print(f"hasten merge-weights: left out {len(skipped)} non-tensor entries of {source.path} "
                       f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})", file=sys.stderr)
+        elif source.kind == "deepspeed":
+            state = read_deepspeed(source.path)
         else:
             state = read_safetensors(source.path)
         state = _unwrapped(state, source.path)

@@ -3,7 +3,7 @@
 A strategy decides how a model is spread over processes: the process layout (``mesh``), the
 precision machinery (``precision``), wrapping models and re-pointing optimizers at the wrapped
 parameters, skipping gradient sync on accumulation steps, clipping, state dicts, and how a
-checkpoint stores models and optimizers (``checkpoint_format``). Data loading and checkpointing
+checkpoint stores models and optimizers (``checkpoint_backend``). Data loading and checkpointing
 talk to this interface only, so adding FSDP2 or DeepSpeed adds a module here and touches nothing
 else.
 """
@@ -81,6 +81,16 @@ class Strategy:
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records about the layout it was written with."""
         return {"strategy": type(self).__name__, "mesh": self.mesh.shape, "state_dict": self.checkpoint_format}
+
+    def checkpoint_backend(self) -> Any:
+        """How ``save_state`` stores models and optimizers: None for one full safetensors file each
+        (written by process 0), else a backend (``hasten.checkpointing.backends``); "dcp" strategies
+        (FSDP2, TP, models the user sharded) write torch.distributed.checkpoint shards."""
+        if self.checkpoint_format == "dcp":
+            from ..checkpointing import sharded
+
+            return sharded
+        return None
 
     def release(self) -> None:
         """Drop what the strategy holds of prepared objects (``Accelerator.free_memory``)."""

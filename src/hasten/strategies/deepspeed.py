@@ -143,6 +143,12 @@ class DeepSpeedStrategy(Strategy):
     def release(self) -> None:
         self.engines.clear()
 
+    def checkpoint_backend(self) -> Any:
+        """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit."""
+        from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
+
+        return DeepSpeedCheckpoint(self)
+
     # -- joint preparation ----------------------------------------------------------------------
     def prepare_jointly(self, acc: Any, items: list[tuple[int, Any]]) -> dict[int, Any]:
         """Engines for the models of one ``prepare`` call; returns {argument position: prepared}."""
@@ -271,22 +277,33 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load a full state dict (every process holds it); the engine's fp32 master copies follow."""
         module = self.unwrap_model(model)
         if not _partitioned(module):
-            return module.load_state_dict(state_dict, strict=strict)
-        import deepspeed
+            result = module.load_state_dict(state_dict, strict=strict)
+        else:
+            import deepspeed
 
-        names = set(state_dict)
-        for name, param in module.named_parameters():
-            if name in state_dict:
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    with torch.no_grad():
-                        param.copy_(state_dict[name])
-        own = {n for n, _ in module.named_parameters()}
-        missing = sorted(own - names)
-        if strict and missing:
-            raise ValueError(f"load_state_dict: missing keys {missing[:8]}")
-        return None
+            own = {n for n, _ in module.named_parameters()}
+            missing = sorted(own - set(state_dict))
+            if strict and missing:
+                raise ValueError(f"load_state_dict: missing keys {missing[:8]}")
+            for name, param in module.named_parameters():
+                if name in state_dict:
+                    # modifier_rank: without it DeepSpeed re-partitions the old values and drops the copy.
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                        with torch.no_grad():
+                            param.copy_(state_dict[name])
+            with torch.no_grad():
+                for name, buf in module.named_buffers():
+                    if name in state_dict:
+                        buf.copy_(state_dict[name])
+            result = None
+        engine = self.engine_of(module)
+        refresh = getattr(getattr(engine, "optimizer", None), "refresh_fp32_params", None)
+        if refresh is not None:  # ZeRO keeps fp32 masters apart from the module's parameters
+            refresh()
+        return result
 
 
 def _without_autos(config: dict, mode: str) -> dict:
