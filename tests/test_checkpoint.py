@@ -582,3 +582,32 @@ def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fre
     dl.load_state_dict({"epoch": 0, "batches_yielded": 90})
     Counting.reads = 0
     assert [b.tolist() for b in dl] == full[90:] and Counting.reads == 100
+
+
+def test_preemption_saves_at_the_end_of_an_accumulation_window(fresh_state, tmp_path):
+    """A signal in the middle of a window saves once the window's step is done: sharded strategies refuse
+    mid-window saves (their partial gradients live in the engine), and a checkpoint then holds no partial
+    gradients on any strategy."""
+    import signal
+
+    from hasten import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=4)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 2)), batch_size=1)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    acc.save_on_preemption(output_dir=str(tmp_path / "ck"))
+    seen = 0
+    with pytest.raises(SystemExit):
+        for (x,) in loader:
+            with acc.accumulate(model):
+                acc.backward(model(x).sum())
+                opt.step()
+                opt.zero_grad()
+            seen += 1
+            if seen == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == 8  # saved when the loop asked for the 9th batch: the second window's step was done
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert not manifest["mid_accumulation"], manifest

@@ -14,8 +14,10 @@ current one. The first process that sees a signal at a boundary publishes, throu
 group's key-value store, the target ``(pass, batch + gradient_accumulation_steps)``: no process can
 be further ahead than that (processes meet in a gradient all-reduce at least once per
 accumulation window), and every process reads the store at each boundary, so each learns the
-target before passing it. Every process saves at its first boundary at or after the target (the
-start of the next pass when its current pass ends before the target batch).
+target before passing it. The target is rounded up to the end of an accumulation window, so the
+checkpoint holds no partial gradients (sharded strategies cannot save them). Every process saves at
+its first boundary at or after the target (the start of the next pass when its current pass ends
+before the target batch).
 """
 
 from __future__ import annotations
@@ -84,15 +86,22 @@ class PreemptionHandler:
 
     def _agree(self, clock: tuple[int, int]) -> Optional[tuple[int, int]]:
         """The target boundary once any process asked for it (no collective: one store read)."""
+        accum = max(1, int(self.accelerator.gradient_accumulation_steps))
         if self._store is None:
-            return clock if self.received is not None else None
+            return self._window_end(clock, 0, accum) if self.received is not None else None
         if self.received is not None:
-            ahead = max(1, int(self.accelerator.gradient_accumulation_steps))
-            mine = json.dumps([clock[0], clock[1] + ahead])
+            mine = json.dumps(list(self._window_end(clock, accum, accum)))
             return tuple(json.loads(self._store.compare_set(self._key, "", mine)))  # the first proposal wins
         if self._store.check([self._key]):
             return tuple(json.loads(self._store.get(self._key)))
         return None
+
+    @staticmethod
+    def _window_end(clock: tuple[int, int], ahead: int, accum: int) -> tuple[int, int]:
+        # Round up to the end of an accumulation window (windows start with each pass): sharded
+        # strategies refuse mid-window saves, and no strategy then stores partial gradients.
+        batch = clock[1] + ahead
+        return clock[0], -(-batch // accum) * accum
 
     def requested(self) -> bool:
         """Whether a save was asked for (by a signal here or on another process)."""
