@@ -110,7 +110,7 @@ def _metadata(folder: str) -> Any:
     return last[2]
 
 
-def _reader(folder: str) -> Any:
+def _dcp_reader(folder: str) -> Any:
     """A ``FileSystemReader`` that hands DCP the metadata ``check`` already read."""
     import torch.distributed.checkpoint as dcp
 
@@ -178,7 +178,7 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
 
     with_state = [bool(e.get("dcp")) for e in contents["optimizers"]]
     state = _targets(models, optimizers, with_state)
-    dcp.load(state, storage_reader=_reader(folder), process_group=group)
+    dcp.load(state, storage_reader=_dcp_reader(folder), process_group=group)
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
     for i, opt in enumerate(optimizers):
@@ -204,7 +204,7 @@ def optimizer_entry(index: int, with_state: bool) -> Optional[str]:
     return f"optimizer_{index}" if with_state else None
 
 
-def _reader(strategy: Any) -> Any:
+def _backend(strategy: Any) -> Any:
     import sys
 
     return sys.modules[__name__]  # this module is the backend: it reads any layout
@@ -212,4 +212,4 @@ def _reader(strategy: Any) -> Any:
 
 from .backends import register  # noqa: E402
 
-register(KEY, _reader)
+register(KEY, _backend)
