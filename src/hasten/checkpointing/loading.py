@@ -38,6 +38,16 @@ def _kind(error: BaseException) -> str:
 
 def _agree(problems: list[tuple[str, str]], folder: str) -> None:
     """Raise on every process if any process found a problem (before anything changed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # One small all-reduce on the usual path; the messages are gathered only when some process has one.
+        from ..state import PartialState
+
+        flag = torch.tensor([len(problems)], dtype=torch.int64, device=PartialState().device)
+        dist.all_reduce(flag)
+        if not int(flag.item()):
+            return
     everyone = _gather(problems)
     found = list(dict.fromkeys(p for rank in everyone for p in rank))
     if not found:
