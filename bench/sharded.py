@@ -366,7 +366,7 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=1, help="steps per timed block")
     parser.add_argument("--quartets", type=int, default=10, help="ABBA quartets of blocks (hasten vs hand-written)")
     parser.add_argument("--ddp-blocks", type=int, default=3, help="timed DDP blocks (for the table only)")
-    parser.add_argument("--saves", type=int, default=4, help="saves of each kind (alternating order)")
+    parser.add_argument("--saves", type=int, default=10, help="saves of each kind (alternating order)")
     parser.add_argument("--loads", type=int, default=12, help="loads of each kind (alternating order)")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
     parser.add_argument("--out", default=None)
