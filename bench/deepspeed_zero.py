@@ -101,6 +101,23 @@ def _held(model, opt, engine) -> dict:
     return _storages(tensors)
 
 
+def _raw_engine(model, opt, batch: int, params: int, device):
+    """``deepspeed.initialize`` by hand with the ZeRO-3 config hasten passes for this model."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from hasten.strategies.deepspeed_config import CPU_REDUCE_BUCKET
+
+    config = {"train_micro_batch_size_per_gpu": batch, "train_batch_size": batch * dist.get_world_size(),
+              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+              "steps_per_print": 2 ** 62, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    if device.type == "cpu":
+        config["zero_optimization"]["reduce_bucket_size"] = min(CPU_REDUCE_BUCKET, params)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    return engine
+
+
 def same_processes(args) -> None:
     """Step rate with hasten's ZeRO-3 engine and a hand-written one alive in the same 2 processes:
     one-step blocks in ABBA quartets between barriers (as bench/sharded.py does for FSDP2), so both
@@ -109,9 +126,7 @@ def same_processes(args) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    import deepspeed
     from hasten import Accelerator, DeepSpeedPlugin
-    from hasten.strategies.deepspeed_config import CPU_REDUCE_BUCKET
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0))
@@ -127,14 +142,7 @@ def same_processes(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     hasten_model, hasten_opt, hasten_loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=batch))
     raw_model, raw_opt = build()
-    config = {"train_micro_batch_size_per_gpu": batch, "train_batch_size": batch * dist.get_world_size(),
-              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": min(CPU_REDUCE_BUCKET, params)},
-              "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-              "steps_per_print": 2 ** 62, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
-    if acc.device.type != "cpu":
-        del config["zero_optimization"]["reduce_bucket_size"]
-    engine, _, _, _ = deepspeed.initialize(model=raw_model, optimizer=raw_opt, config=config, dist_init_required=False)
+    engine = _raw_engine(raw_model, raw_opt, batch, params, acc.device)
     sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
     raw_batches = iter(torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler))
     hasten_batches = iter(hasten_loader)
@@ -191,8 +199,6 @@ def worker(args) -> None:
     batch = 8
     data = torch.utils.data.TensorDataset(torch.randn(batch * 2 * (args.steps + 3), args.width))
     if variant == "raw":
-        from hasten.strategies.deepspeed_config import CPU_REDUCE_BUCKET
-
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         dist.init_process_group("gloo")
         device = torch.device("cpu")
@@ -207,14 +213,7 @@ def worker(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if variant == "raw":
-        config = {"train_micro_batch_size_per_gpu": batch, "train_batch_size": batch * dist.get_world_size(),
-                  "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": 3, "reduce_bucket_size": min(CPU_REDUCE_BUCKET, params)},
-                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-                  "steps_per_print": 2 ** 62, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
-        if device.type != "cpu":
-            del config["zero_optimization"]["reduce_bucket_size"]
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+        engine = _raw_engine(model, opt, batch, params, device)
         sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
         loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler)
         del model
