@@ -27,3 +27,8 @@ test: .install-test
 
 bench: .install-core
 	$(PY) bench/overhead.py
+
+# The API reference, from the docstrings: open site/api/index.html.
+docs: .install-core
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) -m pdoc -o site/api hasten hasten.utils hasten.logging
