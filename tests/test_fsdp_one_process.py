@@ -179,3 +179,26 @@ def test_fsdp_with_cpu_offload_on_a_group_without_cpu_backend_is_named():
     check_offload_backend("cpu", "gloo")
     with pytest.raises(ValueError, match="backend 'nccl'.*cuda:nccl,cpu:gloo"):
         check_offload_backend("cuda", "nccl")
+
+
+def test_fsdp_on_one_process_after_partial_state_with_process_group_kwargs(one_process_fsdp):
+    """PartialState() first (no plugin yet), then the Accelerator with FSDP and InitProcessGroupKwargs:
+    the one-process group is opened then, with the backend and timeout given."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hasten import Accelerator
+    from hasten.state import PartialState, choose_backend
+    from hasten.utils import InitProcessGroupKwargs
+
+    state = PartialState()
+    assert not dist.is_initialized()
+    backend = choose_backend(state.device.type)
+    acc = Accelerator(fsdp_plugin=Plugin(fsdp_version=2),
+                      kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=60))])
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == backend
+    model = acc.prepare(_model())
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    acc.end_training()
+    assert not dist.is_initialized()

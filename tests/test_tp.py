@@ -146,6 +146,17 @@ def test_bad_layouts_fail_before_any_process_group_work():
     assert "dp_shard_size=2 shards the model with FSDP2" in lines[3]
 
 
+@pytest.mark.parametrize("sizes, world", [
+    (dict(), 1),  # FSDP on one process: a dp_shard of one
+    (dict(tp_size=2, dp_shard_size=1), 2),  # FSDP over a dp_shard of one, TP inside (Accelerate accepts it)
+    (dict(dp_replicate_size=2, dp_shard_size=1), 2),  # replication under FSDP2 (HSDP with a shard dim of 1)
+])
+def test_fsdp_layouts_with_a_dp_shard_of_one_are_accepted(sizes, world):
+    from hasten.utils import ParallelismConfig
+
+    ParallelismConfig(**sizes).check(world, sharded=True, device_type="cpu")
+
+
 def test_parallelism_config_reads_accelerate_environment(monkeypatch):
     from hasten.utils import ParallelismConfig
 

@@ -422,9 +422,12 @@ class AcceleratorState(SharedDict):
         fsdp = fsdp_plugin if deepspeed_plugin is None else None
         made = PartialState._shared_state.get("device") is not None
         partial = PartialState(cpu, _fsdp_plugin=fsdp, **kwargs)
-        if made and not self.initialized and _fsdp_wanted(fsdp)[0]:
+        wanted, offload = _fsdp_wanted(fsdp)
+        if made and not self.initialized and wanted:
             # PartialState() came first (without the plugin): FSDP on one process still needs its group.
-            partial.open_one_process_group(choose_backend(partial.device.type, _fsdp_wanted(fsdp)[1]), **kwargs)
+            extra = dict(kwargs)
+            backend = extra.pop("backend", None) or choose_backend(partial.device.type, offload)
+            partial.open_one_process_group(backend, **extra)
         if self.initialized:
             # As Accelerate: a later Accelerator without mixed_precision joins the existing state;
             # only an explicit, different value contradicts it.
