@@ -351,7 +351,7 @@ class PartialState(SharedDict):
         saves = sys.modules.get("hasten.checkpointing.commit")
         if saves is not None:
             saves.wait_all()
-        if (self.use_distributed or self.owns_group) and dist.is_initialized():
+        if (self.use_distributed or getattr(self, "owns_group", False)) and dist.is_initialized():
             dist.destroy_process_group(group)
             if group is None:
                 self.owns_group = False
