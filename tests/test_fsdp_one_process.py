@@ -202,3 +202,12 @@ def test_fsdp_on_one_process_after_partial_state_with_process_group_kwargs(one_p
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
     acc.end_training()
     assert not dist.is_initialized()
+
+
+def test_offload_is_read_from_bools_and_torch_policies():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from hasten.utils.fsdp_plugin import offloads_to_cpu
+
+    assert [offloads_to_cpu(v) for v in (True, False, None, CPUOffloadPolicy(pin_memory=False), OffloadPolicy())] == \
+        [True, False, False, True, False]

@@ -57,18 +57,13 @@ def serves_cpu_tensors(backend: str) -> bool:
 
 def _fsdp_wanted(fsdp_plugin: Any) -> tuple[bool, bool]:
     """(FSDP asked for, with CPU offload) from a plugin or, without one, ``hasten launch --use_fsdp``'s environment."""
-    from .utils.fsdp_plugin import _flag
+    from .utils.fsdp_plugin import _flag, offloads_to_cpu
 
     if fsdp_plugin is None or fsdp_plugin == "from-environment":
         if fsdp_plugin is None and not parse_flag("USE_FSDP"):
             return False, False
         return True, _flag("offload_params", None)
-    offload = getattr(fsdp_plugin, "cpu_offload", False)
-    if isinstance(offload, bool):
-        return True, offload
-    from torch.distributed.fsdp import CPUOffloadPolicy  # an OffloadPolicy object: only this subclass offloads
-
-    return True, isinstance(offload, CPUOffloadPolicy)
+    return True, offloads_to_cpu(getattr(fsdp_plugin, "cpu_offload", False))
 
 
 def pick_device(topology: Topology, cpu: bool) -> torch.device:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
-from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin
+from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin, offloads_to_cpu
 from .base import Params, Strategy
 from .mesh import ParallelMesh
 from .scaler import agreeing_scaler
@@ -115,12 +115,6 @@ class FSDP2Strategy(Strategy):
         # Pinned host memory needs an accelerator; without one pinning fails.
         return CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
 
-    def _offloads(self) -> bool:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        offload = self.plugin.cpu_offload
-        return isinstance(offload, CPUOffloadPolicy) or offload is True
-
     def _shard_mesh(self) -> Any:
         sizes = self.mesh.sizes
         # With context parallelism the cp processes shard the model too (Accelerate's dp_shard_cp).
@@ -152,7 +146,8 @@ class FSDP2Strategy(Strategy):
         if self.shards_data_parallel():
             self._fully_shard(model)
         if efficient:
-            _fill_from_rank0(model, full, self.state, self._offloads() and self.shards_data_parallel())
+            offload = offloads_to_cpu(self.plugin.cpu_offload) and self.shards_data_parallel()
+            _fill_from_rank0(model, full, self.state, offload)
         from ..fp8 import gathers_in_float8
 
         if gathers_in_float8(model):
