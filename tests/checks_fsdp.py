@@ -530,6 +530,14 @@ def check_cpu_ram_efficient_loading_with_offload():
     assert all(torch.equal(got[k], v) for k, v in expected.state_dict().items())
     x = torch.randn(4, FEATURES, device=acc.device)
     acc.backward(model(x).pow(2).mean())
-    acc.clip_grad_norm_(model.parameters(), 1.0)
+    acc.clip_grad_norm_(model.parameters(), 1.0)  # its total is a CPU tensor under offload
     opt.step()
+    from safetensors.torch import load_file
+
+    folder = os.path.join(os.environ["FSDP_TMP"], "offload_weights")
+    acc.save_model(model, folder)  # full_tensor() of CPU shards
+    acc.wait_for_everyone()
+    trained = _full(acc, model)
+    written = load_file(os.path.join(folder, "model.safetensors"))
+    assert set(written) == set(trained) and all(torch.equal(written[k], trained[k]) for k in trained)
     return sorted(got)
