@@ -438,3 +438,106 @@ def check_save_inside_accumulation_window_names_the_fix():
         assert not os.path.exists(os.path.join(os.environ["FSDP_TMP"], "mid_window"))
         return str(e)
     raise AssertionError("saved inside an accumulation window")
+
+
+def check_replicate_holds_full_parameters():
+    """dp_replicate_size=2, dp_shard_size=1 under FSDP2: every process holds the full parameters (HSDP whose
+    shard dimension is one process), trains like one process on twice the batch (as DDP does), and the
+    checkpoint stores each tensor once, whole; it loads back exactly."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hasten.utils.parallelism_config import ParallelismConfig
+
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2),
+                      fsdp_plugin=Plugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=100))
+    assert acc.strategy.mesh.dp_size == 2 and acc.distributed_type == "FSDP"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(_data(), batch_size=2))
+    for name, p in model.named_parameters():
+        assert p.to_local().shape == p.shape, (name, p.to_local().shape, p.shape)  # full, not half
+        assert str(p.placements) == "(Replicate(), Shard(dim=0))", p.placements
+        assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard"), p.device_mesh
+    norms, _ = _train(acc, model, opt, loader, 4, clip=0.05)
+    ref, ref_norms = _reference(4, 1, 0.05, 2, 2)
+    got = _full(acc, model)
+    worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+    assert worst < 1e-5, worst
+    assert max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5, (norms, ref_norms)
+
+    folder = os.path.join(os.environ["FSDP_TMP"], "replicate")
+    acc.save_state(folder)
+    saved = _full(acc, model)
+    _train(acc, model, opt, loader, 2)
+    acc.load_state(folder)
+    assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
+    meta = dcp.FileSystemReader(os.path.join(folder, "sharded")).read_metadata()
+    chunks = {k: [list(c.sizes) for c in v.chunks] for k, v in meta.state_dict_metadata.items()
+              if isinstance(v, TensorStorageMetadata) and k.startswith("model_0.")}
+    assert chunks and all(sizes == [list(saved[k[len("model_0."):]].shape)] for k, sizes in chunks.items()), chunks
+    return {"worst": worst, "chunks": len(chunks)}
+
+
+class _Normed(nn.Module):
+    """A layer with a persistent and a non-persistent buffer (both must reach every process)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(FEATURES, 1)
+        self.register_buffer("shift", torch.arange(FEATURES, dtype=torch.float32) / 10)
+        self.register_buffer("scale", torch.full((1,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x - self.shift) * self.scale
+
+
+def _buffered_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, FEATURES), _Normed())
+    with torch.no_grad():
+        model[3].shift.add_(1.0)  # values no fresh build has: they must come from process 0
+        model[3].scale.fill_(2.0)
+    return model
+
+
+def check_cpu_ram_efficient_loading_with_offload():
+    """Process 0's weights reach a process that built on meta, into CPU shards (offload), buffers on the
+    device; training then runs."""
+    from hasten import init_empty_weights
+
+    reset_state()
+    acc = Accelerator(fsdp_plugin=Plugin(fsdp_version=2, cpu_ram_efficient_loading=True, cpu_offload=True,
+                                         auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=100))
+    if acc.is_main_process:
+        model = _buffered_model()
+    else:
+        with init_empty_weights(include_buffers=True):
+            model = _buffered_model()
+        assert all(p.is_meta for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    expected = _buffered_model()
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    for name, p in model.named_parameters():
+        mine = p.to_local()
+        full = expected.get_parameter(name)
+        start = acc.process_index * ((full.shape[0] + 1) // 2)
+        assert torch.equal(mine, full[start:start + mine.shape[0]]), name  # this process's rows of rank 0's
+    for name, b in model.named_buffers():
+        assert b.device == acc.device and torch.equal(b.cpu(), expected.get_buffer(name)), name
+    got = _full(acc, model)
+    assert all(torch.equal(got[k], v) for k, v in expected.state_dict().items())
+    x = torch.randn(4, FEATURES, device=acc.device)
+    acc.backward(model(x).pow(2).mean())
+    acc.clip_grad_norm_(model.parameters(), 1.0)  # its total is a CPU tensor under offload
+    opt.step()
+    from safetensors.torch import load_file
+
+    folder = os.path.join(os.environ["FSDP_TMP"], "offload_weights")
+    acc.save_model(model, folder)  # full_tensor() of CPU shards
+    acc.wait_for_everyone()
+    trained = _full(acc, model)
+    written = load_file(os.path.join(folder, "model.safetensors"))
+    assert set(written) == set(trained) and all(torch.equal(written[k], trained[k]) for k in trained)
+    return sorted(got)

@@ -239,6 +239,35 @@ def check_tp_bad_heads_named_before_communication():
     raise AssertionError("no error")
 
 
+def check_tp_with_fsdp_over_dp_shard_of_one():
+    """tp_size=2 with FSDP and dp_shard_size=1 (as Accelerate accepts): FSDP2 over a shard dimension of one
+    process on top of the tensor-parallel split; trains like one process, checkpoint round trip."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    reset_state()
+    config = ParallelismConfig(tp_size=2, dp_shard_size=1, tp_plan=MLP_PLAN)
+    acc = Accelerator(parallelism_config=config, fsdp_plugin=Plugin(fsdp_version=2))
+    assert type(acc.strategy).__name__ == "FSDP2Strategy" and acc.distributed_type == "FSDP"
+    out = _mlp_equivalence(acc)
+    model = acc._models[0]
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule)
+    assert model[0].weight.device_mesh.mesh_dim_names == ("dp_shard", "tp"), model[0].weight.device_mesh
+    assert model[4].weight.to_local().shape == model[4].weight.shape  # not in the plan, dp_shard of one: whole
+    out["mesh"] = mesh_facts(acc)
+    folder = os.path.join(os.environ["TP_TMP"], "tp_fsdp_ckpt")
+    opt = acc._optimizers[0]
+    acc.save_state(folder)
+    saved = _full(acc, model)
+    acc.backward(model(torch.randn(2, FEATURES, device=acc.device)).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+    acc.load_state(folder)
+    assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
+    return out
+
+
 # -- 4 processes: dp_shard x tp and HSDP ------------------------------------------------------------
 def check_dp_shard_times_tp_equals_one_process():
     if int(os.environ["WORLD_SIZE"]) != 4:

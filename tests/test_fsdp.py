@@ -126,6 +126,15 @@ def test_device_mesh_and_ranks_match_accelerate(two):
         assert facts["local"] == {"dp_shard": rank}
 
 
+def test_replicate_under_fsdp_holds_full_parameters_and_matches_ddp(two):
+    for r in two.assert_passed("check_replicate_holds_full_parameters"):
+        assert r["worst"] < 1e-5 and r["chunks"] == 6  # 3 linears x (weight, bias), each stored whole once
+
+
+def test_cpu_ram_efficient_loading_with_offload_keeps_cpu_shards(two):
+    two.assert_passed("check_cpu_ram_efficient_loading_with_offload")
+
+
 # -- the plugin (no processes) ---------------------------------------------------------------------
 def test_plugin_reads_fsdp_environment(monkeypatch):
     from hasten import FullyShardedDataParallelPlugin

@@ -78,6 +78,13 @@ def test_tp_device_mesh_ranks_and_fp16_overflow_agreed(two):
         assert facts["local"] == {"tp": rank}
 
 
+def test_tp_with_fsdp_over_a_dp_shard_of_one(two):
+    for rank, r in enumerate(two.assert_passed("check_tp_with_fsdp_over_dp_shard_of_one")):
+        assert r["worst"] < 1e-5
+        assert r["mesh"]["names"] == ["dp_shard", "tp"] and r["mesh"]["shape"] == [1, 2]
+        assert r["mesh"]["ranks"] == {"dp_replicate": 0, "dp_shard": 0, "tp": rank, "cp": 0}
+
+
 def test_tp_size_not_dividing_heads_is_named(two):
     assert "tp_size=2 does not divide num_attention_heads=3" in two.assert_passed(
         "check_tp_bad_heads_named_before_communication")[0]
@@ -109,8 +116,7 @@ _BAD = textwrap.dedent("""
     import sys
     from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
     import torch.distributed as dist
-    cases = [dict(tp_size=4), dict(dp_shard_size=2, tp_size=2), dict(cp_size=2), dict(dp_shard_size=2),
-             dict(dp_replicate_size=2, tp_size=1, dp_shard_size=1, fsdp=True)]
+    cases = [dict(tp_size=4), dict(dp_shard_size=2, tp_size=2), dict(cp_size=2), dict(dp_shard_size=2)]
     for case in cases:
         fsdp = case.pop("fsdp", False)
         try:
@@ -131,14 +137,24 @@ def test_bad_layouts_fail_before_any_process_group_work():
     out = subprocess.run([sys.executable, "-c", _BAD], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 5 and all(line.startswith("ERROR") for line in lines), out.stdout
+    assert len(lines) == 4 and all(line.startswith("ERROR") for line in lines), out.stdout
     assert "tp_size=4 = 4 processes, but this job runs 2" in lines[0]
     assert "dp_shard_size=2 x cp_size=1 x tp_size=2 = 4 processes" in lines[1]
     assert "cp_size=2 needs GPUs" in lines[2]
     assert "this job runs on the CPU with dp_replicate_size=1 x dp_shard_size=1 x cp_size=2 x tp_size=1" in lines[2]
     assert "use cp_size=1 and give those processes to dp_shard_size (dp_shard_size=2, with fsdp_plugin)" in lines[2]
     assert "dp_shard_size=2 shards the model with FSDP2" in lines[3]
-    assert "dp_replicate_size=2 with dp_shard_size=1 under FSDP" in lines[4]
+
+
+@pytest.mark.parametrize("sizes, world", [
+    (dict(), 1),  # FSDP on one process: a dp_shard of one
+    (dict(tp_size=2, dp_shard_size=1), 2),  # FSDP over a dp_shard of one, TP inside (Accelerate accepts it)
+    (dict(dp_replicate_size=2, dp_shard_size=1), 2),  # replication under FSDP2 (HSDP with a shard dim of 1)
+])
+def test_fsdp_layouts_with_a_dp_shard_of_one_are_accepted(sizes, world):
+    from hasten.utils import ParallelismConfig
+
+    ParallelismConfig(**sizes).check(world, sharded=True, device_type="cpu")
 
 
 def test_parallelism_config_reads_accelerate_environment(monkeypatch):

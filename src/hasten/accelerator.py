@@ -581,7 +581,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         """Wait for a background save, finish trackers, wait for every process, tear the process group down."""
         self.wait_for_checkpoint()
         self._finish_trackers()
-        if self.use_distributed and torch.distributed.is_initialized():  # idempotent
+        if (self.use_distributed or getattr(self.state, "owns_group", False)) and torch.distributed.is_initialized():
             self.wait_for_everyone()
             self.state.destroy_process_group()
 

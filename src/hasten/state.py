@@ -35,6 +35,37 @@ _MULTI_TYPES = {
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
 
 
+def choose_backend(device_type: str, cpu_offload: bool = False) -> str:
+    """The process-group backend for ``device_type``.
+
+    FSDP2's CPU offload keeps shards and gradients in host memory, and collectives then run on CPU
+    tensors (the gradient-norm total, ``full_tensor()`` of a shard, rank 0's weights broadcast to the
+    others): an accelerator's backend gets gloo beside it for those (``cuda:nccl,cpu:gloo``, as
+    torchtitan and Accelerate do for offload). Only then: gloo needs its own connections, which a
+    multi-node job may have to configure (``GLOO_SOCKET_IFNAME``).
+    """
+    backend = _BACKENDS.get(device_type, "gloo")
+    if cpu_offload and backend != "gloo":
+        return f"{device_type}:{backend},cpu:gloo"
+    return backend
+
+
+def serves_cpu_tensors(backend: str) -> bool:
+    """Whether a process group made with ``backend`` runs collectives on CPU tensors."""
+    return backend == "gloo" or "cpu:" in backend
+
+
+def _fsdp_wanted(fsdp_plugin: Any) -> tuple[bool, bool]:
+    """(FSDP asked for, with CPU offload) from a plugin or, without one, ``hasten launch --use_fsdp``'s environment."""
+    from .utils.fsdp_plugin import _flag, offloads_to_cpu
+
+    if fsdp_plugin is None or fsdp_plugin == "from-environment":
+        if fsdp_plugin is None and not parse_flag("USE_FSDP"):
+            return False, False
+        return True, _flag("offload_params", None)
+    return True, offloads_to_cpu(getattr(fsdp_plugin, "cpu_offload", False))
+
+
 def pick_device(topology: Topology, cpu: bool) -> torch.device:
     """CUDA by local rank, then XPU, then MPS (single process), else CPU."""
     if cpu:
@@ -90,7 +121,8 @@ class SharedDict:
 
 
 # What PartialState.__init__ sets: reading one from a reset state gets an explanation.
-_PARTIAL_FIELDS = frozenset({"topology", "device", "backend", "distributed_type", "debug", "fork_launched"})
+_PARTIAL_FIELDS = frozenset({"topology", "device", "backend", "distributed_type", "debug", "fork_launched",
+                             "owns_group"})
 
 
 class PartialState(SharedDict):
@@ -106,10 +138,12 @@ class PartialState(SharedDict):
         self._bind_shared()
         if self.initialized:
             return
+        # Set by AcceleratorState: the plugin the Accelerator got (FSDP needs a group even on one process).
+        fsdp, offload = _fsdp_wanted(kwargs.pop("_fsdp_plugin", None))
         cpu = cpu or parse_flag("USE_CPU")
         topo = detect_topology()
         device = pick_device(topo, cpu)
-        backend = kwargs.pop("backend", None) or _BACKENDS.get(device.type, "gloo")
+        backend = kwargs.pop("backend", None) or choose_backend(device.type, offload)
         if topo.distributed:
             self._init_process_group(topo, device, backend, kwargs)
         elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -121,6 +155,9 @@ class PartialState(SharedDict):
         self.topology = topo
         self.device = device
         self.backend = backend if topo.distributed else None
+        self.owns_group = False  # True once this process made its own one-process group
+        if fsdp and not topo.distributed:
+            self.open_one_process_group(backend, **kwargs)
         self.distributed_type = _MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
         self.debug = parse_flag("DEBUG")
         self.fork_launched = parse_flag("FORK_LAUNCHED")
@@ -140,13 +177,27 @@ class PartialState(SharedDict):
             os.environ.setdefault("MASTER_ADDR", topo.master_addr)
         if topo.master_port:
             os.environ.setdefault("MASTER_PORT", str(topo.master_port))
-        if kwargs.get("timeout") is None:
-            kwargs.pop("timeout", None)
-        elif not isinstance(kwargs["timeout"], timedelta):
-            raise TypeError(f"timeout={kwargs['timeout']!r} must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+        _check_timeout(kwargs)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
+
+    def open_one_process_group(self, backend: Optional[str] = None, **kwargs: Any) -> None:
+        """A process group of this one process (FSDP2 and DTensor need one even then), in memory: no
+        rendezvous, no port. A group that already exists (the user's) is kept as it is."""
+        if self.use_distributed or not dist.is_available():
+            return
+        if not dist.is_initialized():
+            backend = backend or choose_backend(self.device.type)
+            _check_timeout(kwargs)
+            if kwargs.get("init_method") is None:
+                kwargs.pop("init_method", None)
+                kwargs["store"] = dist.HashStore()
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend=backend, rank=0, world_size=1, **kwargs)
+            self.owns_group = True
+        self.backend = dist.get_backend()
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -295,13 +346,23 @@ class PartialState(SharedDict):
         saves = sys.modules.get("hasten.checkpointing.commit")
         if saves is not None:
             saves.wait_all()
-        if self.use_distributed and dist.is_initialized():
+        if (self.use_distributed or getattr(self, "owns_group", False)) and dist.is_initialized():
             dist.destroy_process_group(group)
+            if group is None:
+                self.owns_group = False
 
     @classmethod
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
+
+
+def _check_timeout(kwargs: dict) -> None:
+    """Drop an unset ``timeout`` from ``init_process_group``'s arguments; refuse one of the wrong type."""
+    if kwargs.get("timeout") is None:
+        kwargs.pop("timeout", None)
+    elif not isinstance(kwargs["timeout"], timedelta):
+        raise TypeError(f"timeout={kwargs['timeout']!r} must be a datetime.timedelta, e.g. timedelta(minutes=30)")
 
 
 def _check_index(decorator: str, name: str, value: Any) -> None:
@@ -353,7 +414,15 @@ class AcceleratorState(SharedDict):
         **kwargs: Any,
     ) -> None:
         self._bind_shared()
-        partial = PartialState(cpu, **kwargs)
+        fsdp = fsdp_plugin if deepspeed_plugin is None else None
+        made = PartialState._shared_state.get("device") is not None
+        partial = PartialState(cpu, _fsdp_plugin=fsdp, **kwargs)
+        wanted, offload = _fsdp_wanted(fsdp)
+        if made and not self.initialized and wanted:
+            # PartialState() came first (without the plugin): FSDP on one process still needs its group.
+            extra = dict(kwargs)
+            backend = extra.pop("backend", None) or choose_backend(partial.device.type, offload)
+            partial.open_one_process_group(backend, **extra)
         if self.initialized:
             # As Accelerate: a later Accelerator without mixed_precision joins the existing state;
             # only an explicit, different value contradicts it.
@@ -374,7 +443,7 @@ class AcceleratorState(SharedDict):
         self.distributed_type = partial.distributed_type
         if deepspeed_plugin is not None:
             self.distributed_type = DistributedType.DEEPSPEED
-        elif fsdp_plugin is not None and partial.use_distributed:
+        elif fsdp_plugin is not None:  # on one process too (a group of one), as Accelerate under its launcher
             self.distributed_type = DistributedType.FSDP
 
     @property

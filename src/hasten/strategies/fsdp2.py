@@ -22,7 +22,7 @@ from torch import nn
 
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
-from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin
+from ..utils.fsdp_plugin import FullyShardedDataParallelPlugin, offloads_to_cpu
 from .base import Params, Strategy
 from .mesh import ParallelMesh
 from .scaler import agreeing_scaler
@@ -74,7 +74,10 @@ class FSDP2Strategy(Strategy):
         sizes = {"dp_shard": self.state.num_processes}
         if self.parallelism_config is not None and self.parallelism_config.total_size > 1:
             sizes = self.parallelism_config.sizes()
-        return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type)
+        # fully_shard needs a shard dimension even of size 1 (one process, tp alone, plain replication).
+        keep = ("dp_shard",) if self.shards_data_parallel() and sizes.get("cp", 1) == 1 else ()
+        return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type,
+                            keep=keep)
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
         if mode == "fp8" and self.mesh.sizes["tp"] > 1:
@@ -108,6 +111,7 @@ class FSDP2Strategy(Strategy):
             return offload
         if not offload:
             return OffloadPolicy()
+        check_offload_backend(self.state.device.type, dist.get_backend_config())
         # Pinned host memory needs an accelerator; without one pinning fails.
         return CPUOffloadPolicy(pin_memory=self.state.device.type != "cpu")
 
@@ -115,10 +119,10 @@ class FSDP2Strategy(Strategy):
         sizes = self.mesh.sizes
         # With context parallelism the cp processes shard the model too (Accelerate's dp_shard_cp).
         shard = "dp_shard_cp" if sizes["cp"] > 1 else "dp_shard"
-        if sizes["dp_replicate"] > 1 and sizes["dp_shard"] * sizes["cp"] > 1:
-            return self.mesh[("dp_replicate", shard)]  # HSDP: 2-D mesh
         if sizes["dp_replicate"] > 1:
-            return self.mesh["dp_replicate"]
+            # HSDP: replicated over dp_replicate, sharded over the shard dimension. With a shard dimension
+            # of size 1 every process holds the full parameters and gradients are all-reduced: replication.
+            return self.mesh[("dp_replicate", shard)]
         return self.mesh[shard]
 
     # -- the model ------------------------------------------------------------------------------
@@ -142,7 +146,8 @@ class FSDP2Strategy(Strategy):
         if self.shards_data_parallel():
             self._fully_shard(model)
         if efficient:
-            _fill_from_rank0(model, full, self.state)
+            offload = offloads_to_cpu(self.plugin.cpu_offload) and self.shards_data_parallel()
+            _fill_from_rank0(model, full, self.state, offload)
         from ..fp8 import gathers_in_float8
 
         if gathers_in_float8(model):
@@ -414,6 +419,25 @@ def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
     return chosen
 
 
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))
+
+
+def check_offload_backend(device_type: str, backend: str) -> None:
+    """Refuse CPU offload on a process group that cannot move CPU tensors (an accelerator's backend alone)."""
+    from ..state import choose_backend, serves_cpu_tensors
+
+    if not serves_cpu_tensors(backend):
+        raise ValueError(
+            f"FSDP cpu_offload needs a process group that moves CPU tensors, but it was made with backend "
+            f"{backend!r} (PartialState() before the Accelerator, or init_process_group by hand). Create the "
+            f"Accelerator(fsdp_plugin=...) first, launch with hasten launch --use_fsdp --fsdp_offload_params true, or "
+            f"init_process_group(backend={choose_backend(device_type, cpu_offload=True)!r})")
+
+
 def _rank0_weights(model: nn.Module, state: Any) -> Optional[dict[str, Any]]:
     """Process 0's full weights (its state dict and non-persistent buffers), kept before sharding."""
     if state.process_index != 0:
@@ -426,15 +450,25 @@ def _rank0_weights(model: nn.Module, state: Any) -> Optional[dict[str, Any]]:
     return {"state": {k: v for k, v in persistent.items()}, "buffers": extra}
 
 
-def _fill_from_rank0(model: nn.Module, full: Optional[dict[str, Any]], state: Any) -> None:
-    """Give every process process 0's weights after sharding (the others built on ``meta``)."""
+def _fill_from_rank0(model: nn.Module, full: Optional[dict[str, Any]], state: Any, offload: bool) -> None:
+    """Give every process process 0's weights after sharding (the others built on ``meta``).
+
+    With CPU offload the shards live in host memory (FSDP2 refuses offloaded parameters on the
+    accelerator), buffers on the device. DCP's broadcast wants every tensor of the model on one
+    device, so buffers wait on CPU with the shards and move to the device once filled.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     device = state.device
+    home = torch.device("cpu") if offload else device
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=device)
+        model.to_empty(device=home)
+    if offload:
+        _move_buffers(model, home)
     set_model_state_dict(model, full["state"] if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if offload:
+        _move_buffers(model, device)
     persistent = set(model.state_dict().keys())
     for name, buffer in model.named_buffers():
         if _strip(name) in persistent or name in persistent:

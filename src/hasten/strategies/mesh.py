@@ -57,15 +57,18 @@ class ParallelMesh:
         sizes: size per dimension name of ``DIMS`` (missing names are 1).
         rank / world_size: this process and the job's number of processes.
         device_type: "cpu", "cuda", ... (the torch ``DeviceMesh`` is built on it when asked for).
+        keep: dimensions the torch mesh holds even at size 1 (FSDP2's shard dimension).
     """
 
-    def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str = "cpu") -> None:
+    def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str = "cpu",
+                 keep: tuple[str, ...] = ()) -> None:
         unknown = sorted(set(sizes) - set(DIMS))
         if unknown:
             raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(DIMS)}")
         self.sizes = {name: int(sizes.get(name, 1)) for name in DIMS}
         check_layout(self.sizes, world_size)
         self.rank, self.world_size, self.device_type = rank, world_size, device_type
+        self.keep = tuple(keep)
         self._device_mesh: Any = None
         self._flattened: dict[str, Any] = {}
         self._data_parallel: Optional[DataParallel] = None
@@ -122,8 +125,8 @@ class ParallelMesh:
         if self._device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            names = tuple(n for n in DIMS if self.sizes[n] > 1) or ("dp_shard",)
-            shape = tuple(self.sizes[n] for n in names) if any(self.sizes[n] > 1 for n in DIMS) else (1,)
+            names = tuple(n for n in DIMS if self.sizes[n] > 1 or n in self.keep) or ("dp_shard",)
+            shape = tuple(self.sizes[n] for n in names)
             mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
             for joint, parts in FLATTENED.items():
                 enabled = tuple(n for n in parts if self.sizes[n] > 1)

@@ -31,6 +31,15 @@ def _flag(name: str, value: Any, default: bool = False) -> bool:
     raise ValueError(f"FullyShardedDataParallelPlugin: {name}={value!r} is not a boolean; use true or false")
 
 
+def offloads_to_cpu(cpu_offload: Any) -> bool:
+    """Whether a plugin's ``cpu_offload`` (a bool, or a torch ``OffloadPolicy`` object) keeps shards on CPU."""
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        return bool(cpu_offload)
+    from torch.distributed.fsdp import CPUOffloadPolicy  # of the policy objects, only this one offloads
+
+    return isinstance(cpu_offload, CPUOffloadPolicy)
+
+
 def _env(name: str, value: Any) -> Any:
     return os.environ.get("FSDP_" + name.upper()) if value is None else value
 

@@ -32,7 +32,8 @@ class ParallelismConfig:
     """How the processes of a job are laid out: data parallel (replicated and sharded), context and tensor parallel.
 
     Args (Accelerate's names; each defaults to ``PARALLELISM_CONFIG_<NAME>``, else 1):
-        dp_replicate_size: full copies of the (sharded) model; with ``dp_shard_size`` > 1 this is HSDP.
+        dp_replicate_size: full copies of the (sharded) model; with ``dp_shard_size`` > 1 this is HSDP, with
+            ``dp_shard_size`` = 1 under FSDP every process holds the full parameters (replication).
         dp_shard_size: processes one copy is sharded over with FSDP2 (needs ``fsdp_plugin``/``--use_fsdp``).
         tp_size: processes one layer's weights are split over (tensor parallelism, DTensor).
         cp_size: processes one sequence is split over (context parallelism; needs a GPU).
@@ -143,12 +144,8 @@ class ParallelismConfig:
             raise ValueError(f"ParallelismConfig: dp_shard_size={self.dp_shard_size} shards the model with FSDP2; "
                              "turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "
                              "--use_fsdp, or use dp_replicate_size for plain data parallelism")
-        if sharded and self.dp_shard_size == 1 and self.dp_replicate_size == 1 and self.cp_size == 1:
-            raise ValueError(f"ParallelismConfig: FSDP is on but {shown} leaves no data-parallel processes to shard "
-                             f"over; set dp_shard_size > 1, or train without fsdp_plugin/--use_fsdp")
-        if self.dp_replicate_size > 1 and self.dp_shard_size == 1 and sharded:
-            raise ValueError(f"ParallelismConfig: dp_replicate_size={self.dp_replicate_size} with dp_shard_size=1 "
-                             "under FSDP is plain replication; train without --use_fsdp (DDP), or set dp_shard_size")
+        # FSDP with dp_shard_size=1 is accepted, as in Accelerate: FSDP2 over a shard dimension of one
+        # process (with tp alone, or on a one-process job), or HSDP that replicates (dp_replicate_size > 1).
 
 
 def parallelism_config_from_env() -> Optional[ParallelismConfig]:
