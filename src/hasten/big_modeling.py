@@ -54,7 +54,7 @@ def init_on_device(device: DeviceLike, include_buffers: Optional[bool] = None) -
 
     def register_parameter(module: nn.Module, name: str, param: Any) -> None:
         original(module, name, param)
-        if param is not None:
+        if param is not None and param.device != device:  # an existing parameter (a tie) stays itself
             current = module._parameters[name]
             extra = dict(current.__dict__)  # attributes such as transformers' _is_hf_initialized
             moved = type(current)(current.to(device), requires_grad=param.requires_grad)
@@ -152,6 +152,25 @@ def _offloaded_names(model: "nn.Module", modules: list[str], offload_buffers: bo
     return list(submodule_tensors(names, modules))
 
 
+def _disjoint(model: "nn.Module", device_map: Mapping[str, Any]) -> dict[str, Any]:
+    """``device_map`` with every entry that has more specific entries below it (``""`` next to
+    ``"layers.3"``) replaced by its children and direct tensors, so that no entry contains another."""
+    from .utils.modeling import named_module_tensors
+
+    out = dict(device_map)
+    while True:
+        outer = [k for k in out if any(o != k and (not k or o.startswith(k + ".")) for o in out)]
+        if not outer:
+            return out
+        for key in outer:
+            device = out.pop(key)
+            module = model.get_submodule(key)
+            prefix = f"{key}." if key else ""
+            names = [n for n, _ in module.named_children()] + [n for n, _ in named_module_tensors(module)]
+            for name in names:
+                out.setdefault(prefix + name, device)
+
+
 def _prepare_disk_folder(model: "nn.Module", disk_modules: list[str], offload_dir: Optional[PathLike],
                          offload_index: Optional[Mapping], offload_buffers: bool) -> None:
     """Make sure the offload folder holds every weight of the disk modules (writing those it lacks)."""
@@ -213,9 +232,10 @@ def dispatch_model(
             state_dict = submodule_tensors(model.state_dict(), cpu_modules)
         if disk_modules:
             _prepare_disk_folder(model, disk_modules, offload_dir, offload_index, offload_buffers)
-        execution = {n: main_device if _is(d, "cpu") or _is(d, "disk") else d for n, d in device_map.items()}
-        execution[""] = main_device
-        offload = {n: _is(d, "disk") or (_is(d, "cpu") and not on_host) for n, d in device_map.items()}
+        blocks = _disjoint(model, device_map)
+        execution = {n: main_device if _is(d, "cpu") or _is(d, "disk") else d for n, d in blocks.items()}
+        execution.setdefault("", main_device)
+        offload = {n: _is(d, "disk") or (_is(d, "cpu") and not on_host) for n, d in blocks.items()}
         folder = offload_dir if disk_modules else None
         weights_map = None
         if state_dict is not None or folder is not None or offload_index is not None:

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .utils.modeling import named_module_tensors, non_persistent_buffers, set_module_tensor_to_device
+from .utils.modeling import (_get_tensor, named_module_tensors, non_persistent_buffers, put_tensor,
+                             set_module_tensor_to_device)
 from .utils.offload import PrefixedDataset
 from .utils.operations import find_device, send_to_device
 
@@ -226,6 +227,7 @@ class AlignDevicesHook(ModelHook):
         self.tied_params_map = tied_params_map
         self.original_devices: dict[str, torch.device] = {}
         self._loaded_ties: list[tuple[int, Any]] = []
+        self._stand_ins: dict[str, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (f"AlignDevicesHook(execution_device={self.execution_device}, offload={self.offload}, "
@@ -264,7 +266,10 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload:
-            for name in self._offloaded(module):
+            names = self._offloaded(module)
+            # The meta stand-ins go back after the forward: the same objects, so ties between them hold.
+            self._stand_ins = {name: _get_tensor(module, name) for name in names}
+            for name in names:
                 value = self.weights_map[name]
                 if self.tied_params_map is not None and value.device.type != "meta":
                     entry = self.tied_params_map.get(value.data_ptr())
@@ -280,8 +285,14 @@ class AlignDevicesHook(ModelHook):
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:
+            stand_ins = self._stand_ins
             for name in self._offloaded(module):
-                set_module_tensor_to_device(module, name, "meta", clear_cache=False)
+                meta = stand_ins.get(name)
+                if meta is not None and meta.device.type == "meta":
+                    put_tensor(module, name, meta)
+                else:
+                    set_module_tensor_to_device(module, name, "meta", clear_cache=False)
+            self._stand_ins = {}
             for pointer, device in self._loaded_ties:  # let the shared copies go
                 self.tied_params_map.get(pointer, {}).pop(device, None)
             self._loaded_ties = []
@@ -377,9 +388,15 @@ def attach_align_device_hook_on_blocks(module: nn.Module, execution_device: Unio
                                                             tied_params_map=tied_params_map))
         attach_execution_device_hook(module, device, skip_keys, preload_module_classes, tied_params_map)
         return  # everything below this block is handled
-    if is_root:
-        add_hook_to_module(module, AlignDevicesHook(execution_device.get(""), io_same_device=True,
-                                                    skip_keys=skip_keys, tied_params_map=tied_params_map))
+    prefix = f"{module_name}." if module_name else ""
+    own = [prefix + n for n, _ in named_module_tensors(module) if prefix + n in execution_device]
+    if own or is_root:  # tensors of this module mapped one by one (a split module), or the model's root
+        device = execution_device[own[0]] if own else execution_device.get("")
+        offloaded = bool(own) and any(offload.get(n, False) for n in own)
+        add_hook_to_module(module, AlignDevicesHook(
+            device, offload=offloaded, io_same_device=is_root, offload_buffers=offload_buffers, skip_keys=skip_keys,
+            weights_map=PrefixedDataset(weights_map, prefix) if offloaded and weights_map is not None else None,
+            tied_params_map=tied_params_map))
     for name, child in module.named_children():
         attach_align_device_hook_on_blocks(child, execution_device, offload, weights_map, offload_buffers,
                                            f"{module_name}.{name}" if module_name else name, skip_keys,

@@ -222,16 +222,25 @@ def _get_tensor(model: "nn.Module", name: str) -> "torch.Tensor":
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
 
 
+def put_tensor(model: "nn.Module", name: str, tensor: Optional["torch.Tensor"]) -> None:
+    """Set parameter or buffer ``name`` of ``model`` to exactly ``tensor`` (no copy, no re-wrapping)."""
+    owner, leaf = _owner(model, name)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = tensor
+    else:
+        owner._buffers[leaf] = tensor
+
+
 def retie_parameters(model: "nn.Module", tied_params: list[list[str]]) -> None:
-    """Make every name of each group point at one parameter again (one that holds data, if any)."""
+    """Make every name of each group point at one parameter again: one holding data if there is
+    one, else the first (so tied weights offloaded to ``meta`` stay one object too)."""
     for group in tied_params:
-        tensors = [(name, _get_tensor(model, name)) for name in group]
-        keep = next((t for _, t in tensors if t is not None and t.device.type != "meta"), None)
+        tensors = [_get_tensor(model, name) for name in group]
+        keep = next((t for t in tensors if t is not None and t.device.type != "meta"), tensors[0] if tensors else None)
         if keep is None:
             continue
-        for name, _ in tensors:
-            owner, leaf = _owner(model, name)
-            owner._parameters[leaf] = keep
+        for name in group:
+            put_tensor(model, name, keep)
 
 
 # -- sizes --------------------------------------------------------------------------------------------
