@@ -244,6 +244,7 @@ def test_cpu_offload_keeps_weights_off_the_module_and_gives_equal_outputs():
     with torch.no_grad():
         assert torch.equal(model(ids, shift=shift), want)
     assert model.body[0].weight.device.type == "meta"  # dropped again after the forward
+    assert find_tied_parameters(model) == [["embed.weight", "head.weight"]]  # the tie is one object still
     remove_hook_from_submodules(model)  # weights come back
     assert all(p.device.type == DEVICE.type for p in model.parameters())
     with torch.no_grad():
@@ -259,6 +260,7 @@ def test_disk_offload_reads_weights_from_the_folder(tmp_path):
     assert (tmp_path / "index.json").is_file() and model.norm.weight.device.type == "meta"
     with torch.no_grad():
         assert torch.equal(model(ids, shift=shift), want)
+    assert find_tied_parameters(model) == [["embed.weight", "head.weight"]]
     fresh = make_net(seed=1)  # other weights: the existing folder is used as it is
     disk_offload(fresh, tmp_path, execution_device=DEVICE)
     with torch.no_grad():

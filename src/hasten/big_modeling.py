@@ -93,14 +93,17 @@ def cpu_offload(model: "nn.Module", execution_device: Optional["torch.device"] =
     Outputs come back on the input's device. ``preload_module_classes``: see ``attach_align_device_hook``.
     """
     from .hooks import AlignDevicesHook, add_hook_to_module, attach_align_device_hook
+    from .utils.modeling import find_tied_parameters, retie_parameters
 
     if execution_device is None:
         execution_device = _first_device(model)
     if state_dict is None:
         state_dict = {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
+    tied = find_tied_parameters(model)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     attach_align_device_hook(model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
                              weights_map=state_dict, preload_module_classes=preload_module_classes)
+    retie_parameters(model, tied)  # each hook put its own meta stand-in: make tied names one object again
     return model
 
 
@@ -124,16 +127,19 @@ def disk_offload(model: "nn.Module", offload_dir: PathLike, execution_device: Op
     """Keep all weights in ``offload_dir`` (written there from the model unless the folder already has an
     index) and read each submodule's weights onto ``execution_device`` only for its forward."""
     from .hooks import AlignDevicesHook, add_hook_to_module, attach_align_device_hook
+    from .utils.modeling import find_tied_parameters, retie_parameters
     from .utils.offload import INDEX_NAME, OffloadedWeightsLoader, offload_state_dict
 
     if not os.path.isfile(os.path.join(os.fspath(offload_dir), INDEX_NAME)):
         offload_state_dict(offload_dir, model.state_dict())
     if execution_device is None:
         execution_device = _first_device(model)
+    tied = find_tied_parameters(model)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     attach_align_device_hook(model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
                              weights_map=OffloadedWeightsLoader(save_folder=offload_dir),
                              preload_module_classes=preload_module_classes)
+    retie_parameters(model, tied)
     return model
 
 
