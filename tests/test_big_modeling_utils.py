@@ -18,6 +18,7 @@ from hasten import (
     cpu_offload,
     cpu_offload_with_hook,
     disk_offload,
+    dispatch_model,
     init_empty_weights,
     load_checkpoint_and_dispatch,
 )
@@ -29,6 +30,7 @@ from hasten.hooks import (
     remove_hook_from_module,
     remove_hook_from_submodules,
 )
+from hasten.model_loading import load_checkpoint_in_model
 from hasten.saving import save_model
 from hasten.utils import (
     compute_module_sizes,
@@ -314,3 +316,26 @@ def test_create_and_free_dispatched_models_in_a_loop(tmp_path):
         del model
         assert alive() is None  # freed at once: nothing (hooks, weights maps) keeps it alive
     assert nn.Module.register_parameter is nn.Module.__dict__["register_parameter"]
+
+
+def test_cpu_modules_load_per_forward_when_the_main_device_is_not_the_cpu(tmp_path):
+    # With a GPU as the main device, modules mapped to "cpu" keep their weights in RAM and load them
+    # onto the GPU for each forward. Without a GPU, main device "cpu:0" takes that same path.
+    ids, shift = inputs()
+    source = make_net()
+    with torch.no_grad():
+        want = source(ids, shift=shift)
+    save_model(source.state_dict(), tmp_path / "ckpt", max_shard_size="200B")
+    main = torch.device("cpu", 0) if DEVICE.type == "cpu" else DEVICE
+    plan = {"embed": "cpu", "head": "cpu", "body.0": "disk", "norm": "disk", "": "cpu"}
+    with init_empty_weights():
+        model = Net()
+    load_checkpoint_in_model(model, tmp_path / "ckpt", device_map=plan, offload_folder=tmp_path / "off")
+    dispatch_model(model, plan, main_device=main, offload_dir=tmp_path / "off")
+    assert model.embed.weight.device.type == "meta" and model.body[2].weight.device.type == "meta"
+    assert model.scale.device.type == main.type  # buffers are not offloaded: they live on the main device
+    assert model.head.weight is model.embed.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids, shift=shift), want)
+        assert torch.equal(model(ids.cpu(), shift=shift.cpu()), want.cpu())  # outputs on the input's device
+    assert model.embed.weight.device.type == "meta" and model.head.weight is model.embed.weight

@@ -232,13 +232,14 @@ def dispatch_model(
             accelerators = [v for v in distinct if not (_is(v, "cpu") or _is(v, "disk"))]
             main_device = accelerators[0] if accelerators else "cpu"
         on_host = _is(main_device, "cpu") or _is(main_device, "mps")
-        cpu_modules = [n for n, d in device_map.items() if _is(d, "cpu")]
-        disk_modules = [n for n, d in device_map.items() if _is(d, "disk")]
+        blocks = _disjoint(model, device_map)  # "" next to "layers.3": "" stands for the rest only
+        cpu_modules = [n for n, d in blocks.items() if _is(d, "cpu")]
+        disk_modules = [n for n, d in blocks.items() if _is(d, "disk")]
         if not _is(main_device, "cpu") and state_dict is None and cpu_modules:
-            state_dict = submodule_tensors(model.state_dict(), cpu_modules)
+            kept = submodule_tensors(model.state_dict(), cpu_modules)
+            state_dict = {n: t for n, t in kept.items() if t.device.type != "meta"}
         if disk_modules:
             _prepare_disk_folder(model, disk_modules, offload_dir, offload_index, offload_buffers)
-        blocks = _disjoint(model, device_map)
         execution = {n: main_device if _is(d, "cpu") or _is(d, "disk") else d for n, d in blocks.items()}
         execution.setdefault("", main_device)
         offload = {n: _is(d, "disk") or (_is(d, "cpu") and not on_host) for n, d in blocks.items()}

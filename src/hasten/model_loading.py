@@ -237,6 +237,13 @@ class _Placer:
         add_to_index(self.offload_folder, entries)
         self.pending, self.late_aliases = {}, {}
 
+    def parks(self, name: str) -> bool:
+        """Whether tensor ``name`` (or one of its tied names) goes to the offload folder."""
+        if not self.device_map or str(_device_for(name, self.device_map)) != "disk":
+            return False
+        module_name, _, attr = name.rpartition(".")
+        return self.offload_buffers or attr in self.model.get_submodule(module_name)._parameters
+
     def put(self, name: str, value: "torch.Tensor") -> None:
         import torch
 
@@ -267,17 +274,24 @@ class _Placer:
             module._buffers[attr] = new
 
 
-def _tensors(source: _Source, wanted: Any) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of one weights file, read one tensor at a time (only names ``wanted`` accepts)."""
+def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of one weights file, read one tensor at a time (only names ``wanted`` accepts).
+
+    safetensors hands out tensors backed by a memory map of the file, and a map stays (with every
+    page read through it) while any of its tensors lives. Tensors that are only passing through
+    (``transient``: written to the offload folder) are read through a second map, so that the pages
+    they touched go away with them instead of staying next to the weights kept in RAM.
+    """
     if not source.safe:
         yield from ((n, v) for n, v in (source.data or {}).items() if wanted(n))
         return
     from safetensors import safe_open
 
-    with safe_open(source.path, framework="pt", device="cpu") as f:
-        for name in f.keys():
+    with safe_open(source.path, framework="pt", device="cpu") as kept, \
+            safe_open(source.path, framework="pt", device="cpu") as passing:
+        for name in kept.keys():
             if wanted(name):
-                yield name, f.get_tensor(name)
+                yield name, (passing if transient(name) else kept).get_tensor(name)
 
 
 def load_checkpoint_in_model(
@@ -376,7 +390,7 @@ def load_checkpoint_in_model(
         if alias in expected:
             aliases_of.setdefault(canonical, []).append(alias)
     for source in sources:
-        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of):
+        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of, placer.parks):
             if name in expected:
                 placer.put(name, value)
             for alias in aliases_of.get(name, ()):
