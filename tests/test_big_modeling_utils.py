@@ -148,6 +148,22 @@ def test_hooked_modules_are_freed_without_the_garbage_collector():
         gc.enable()
 
 
+def test_a_copied_hooked_module_runs_its_own_forward():
+    import copy
+
+    log: list = []
+    layer = nn.Linear(2, 2)
+    add_hook_to_module(layer, Recorder(log, "a", factor=0.0))
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.fill_(1.0)
+        twin.bias.zero_()
+    remove_hook_from_module(layer)  # the copy keeps its hook, and uses its own weights
+    assert torch.equal(twin(torch.ones(1, 2)), torch.zeros(1, 2))
+    remove_hook_from_module(twin)
+    assert torch.equal(twin(torch.ones(1, 2)), torch.full((1, 2), 2.0))
+
+
 def test_align_devices_hook_moves_inputs_and_returns_outputs_on_the_input_device():
     layer = nn.Linear(4, 2)
     add_hook_to_module(layer, AlignDevicesHook(execution_device=DEVICE, io_same_device=True))

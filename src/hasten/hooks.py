@@ -15,6 +15,7 @@ wrapped forward is the original one (transformers inspects it to route ``generat
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from typing import Any, Callable, Mapping, Optional, Union
@@ -100,6 +101,9 @@ class _WeakBound:
             raise _dead()
         return self._function(module, *args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> "_WeakBound":  # a copied module gets its own binding
+        return type(self)(self._function, copy.deepcopy(self._module(), memo))
+
     @property
     def __signature__(self) -> inspect.Signature:
         module = self._module()
@@ -140,6 +144,9 @@ class _HookedForward:
         else:
             output = module._old_forward(*args, **kwargs)
         return hook.post_forward(module, output)
+
+    def __deepcopy__(self, memo: dict) -> "_HookedForward":  # a copied module gets its own wrapper
+        return type(self)(copy.deepcopy(self._module(), memo))
 
     @property
     def __signature__(self) -> inspect.Signature:
