@@ -313,7 +313,7 @@ def test_create_and_free_dispatched_models_in_a_loop(tmp_path):
         want = source(ids, shift=shift)
     save_model(source.state_dict(), tmp_path / "ckpt", max_shard_size="200B")
     offload = tmp_path / "offload"
-    runs_on = DEVICE.index or 0 if DEVICE.type == "cuda" else "cpu"
+    runs_on = (DEVICE.index or 0) if DEVICE.type == "cuda" else "cpu"
     plan = {"embed": "cpu", "head": "cpu", "body.0": "disk", "body.1": runs_on, "body.2": "disk", "norm": "disk",
             "": "cpu"}
     files = None
