@@ -274,16 +274,17 @@ def test_load_with_dtype_keeps_fp32_modules_and_copies_in_place_otherwise(tmp_pa
     assert torch.equal(param, source.norm.weight)
 
 
-def test_load_device_map_must_cover_every_tensor_and_disk_offload_is_refused(tmp_path):
+def test_load_device_map_must_cover_every_tensor_and_disk_needs_a_folder(tmp_path):
     saved_tied(tmp_path)
     model = Tied()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="no device for 'steps'"):
         load_checkpoint_in_model(model, tmp_path, device_map={"embed": "cpu", "out": "cpu"})
-    with pytest.raises(NotImplementedError, match="sends 'norm' to 'disk'"):
-        load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "norm": "disk"}, offload_folder=str(tmp_path))
-    for option in ({"offload_folder": str(tmp_path)}, {"offload_buffers": True}, {"offload_8bit_bnb": True}):
-        with pytest.raises(NotImplementedError, match=next(iter(option))):
-            load_checkpoint_in_model(model, tmp_path, **option)
+    with pytest.raises(ValueError, match="sends 'norm' to 'disk'; pass offload_folder="):
+        load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "norm": "disk"})
+    with pytest.raises(NotImplementedError, match="offload_8bit_bnb"):
+        load_checkpoint_in_model(model, tmp_path, offload_8bit_bnb=True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+    load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "norm": "disk"}, offload_folder=tmp_path / "off")
+    assert model.norm.weight.device.type == "meta" and (tmp_path / "off" / "index.json").is_file()
     load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu", "norm": "cpu"}, offload_state_dict=True)

@@ -2,7 +2,7 @@
 
 Skipped when accelerate is not installed (it is in the ``test`` extra). Out of scope here, and
 listed so that the omission is visible: trackers and profiling (issue 12), the DeepSpeed/FSDP
-plugins and N-D parallelism, and Accelerate's big-model helpers.
+plugins and N-D parallelism, and pipeline-parallel inference (prepare_pippy).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.skipif(
 TOP_LEVEL_ELSEWHERE = {
     "ProfileKwargs",  # issue 12 (profiling)
     "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "ParallelismConfig",  # sharding issues
-    "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "infer_auto_device_map",
-    "init_empty_weights", "init_on_device", "load_checkpoint_and_dispatch", "prepare_pippy",  # big-model inference
+    "prepare_pippy",  # pipeline-parallel inference
 }
 # Accelerator methods that belong to other work or need engines hasten does not have yet.
 ACCELERATOR_ELSEWHERE = {
@@ -46,6 +45,9 @@ UTILS_NAMES = [
     "send_to_device", "release_memory", "find_executable_batch_size", "DataLoaderConfiguration", "ProjectConfiguration",
     "GradientAccumulationPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
     "AutocastKwargs", "save", "tqdm", "clear_environment",
+    # big-model inference
+    "compute_module_sizes", "get_max_memory", "get_balanced_memory", "infer_auto_device_map",
+    "set_module_tensor_to_device", "find_tied_parameters",
 ]
 
 
@@ -135,6 +137,22 @@ def test_availability_checks_agree_with_accelerate():
                 "is_bf16_available", "is_mps_available", "is_xpu_available", "is_npu_available", "is_bnb_available"):
             continue
         assert getattr(hasten.utils, name)() == bool(theirs()), name
+
+
+def test_hooks_names_and_signatures():
+    import accelerate.hooks
+
+    import hasten.hooks
+
+    for name in ("ModelHook", "SequentialHook", "add_hook_to_module", "remove_hook_from_module", "AlignDevicesHook",
+                 "attach_align_device_hook", "attach_execution_device_hook", "attach_align_device_hook_on_blocks",
+                 "remove_hook_from_submodules", "CpuOffload", "UserCpuOffloadHook"):
+        theirs, ours = getattr(accelerate.hooks, name), getattr(hasten.hooks, name)
+        assert_same_signature(ours, theirs, f"hasten.hooks.{name}")
+        if inspect.isclass(theirs):
+            for method in ("init_hook", "pre_forward", "post_forward", "detach_hook"):
+                if hasattr(theirs, method):
+                    assert_same_signature(getattr(ours, method), getattr(theirs, method), f"{name}.{method}")
 
 
 # -- Accelerator ------------------------------------------------------------------------------------

@@ -38,8 +38,11 @@ _EXPORTS = {
     "ParallelismConfig": ".utils.parallelism_config",
 
     "DeepSpeedPlugin": ".utils.deepspeed_plugin",
-    "init_empty_weights": ".big_modeling",
-    "init_on_device": ".big_modeling",
+    **{name: ".big_modeling" for name in (
+        "init_empty_weights", "init_on_device", "cpu_offload", "cpu_offload_with_hook", "disk_offload",
+        "dispatch_model", "load_checkpoint_and_dispatch",
+    )},
+    "infer_auto_device_map": ".utils.device_map",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

@@ -14,7 +14,7 @@ import json
 import os
 import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 from .saving import (
     ALIASES_KEY,
@@ -130,17 +130,30 @@ def _unwrap(model: Any) -> Any:
             return model
 
 
-def _check_unsupported(device_map: Optional[Mapping[str, Any]], offload_folder: Optional[PathLike],
-                       offload_buffers: bool, offload_8bit_bnb: bool) -> None:
-    offloading = [name for name, device in (device_map or {}).items() if str(device) == "disk"]
-    asked = [f"{name}={value!r}" for name, value in (("offload_folder", offload_folder), ("offload_buffers", offload_buffers),
-                                                     ("offload_8bit_bnb", offload_8bit_bnb)) if value]
-    if offloading or asked:
-        what = f"device_map sends {_listing(offloading)} to 'disk'" if offloading else ", ".join(asked)
-        raise NotImplementedError(
-            f"load_checkpoint_in_model: {what}, but hasten does not offload weights to disk; map every module to a "
-            "device or 'cpu' and leave offload_folder/offload_buffers/offload_8bit_bnb unset"
-        )
+def _check_offload(device_map: Optional[Mapping[str, Any]], offload_folder: Optional[PathLike],
+                   offload_8bit_bnb: bool) -> None:
+    if offload_8bit_bnb:
+        raise NotImplementedError("load_checkpoint_in_model: offload_8bit_bnb=True needs bitsandbytes int8 modules, "
+                                  "which hasten does not support; leave offload_8bit_bnb=False")
+    on_disk = [name for name, device in (device_map or {}).items() if str(device) == "disk"]
+    if on_disk and offload_folder is None:
+        raise ValueError(f"load_checkpoint_in_model: device_map sends {_listing(on_disk)} to 'disk'; pass "
+                         "offload_folder= (a folder for their weights)")
+
+
+def _check_ties(ties: Mapping[str, set], device_map: Optional[Mapping[str, Any]]) -> None:
+    """Tied names must agree about the disk: one copy cannot be both offloaded and in memory."""
+    if not device_map:
+        return
+    for group in {frozenset(g) for g in ties.values()}:
+        devices = {name: str(_device_for(name, device_map)) for name in sorted(group)}
+        if len(set(devices.values())) > 1:
+            if "disk" in devices.values():
+                raise ValueError(f"load_checkpoint_in_model: tied weights {devices} are mapped to 'disk' and to other "
+                                 "devices; put the modules holding them on the same device (infer_auto_device_map "
+                                 "does this)")
+            warnings.warn(f"load_checkpoint_in_model: tied weights {devices} are mapped to different devices; they "
+                          "stay tied, on the device of the first one loaded", stacklevel=3)
 
 
 def _device_for(name: str, device_map: Optional[Mapping[str, Any]]) -> Any:
@@ -174,13 +187,62 @@ def _target_dtype(name: str, value: "torch.Tensor", current: "torch.Tensor", dty
 
 
 class _Placer:
-    """Puts checkpoint tensors into the model: copy in place when possible, else replace (keeping ties)."""
+    """Puts checkpoint tensors into the model: copy in place when possible, else replace (keeping ties).
+
+    Tensors mapped to ``"disk"`` are collected per shard (``flush`` writes them to the offload folder)
+    and leave a ``meta`` tensor of the loaded dtype in the model.
+    """
 
     def __init__(self, model: "torch.nn.Module", device_map: Optional[Mapping[str, Any]], dtype: Any,
-                 keep_in_fp32_modules: Sequence[str]) -> None:
+                 keep_in_fp32_modules: Sequence[str], offload_folder: Optional[PathLike] = None,
+                 offload_buffers: bool = False) -> None:
         self.model, self.device_map, self.dtype = model, device_map, dtype
         self.keep_in_fp32 = list(keep_in_fp32_modules)
         self.replaced: dict[int, Any] = {}  # id(old tensor) -> its replacement, for tied names
+        self.offload_folder, self.offload_buffers = offload_folder, offload_buffers
+        self.parked: dict[int, tuple[Any, str]] = {}  # id(old tensor) -> (meta stand-in, first name)
+        self.pending: dict[str, Any] = {}  # name -> CPU tensor to write with the next flush
+        self.late_aliases: dict[str, str] = {}  # tied name -> its twin written by an earlier flush
+        self.written: dict[str, dict] = {}  # name -> offload index entry
+
+    def _park(self, name: str, value: "torch.Tensor", old: "torch.Tensor", is_param: bool) -> "torch.Tensor":
+        import torch
+
+        first = self.parked.get(id(old))
+        if first is not None:  # a tie: store once, index both names
+            meta, first_name = first
+            if first_name in self.pending:
+                self.pending[name] = self.pending[first_name]
+            else:
+                self.late_aliases[name] = first_name
+            return meta
+        stored = value.to(device="cpu", dtype=_target_dtype(name, value, old, self.dtype, self.keep_in_fp32))
+        meta = stored.to("meta")
+        if is_param:
+            meta = torch.nn.Parameter(meta, requires_grad=old.requires_grad)
+        self.parked[id(old)] = (meta, name)
+        self.pending[name] = stored
+        return meta
+
+    def flush(self) -> None:
+        """Write the disk-bound tensors collected so far (one file per shard) and index them."""
+        if not self.pending and not self.late_aliases:
+            return
+        from .utils.offload import add_to_index, write_offload_file
+
+        entries = write_offload_file(self.offload_folder, self.pending)
+        for alias, first in self.late_aliases.items():
+            entries[alias] = dict(self.written[first])
+        self.written.update(entries)
+        add_to_index(self.offload_folder, entries)
+        self.pending, self.late_aliases = {}, {}
+
+    def parks(self, name: str) -> bool:
+        """Whether tensor ``name`` (or one of its tied names) goes to the offload folder."""
+        if not self.device_map or str(_device_for(name, self.device_map)) != "disk":
+            return False
+        module_name, _, attr = name.rpartition(".")
+        return self.offload_buffers or attr in self.model.get_submodule(module_name)._parameters
 
     def put(self, name: str, value: "torch.Tensor") -> None:
         import torch
@@ -189,10 +251,14 @@ class _Placer:
         module = self.model.get_submodule(module_name)
         is_param = attr in module._parameters
         old = module._parameters[attr] if is_param else module._buffers[attr]
-        if id(old) in self.replaced:  # a tie whose other name was loaded already
+        device = _device_for(name, self.device_map)
+        if str(device) == "disk" and (is_param or self.offload_buffers):
+            new = self._park(name, value, old, is_param)
+        elif id(old) in self.replaced:  # a tie whose other name was loaded already
             new = self.replaced[id(old)]
         else:
-            device = _device_for(name, self.device_map)
+            if str(device) == "disk":  # a buffer that is not offloaded: it stays in RAM
+                device = "cpu"
             if device is None:
                 device = "cpu" if old.device.type == "meta" else old.device
             value = value.to(device=device, dtype=_target_dtype(name, value, old, self.dtype, self.keep_in_fp32))
@@ -206,6 +272,26 @@ class _Placer:
             module._parameters[attr] = new
         else:
             module._buffers[attr] = new
+
+
+def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of one weights file, read one tensor at a time (only names ``wanted`` accepts).
+
+    safetensors hands out tensors backed by a memory map of the file, and a map stays (with every
+    page read through it) while any of its tensors lives. Tensors that are only passing through
+    (``transient``: written to the offload folder) are read through a second map, so that the pages
+    they touched go away with them instead of staying next to the weights kept in RAM.
+    """
+    if not source.safe:
+        yield from ((n, v) for n, v in (source.data or {}).items() if wanted(n))
+        return
+    from safetensors import safe_open
+
+    with safe_open(source.path, framework="pt", device="cpu") as kept, \
+            safe_open(source.path, framework="pt", device="cpu") as passing:
+        for name in kept.keys():
+            if wanted(name):
+                yield name, (passing if transient(name) else kept).get_tensor(name)
 
 
 def load_checkpoint_in_model(
@@ -231,9 +317,13 @@ def load_checkpoint_in_model(
     strict: missing or unexpected keys raise (default: a warning, and they are returned). Shapes
     must always match. Everything is checked before the model changes: one
     ``CheckpointMismatchError`` lists all problems. Tied names dropped at save time are restored.
-    offload_state_dict is accepted (shards are read one at a time anyway); disk offloading
-    (``offload_folder``, ``offload_buffers``, ``offload_8bit_bnb``, a "disk" device) is not supported
-    and raises. full_state_dict / broadcast_from_rank0 concern sharded (DTensor) models only.
+    Tensors are read one at a time (shard by shard), so host memory holds what stays in RAM plus
+    one tensor, and for weights mapped to ``"disk"`` one shard's share of them: those are written
+    as safetensors to ``offload_folder`` (see ``hasten.utils.offload``) and left on ``meta`` in the
+    model, for ``dispatch_model`` to load per forward. Buffers mapped to ``"disk"`` stay in RAM unless
+    ``offload_buffers``. offload_state_dict is accepted and needs no action (nothing is held beyond
+    one tensor); offload_8bit_bnb (bitsandbytes) raises. full_state_dict / broadcast_from_rank0
+    concern sharded (DTensor) models only.
     Returns ``(missing_keys, unexpected_keys)``.
     """
     import torch
@@ -241,7 +331,7 @@ def load_checkpoint_in_model(
     model = _unwrap(model)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"load_checkpoint_in_model needs a torch.nn.Module, got a {type(model).__name__}")
-    _check_unsupported(device_map, offload_folder, offload_buffers, offload_8bit_bnb)
+    _check_offload(device_map, offload_folder, offload_8bit_bnb)
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise NotImplementedError(
             "load_checkpoint_in_model: the model is sharded (DTensor parameters); load the checkpoint into the "
@@ -286,6 +376,7 @@ def load_checkpoint_in_model(
         )
     for name in expected:
         _device_for(name, device_map)  # every tensor has a device before anything moves
+    _check_ties(ties, device_map)
     if missing or unexpected:
         warnings.warn(
             f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks {_listing(missing) if missing else 'nothing'} "
@@ -293,18 +384,16 @@ def load_checkpoint_in_model(
             "matching weights were loaded (strict=True makes this an error)", stacklevel=2,
         )
 
-    placer = _Placer(model, device_map, dtype, keep_in_fp32_modules or [])
+    placer = _Placer(model, device_map, dtype, keep_in_fp32_modules or [], offload_folder, offload_buffers)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, canonical in restored.items():
+        if alias in expected:
+            aliases_of.setdefault(canonical, []).append(alias)
     for source in sources:
-        if source.safe:
-            from safetensors.torch import load_file
-
-            data = load_file(source.path, device="cpu")
-        else:
-            data = source.data or {}
-        for name, value in data.items():
+        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of, placer.parks):
             if name in expected:
                 placer.put(name, value)
-        for alias, canonical in restored.items():
-            if canonical in data and alias in expected:
-                placer.put(alias, data[canonical])
+            for alias in aliases_of.get(name, ()):
+                placer.put(alias, value)
+        placer.flush()  # this shard's disk-bound weights go out before the next shard comes in
     return LoadResult(missing, unexpected)

@@ -54,6 +54,9 @@ _EXPORTS = {
     "write_basic_config": "..commands.config",
     "save": "..saving",
     "load_checkpoint_in_model": "..model_loading",
+    # big-model inference
+    **{name: ".modeling" for name in ("compute_module_sizes", "set_module_tensor_to_device", "find_tied_parameters")},
+    **{name: ".device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map")},
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

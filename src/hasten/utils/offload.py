@@ -1,0 +1,189 @@
+"""The disk-offload folder: weights written with safetensors, read back lazily one tensor at a time.
+
+A folder holds ``offload-NNNNN.safetensors`` files and ``index.json``, which maps every offloaded
+tensor name to ``{"safetensors_file", "weight_name", "dtype", "shape"}`` (file names relative to the
+folder, so the folder can be moved). Tied names point at one stored tensor. Accelerate reads these
+entries too (it understands ``safetensors_file`` entries); hasten in turn reads folders written by
+Accelerate (``<name>.dat`` raw arrays), through ``numpy.memmap``. Nothing here unpickles.
+Every file is written atomically; the index is rewritten (atomically) after the weights it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
+
+from ..saving import _prepare, atomic_write, write_atomically
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+PathLike = Union[str, "os.PathLike[str]"]
+INDEX_NAME = "index.json"
+_FILE_PATTERN = "offload-{:05d}.safetensors"
+_OUR_FILE = re.compile(r"offload-\d{5,}\.safetensors")
+
+
+def read_index(folder: PathLike) -> dict[str, dict[str, Any]]:
+    """The folder's ``index.json`` (``{}`` when absent)."""
+    path = os.path.join(os.fspath(folder), INDEX_NAME)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        index = json.load(f)
+    if not isinstance(index, dict):
+        raise ValueError(f"{path!r} is not an offload index (a JSON object of tensor name -> entry)")
+    return index
+
+
+def _write_index(folder: str, index: Mapping[str, Any]) -> None:
+    with atomic_write(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as f:
+        f.write(json.dumps(dict(index), indent=1, sort_keys=True) + "\n")
+
+
+def _next_file_name(folder: str) -> str:
+    number = 1
+    while os.path.exists(os.path.join(folder, _FILE_PATTERN.format(number))):
+        number += 1
+    return _FILE_PATTERN.format(number)
+
+
+def write_offload_file(folder: PathLike, tensors: Mapping[str, "torch.Tensor"]) -> dict[str, dict[str, Any]]:
+    """Write ``tensors`` to a new safetensors file in ``folder``; their index entries (not yet in the index).
+
+    Names that are the same tensor are stored once and share the entry's ``weight_name``.
+    """
+    from safetensors.torch import save_file
+
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    if not tensors:
+        return {}
+    kept, aliases = _prepare(tensors, safe=True, what="disk offload")
+    filename = _next_file_name(folder)
+    write_atomically(os.path.join(folder, filename), lambda tmp: save_file(kept, tmp, metadata={"format": "pt"}))
+    entries = {}
+    for name, value in tensors.items():
+        stored = aliases.get(name, name)
+        entries[name] = {"safetensors_file": filename, "weight_name": stored,
+                         "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+    return entries
+
+
+def add_to_index(folder: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> None:
+    """Merge ``entries`` into the folder's ``index.json`` (written atomically), then delete offload files
+    that no entry names any more (left by an earlier offload of the same tensors), so that loading
+    into one folder again and again does not fill the disk."""
+    if not entries:
+        return
+    folder = os.fspath(folder)
+    index = read_index(folder)
+    index.update(entries)
+    _write_index(folder, index)
+    used = {entry.get("safetensors_file") for entry in index.values() if isinstance(entry, Mapping)}
+    for name in os.listdir(folder):
+        if _OUR_FILE.fullmatch(name) and name not in used:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+
+
+def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tensor"]) -> None:
+    """Write ``state_dict`` to the offload folder ``save_dir`` and add its tensors to the index."""
+    add_to_index(save_dir, write_offload_file(save_dir, state_dict))
+
+
+def _read_raw_array(folder: str, name: str, entry: Mapping[str, Any]) -> "torch.Tensor":
+    """A tensor from Accelerate's ``<name>.dat`` format (a raw array; dtype and shape in the index)."""
+    import numpy as np
+    import torch
+
+    path = os.path.realpath(os.path.join(folder, f"{name}.dat"))
+    if not path.startswith(os.path.realpath(folder) + os.sep):
+        raise ValueError(f"offload index entry {name!r} points outside the offload folder {folder!r}")
+    dtype_name = entry["dtype"]
+    # numpy has no bfloat16 / float8: those were stored as same-width integers
+    stored = "int16" if dtype_name == "bfloat16" else "int8" if dtype_name.startswith("float8") else dtype_name
+    shape = tuple(entry["shape"]) or (1,)
+    array = np.array(np.memmap(path, dtype=stored, mode="r", shape=shape))
+    tensor = torch.from_numpy(array)
+    if stored != dtype_name:
+        tensor = tensor.view(getattr(torch, dtype_name))
+    return tensor.reshape(tuple(entry["shape"]))
+
+
+def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, Any],
+                          device: Any = None) -> "torch.Tensor":
+    """Read one tensor described by an index ``entry`` (on ``device``, default CPU)."""
+    import torch
+    from safetensors import safe_open
+
+    file = entry.get("safetensors_file")
+    if file is None:
+        if folder is None:
+            raise ValueError(f"offload entry {name!r} has no safetensors_file and no folder was given to read it from")
+        tensor = _read_raw_array(folder, name, entry)
+    else:
+        path = file if os.path.isabs(file) or folder is None else os.path.join(folder, file)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tensor = f.get_tensor(entry.get("weight_name", name))
+        if "dtype" in entry and str(tensor.dtype).replace("torch.", "") != entry["dtype"]:
+            tensor = tensor.to(getattr(torch, entry["dtype"]))
+    return tensor if device is None else tensor.to(device)
+
+
+class PrefixedDataset(Mapping):
+    """A view of ``dataset`` whose keys are looked up with ``prefix`` in front (one module's weights)."""
+
+    def __init__(self, dataset: Mapping, prefix: str) -> None:
+        self.dataset = dataset
+        self.prefix = prefix
+
+    def __getitem__(self, key: str) -> Any:
+        return self.dataset[f"{self.prefix}{key}"]
+
+    def __contains__(self, key: object) -> bool:  # without reading the tensor
+        return f"{self.prefix}{key}" in self.dataset
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key for key in self.dataset if key.startswith(self.prefix)])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class OffloadedWeightsLoader(Mapping):
+    """Weights by name, from a dict kept in RAM (``state_dict``, looked up first) or an offload folder.
+
+    Folder tensors are read from disk on every access and not cached, so only the weights of the
+    module being run are in memory. ``index`` overrides the folder's ``index.json``; ``device``: where
+    folder tensors are put (default CPU).
+    """
+
+    def __init__(self, state_dict: Optional[Mapping[str, "torch.Tensor"]] = None,
+                 save_folder: Optional[PathLike] = None, index: Optional[Mapping] = None, device: Any = None) -> None:
+        if state_dict is None and save_folder is None and index is None:
+            raise ValueError("OffloadedWeightsLoader needs a state_dict, a save_folder or an index of offloaded weights")
+        self.state_dict = {} if state_dict is None else state_dict
+        self.save_folder = None if save_folder is None else os.fspath(save_folder)
+        if index is None and self.save_folder is not None:
+            index = read_index(self.save_folder)
+        self.index = {} if index is None else index
+        self.all_keys = list(self.state_dict) + [k for k in self.index if k not in self.state_dict]
+        self.device = device
+
+    def __getitem__(self, key: str) -> "torch.Tensor":
+        if key in self.state_dict:
+            return self.state_dict[key]
+        return load_offloaded_tensor(self.save_folder, key, self.index[key], self.device)
+
+    def __contains__(self, key: object) -> bool:  # without reading the tensor
+        return key in self.state_dict or key in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.all_keys)
+
+    def __len__(self) -> int:
+        return len(self.all_keys)
