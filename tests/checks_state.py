@@ -4,13 +4,15 @@ import torch
 
 from hasten.state import PartialState
 
+from devices import expected_device
+
 
 def check_identity():
     s = PartialState()
     assert s.num_processes in (1, 2)
     assert s.is_main_process == (s.process_index == 0)
     assert s.is_last_process == (s.process_index == s.num_processes - 1)
-    assert s.device == torch.device("cpu")
+    assert s.device == expected_device(s.local_process_index), s.device
     return {"rank": s.process_index, "world": s.num_processes, "type": str(s.distributed_type), "backend": s.backend}
 
 
