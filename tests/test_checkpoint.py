@@ -80,7 +80,7 @@ def setup(project=None, hidden=8, auto=True, total_limit=None, resume=None, **kw
 
 
 def train_step(model, opt, sched):
-    loss = model(torch.arange(6)).pow(2).mean()
+    loss = model(torch.arange(6, device=model.embed.weight.device)).pow(2).mean()  # the Accelerator's device
     loss.backward()
     opt.step()
     sched.step()

@@ -381,7 +381,7 @@ def test_gpu_planning_with_four_visible_gpus(monkeypatch, capsys):
     p = plan_for("--gpu_ids", "1,3", "train.py")
     assert p.num_processes == 2 and p.child_env["CUDA_VISIBLE_DEVICES"] == "1,3"
     p = plan_for("--cpu", "--num_processes", "2", "train.py")
-    assert p.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in p.child_env
+    assert p.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in p.child_env  # cpu-on-purpose: --cpu
     assert "lists 2 GPU(s)" in one_line_error(capsys, ["launch", "--num_processes", "3", "--gpu_ids", "0,1", "train.py"])
     assert "only 4 GPU(s) are visible" in one_line_error(capsys, ["launch", "--num_processes", "6", "train.py"])
     assert "names GPU 7" in one_line_error(capsys, ["launch", "--gpu_ids", "0,7", "train.py"])
