@@ -26,8 +26,12 @@ def gpu_count() -> int:
 
 
 def ranks_get_own_gpu(processes: int, gpus: Optional[int] = None) -> bool:
-    """Whether ``processes`` ranks on this machine can each have a GPU of their own."""
-    gpus = gpu_count() if gpus is None else gpus
+    """Whether ``processes`` ranks on this machine can each have a GPU of their own (never when the
+    suite itself runs under ``HASTEN_USE_CPU=1``: then everything runs on CPU)."""
+    if gpus is None:
+        from hasten.utils.environment import parse_flag
+
+        gpus = 0 if parse_flag("USE_CPU") else gpu_count()
     return gpus > 0 and gpus >= processes
 
 

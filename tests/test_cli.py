@@ -403,8 +403,9 @@ def test_more_processes_than_gpus_is_refused_naming_both_fixes(monkeypatch, caps
     several = ["launch", "--num_machines", "2", "--main_process_ip", "1.2.3.4", "--num_processes", "4", "train.py"]
     assert "pass --num_processes 2 (one per GPU)" in one_line_error(capsys, several)
     # Each fix is accepted: CPU processes (flag or the variable --cpu sets), or one process per GPU.
-    assert plan_for("--cpu", "--num_processes", "2", "train.py").device == "cpu"
-    assert plan_for("--num_processes", "2", "train.py", env=dict(os.environ, HASTEN_USE_CPU="1")).device == "cpu"
+    assert plan_for("--cpu", "--num_processes", "2", "train.py").device == "cpu"  # cpu-on-purpose: --cpu
+    cpu = dict(os.environ, HASTEN_USE_CPU="1")
+    assert plan_for("--num_processes", "2", "train.py", env=cpu).device == "cpu"  # cpu-on-purpose: HASTEN_USE_CPU
     assert (plan_for("--num_processes", "1", "train.py").device, plan_for("train.py").num_processes) == ("cuda", 1)
 
 

@@ -98,3 +98,9 @@ def test_policy_gives_each_rank_a_gpu_or_none(processes, gpus, env, flags):
     assert ranks_get_own_gpu(processes, gpus) == (env == {})
     assert process_env(processes, gpus) == env
     assert launch_flags(processes, gpus) == flags
+
+
+def test_suite_run_under_hasten_use_cpu_stays_on_cpu(monkeypatch):
+    """`HASTEN_USE_CPU=1 pytest` on a GPU machine: every launch of the suite asks for the CPU too."""
+    monkeypatch.setenv("HASTEN_USE_CPU", "1")
+    assert not ranks_get_own_gpu(1) and process_env(2) == {"HASTEN_USE_CPU": "1"} and launch_flags(1) == ["--cpu"]
