@@ -104,3 +104,12 @@ def test_suite_run_under_hasten_use_cpu_stays_on_cpu(monkeypatch):
     """`HASTEN_USE_CPU=1 pytest` on a GPU machine: every launch of the suite asks for the CPU too."""
     monkeypatch.setenv("HASTEN_USE_CPU", "1")
     assert not ranks_get_own_gpu(1) and process_env(2) == {"HASTEN_USE_CPU": "1"} and launch_flags(1) == ["--cpu"]
+
+
+def test_reference_device_is_where_a_new_accelerator_puts_its_tensors(fresh_state):
+    from devices import reference_device
+
+    from hasten import Accelerator
+
+    predicted = reference_device()  # no process state yet: what a new one-process Accelerator will pick
+    assert Accelerator().device == predicted == reference_device()
