@@ -55,7 +55,7 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
         model.train()
-        total_loss = torch.zeros(())
+        total_loss = torch.zeros((), device=accelerator.device)
         for points, labels in train_dataloader:
             loss = loss_fn(model(points), labels)
             accelerator.backward(loss)

@@ -12,17 +12,17 @@ from hasten.utils.operations import copy_tensor_to_devices, gather
 
 
 def check_copy_tensor_to_devices():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     owner = acc.num_processes - 1
-    mine = torch.arange(6, dtype=torch.int32).reshape(2, 3) * 10 if acc.process_index == owner else None
+    mine = torch.arange(6, dtype=torch.int32, device=acc.device).reshape(2, 3) * 10 if acc.process_index == owner else None
     got = copy_tensor_to_devices(mine)
     assert got.dtype == torch.int32 and got.tolist() == [[0, 10, 20], [30, 40, 50]], got
     # A float tensor that requires grad (e.g. a model output) is sent without being written to.
-    source = torch.linspace(0, 1, 4, requires_grad=True) if acc.is_main_process else None
+    source = torch.linspace(0, 1, 4, device=acc.device, requires_grad=True) if acc.is_main_process else None
     copied = copy_tensor_to_devices(source)
     assert not copied.requires_grad and copied.tolist() == torch.linspace(0, 1, 4).tolist()
     errors = []
-    for give in (lambda: None, lambda: torch.ones(2)):  # nobody owns it / everybody does
+    for give in (lambda: None, lambda: torch.ones(2, device=acc.device)):  # nobody owns it / everybody does
         try:
             copy_tensor_to_devices(give())
         except ValueError as e:
@@ -31,7 +31,7 @@ def check_copy_tensor_to_devices():
 
 
 def check_decorators():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     ran = []
     acc.on_main_process(lambda: ran.append("main"))()
     acc.on_main_process()(lambda: ran.append("main()"))()
@@ -49,18 +49,18 @@ def check_decorators():
 
 
 def check_rng_states_from_top_level_name():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     torch.manual_seed(100 + acc.process_index)  # different on purpose
     generator = torch.Generator().manual_seed(7 + acc.process_index)
     hasten.synchronize_rng_states(["torch", "generator"], generator=generator)
     draws = torch.stack([torch.rand(3), torch.rand(3, generator=generator)])
-    everyone = gather(draws[None])
+    everyone = gather(draws[None].to(acc.device))  # the CPU generators drew; collectives run on the device
     assert all(torch.equal(everyone[0], other) for other in everyone), everyone
     return draws.tolist()
 
 
 def check_state_objects_can_be_created_again():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     again = AcceleratorState()
     partial = PartialState()
     assert again.distributed_type == acc.distributed_type and again.mixed_precision == "no"
@@ -72,10 +72,10 @@ def _grads(model):
 
 
 def check_no_sync_keeps_gradients_local():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     torch.manual_seed(0)
     model = acc.prepare(nn.Linear(4, 1))
-    x = torch.full((2, 4), float(acc.process_index + 1))
+    x = torch.full((2, 4), float(acc.process_index + 1), device=acc.device)
     with acc.no_sync(model):
         model(x).sum().backward()
     local = _grads(model).clone()
@@ -113,17 +113,18 @@ class Stack(nn.Module):
 
 def check_regional_compilation_under_ddp():
     """Compiled blocks inside DDP: gradients are still averaged (DDP's hooks stay on the call path)."""
-    acc = Accelerator(cpu=True, dynamo_plugin=hasten.utils.TorchDynamoPlugin(backend="eager",
+    acc = Accelerator(dynamo_plugin=hasten.utils.TorchDynamoPlugin(backend="eager",
                                                                             use_regional_compilation=True))
     torch.manual_seed(0)
     reference = Stack()
     model = Stack()
     model.load_state_dict(reference.state_dict())
+    reference.to(acc.device)
     model = acc.prepare(model)
     inner = acc.unwrap_model(model)
     assert all(block._compiled_call_impl is not None for block in inner.blocks)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * acc.num_processes, 6, generator=g)
+    x = torch.randn(2 * acc.num_processes, 6, generator=g).to(acc.device)
     mine = x[acc.process_index * 2:(acc.process_index + 1) * 2]
     model(mine).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
@@ -136,7 +137,7 @@ def check_save_and_load_state_with_a_folder_per_process():
     """Each process passes its own temporary folder (Accelerate's test scripts do): the main process's is used."""
     import tempfile
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -179,7 +180,7 @@ def check_every_loader_shape_yields_each_sample_once():
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler
     from torch.utils.data.dataloader import default_collate
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     data = Indexed()
     shapes = {
         "plain": DataLoader(data, batch_size=4, num_workers=1),

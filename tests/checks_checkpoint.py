@@ -34,7 +34,7 @@ def _setup(name, **cfg):
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = acc.prepare(model, opt)
-    model(torch.ones(2, 4)).sum().backward()
+    model(torch.ones(2, 4, device=acc.device)).sum().backward()
     opt.step()
     opt.zero_grad()
     return acc, model, opt

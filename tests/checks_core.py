@@ -1,4 +1,4 @@
-"""Training-core checks, run inside every rank (1 and 2 processes, gloo). See distributed.py.
+"""Training-core checks, run inside every rank (1 and 2 processes). See distributed.py.
 
 Each equivalence check computes its reference with plain PyTorch inside the same process, on the
 whole global batch, so "2 processes x batch B" is compared with "1 process x batch 2B" directly.
@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, DataLoaderConfiguration, GradScalerKwargs
 from hasten.state import AcceleratorState, GradientState, PartialState
+
+from devices import expected_device
 
 
 def make_data(n=64, d=6, seed=0):
@@ -31,11 +33,11 @@ def loss_fn(model, x, y):
     return nn.functional.mse_loss(model(x).squeeze(-1), y)
 
 
-def reference_training(dataset, global_batch, steps, lr=0.1, accumulate=1):
-    """Plain PyTorch: ``steps`` SGD updates, each on ``accumulate`` consecutive global batches."""
-    model = make_model()
+def reference_training(dataset, global_batch, steps, device, lr=0.1, accumulate=1):
+    """Plain PyTorch on ``device``: ``steps`` SGD updates, each on ``accumulate`` consecutive global batches."""
+    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    x, y = dataset.tensors
+    x, y = (t.to(device) for t in dataset.tensors)
     for step in range(steps):
         opt.zero_grad()
         for micro in range(accumulate):
@@ -74,45 +76,45 @@ def _train(accelerator, dataset, loader_batch, steps, accumulate=False, lr=0.1):
 
 
 def check_ddp_matches_single_process_big_batch():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     world, B, steps = acc.num_processes, 4, 5
     data = make_data(n=B * world * steps)
     trained, updates = _train(acc, data, B, steps)
-    ref = reference_training(data, B * world, steps)
+    ref = reference_training(data, B * world, steps, acc.device)
     diff = max_param_diff(trained, ref)
     assert updates == steps and diff < 1e-6, (updates, diff)
     return diff
 
 
 def check_split_batches_matches_single_process():
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
     world, B, steps = acc.num_processes, 4, 5
     data = make_data(n=B * world * steps)
     trained, _ = _train(acc, data, B * world, steps)  # loader batch is the global batch
-    diff = max_param_diff(trained, reference_training(data, B * world, steps))
+    diff = max_param_diff(trained, reference_training(data, B * world, steps, acc.device))
     assert diff < 1e-6, diff
     return diff
 
 
 def check_accumulation_matches_big_batch():
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    acc = Accelerator(gradient_accumulation_steps=4)
     world, B, steps = acc.num_processes, 2, 3
     data = make_data(n=B * world * 4 * steps)
     trained, updates = _train(acc, data, B, steps, accumulate=True)
-    ref = reference_training(data, B * world * 4, steps)
+    ref = reference_training(data, B * world * 4, steps, acc.device)
     diff = max_param_diff(trained, ref)
     assert updates == steps and diff < 1e-5, (updates, diff)
     return diff
 
 
 def check_accumulation_skips_allreduce_until_sync():
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    acc = Accelerator(gradient_accumulation_steps=2)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, opt = acc.prepare(model, opt)
     rank = acc.process_index
-    x = torch.full((2, 6), float(rank + 1))
-    y = torch.zeros(2)
+    x = torch.full((2, 6), float(rank + 1), device=acc.device)
+    y = torch.zeros(2, device=acc.device)
     seen = []
     for _ in range(2):
         with acc.accumulate(model):
@@ -130,7 +132,7 @@ def check_accumulation_skips_allreduce_until_sync():
 
 
 def check_accumulation_syncs_at_end_of_dataloader():
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    acc = Accelerator(gradient_accumulation_steps=4)
     dl = DataLoader(make_data(n=6 * acc.num_processes), batch_size=1)
     model, opt, dl = acc.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), dl)
     flags = []
@@ -143,12 +145,12 @@ def check_accumulation_syncs_at_end_of_dataloader():
 
 
 def check_optimizer_and_scheduler_follow_sync_steps():
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    acc = Accelerator(gradient_accumulation_steps=2)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     model, opt, sched = acc.prepare(model, opt, sched)
-    x, y = torch.ones(2, 6), torch.zeros(2)
+    x, y = torch.ones(2, 6, device=acc.device), torch.zeros(2, device=acc.device)
     lrs = []
     for _ in range(4):
         with acc.accumulate(model):
@@ -177,12 +179,12 @@ def check_fp16_overflow_skips_step_and_scheduler():
         AcceleratorState._reset_state()
         GradientState._reset_state()
         # A modest initial scale keeps honest gradients finite in fp16; the overflow is forced below.
-        acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+        acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
         model = nn.Linear(4, 1)
         opt = make(model.parameters())
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         model, opt, sched = acc.prepare(model, opt, sched)
-        x = torch.ones(2, 4)
+        x = torch.ones(2, 4, device=acc.device)
         before = [p.detach().clone() for p in model.parameters()]
         scale_before = acc.scaler.get_scale()
         loss = model(x).sum() * (float("inf") if acc.is_main_process else 1.0)
@@ -210,8 +212,8 @@ def check_fp16_overflow_skips_step_and_scheduler():
     return scales
 
 
-def check_bf16_on_cpu_trains():
-    acc = Accelerator(cpu=True, mixed_precision="bf16")
+def check_bf16_trains():
+    acc = Accelerator(mixed_precision="bf16")
     data = make_data(n=128)
     model = make_model()
     model, opt, dl = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2),
@@ -228,30 +230,31 @@ def check_bf16_on_cpu_trains():
             opt.zero_grad()
             total += loss.item()
         losses.append(total)
-    with acc.autocast():
-        inner = torch.ones(2, 2) @ torch.ones(2, 2)
+    with acc.autocast():  # autocast covers tensors of the accelerator's device only
+        inner = torch.ones(2, 2, device=acc.device) @ torch.ones(2, 2, device=acc.device)
     assert inner.dtype == torch.bfloat16
     assert losses[-1] < 0.5 * losses[0], losses
     return losses
 
 
-def check_fp16_on_cpu_scales():
-    acc = Accelerator(cpu=True, mixed_precision="fp16")
+def check_fp16_scales():
+    acc = Accelerator(mixed_precision="fp16")
     assert acc.scaler is not None and acc.scaler.is_enabled()
     model, opt = acc.prepare(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
-    out = model(torch.ones(2, 4))
+    out = model(torch.ones(2, 4, device=acc.device))
     assert out.dtype == torch.float32
     with acc.autocast():
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+        ones = torch.ones(2, 2, device=acc.device)
+        assert (ones @ ones).dtype == torch.float16
     return acc.scaler.get_scale()
 
 
 def check_clip_grad_norm_unscales_once():
-    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+    acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
     model = nn.Linear(4, 1)
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(acc.device)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    x = torch.arange(8.0).view(2, 4)
+    x = torch.arange(8.0, device=acc.device).view(2, 4)
     acc.backward(model(x).sum())
     (ref(x).sum()).backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)  # true norm, no clipping
@@ -269,14 +272,14 @@ def check_clip_grad_norm_unscales_once():
 def check_clip_skipped_on_micro_steps():
     import warnings
 
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    acc = Accelerator(gradient_accumulation_steps=2)
     model, opt = acc.prepare(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(2):
             with acc.accumulate(model):
-                acc.backward(model(torch.ones(2, 4)).sum())
+                acc.backward(model(torch.ones(2, 4, device=acc.device)).sum())
                 results.append(acc.clip_grad_norm_(model.parameters(), 1.0))
     # a micro-step clips nothing but still returns a norm (scripts log norm.item() on every step)
     assert all(isinstance(r, torch.Tensor) for r in results)
@@ -284,7 +287,7 @@ def check_clip_skipped_on_micro_steps():
 
 
 def check_prepare_is_idempotent_and_ordered():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
@@ -305,7 +308,7 @@ def check_prepare_is_idempotent_and_ordered():
 
 
 def check_triggers():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     assert acc.check_trigger() is False
     if acc.is_last_process:
         acc.set_trigger()
@@ -315,14 +318,14 @@ def check_triggers():
 
 
 def check_properties():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     s = PartialState()
-    assert acc.device == torch.device("cpu")
+    assert acc.device == expected_device(s.local_process_index), (acc.device, expected_device(s.local_process_index))
     assert acc.num_processes == s.num_processes
     assert acc.process_index == s.process_index
     assert acc.mixed_precision == "no" and acc.gradient_accumulation_steps == 1
     assert acc.sync_gradients is True and acc.optimizer_step_was_skipped is False
-    expected = "MULTI_CPU" if s.num_processes > 1 else "NO"
+    expected = ("MULTI_GPU" if acc.device.type == "cuda" else "MULTI_CPU") if s.num_processes > 1 else "NO"
     assert str(acc.distributed_type) == expected
     calls = []
     acc.on_main_process(lambda: calls.append("main"))()
@@ -336,13 +339,14 @@ def check_save_model_from_ddp():
 
     from hasten.model_loading import load_checkpoint_in_model
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     model, = [acc.prepare(make_model())]
     path = os.path.join(os.environ["HASTEN_TEST_TMP"], f"saved-{acc.num_processes}")
     acc.save_model(model, path)
     acc.wait_for_everyone()
     fresh = make_model(seed=7)
     load_checkpoint_in_model(fresh, path)
+    fresh.to(acc.device)
     assert max_param_diff(fresh, acc.unwrap_model(model)) == 0
     return sorted(os.listdir(path))
 
@@ -350,7 +354,7 @@ def check_save_model_from_ddp():
 def check_ddp_kwargs_and_eval_gather():
     from hasten import DistributedDataParallelKwargs
 
-    acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     model = acc.prepare(make_model())
     if acc.num_processes > 1:
         assert model.find_unused_parameters is True
@@ -366,7 +370,7 @@ def check_print_and_local_main_first():
     import io
     from contextlib import redirect_stdout
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     buf = io.StringIO()
     with redirect_stdout(buf):
         acc.print("hello from", acc.process_index)
@@ -378,7 +382,7 @@ def check_print_and_local_main_first():
 
 
 def check_free_memory_drops_references():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     model, opt = acc.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
     acc.free_memory()
     assert acc._models == [] and acc._optimizers == [] and acc.step == 0
@@ -389,7 +393,7 @@ def check_zz_end_training_tears_down():
     # Runs last in its launch (checks run in file order): it destroys the process group.
     import torch.distributed as dist
 
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     acc.end_training()
     assert not (dist.is_available() and dist.is_initialized())
     acc.end_training()  # idempotent

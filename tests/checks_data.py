@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hasten.data_loader import gather_for_metrics, prepare_data_loader, skip_first_batches
 from hasten.state import GradientState, PartialState
-from hasten.utils.operations import gather_object
+from hasten.utils.operations import gather_object, send_to_device
 
 
 class Stream(IterableDataset):
@@ -58,6 +58,12 @@ def _batches(dl):
 def _world():
     s = PartialState()
     return s.num_processes, s.process_index
+
+
+def _dev(data):
+    """``data`` on this rank's device: these loaders keep batches on CPU (no ``put_on_device``), and NCCL
+    moves CUDA tensors only, so a gathered batch goes to the device first, as in a training script."""
+    return send_to_device(data, PartialState().device)
 
 
 # -- sharding ---------------------------------------------------------------------------------------
@@ -117,7 +123,7 @@ def check_custom_samplers_survive():
     assert dl2.batch_sampler.batch_sampler is batch_sampler
     collected = []
     for batch in dl2:
-        collected += gather_for_metrics(batch).tolist()
+        collected += gather_for_metrics(_dev(batch)).tolist()
     assert sorted(collected) == list(range(10)), collected
     return {"backwards": _batches(dl), "growing": _batches(dl2)}
 
@@ -165,7 +171,7 @@ def check_dispatch_matches_sharding():
                 (lambda: DataLoader(list(range(n)), batch_size=bs))
             sharded = _batches(prepare_data_loader(make(), **cfg))
             dispatched_dl = prepare_data_loader(make(), dispatch_batches=True, put_on_device=True,
-                                                device=torch.device("cpu"), **cfg)
+                                                device=PartialState().device, **cfg)
             dispatched = _batches(dispatched_dl)
             assert sharded == dispatched, (n, bs, cfg, iterable, sharded, dispatched)
             if not iterable:
@@ -188,7 +194,7 @@ class _NeverRead(Dataset):
 
 def check_dispatch_only_main_reads():
     dl = prepare_data_loader(DataLoader(_NeverRead(), batch_size=2), dispatch_batches=True, put_on_device=True,
-                             device=torch.device("cpu"))
+                             device=PartialState().device)
     got = [(b["x"].tolist(), b["tag"]) for b in dl]
     return got
 
@@ -237,7 +243,7 @@ def check_skip_first_batches():
     it_full = _batches(prepare_data_loader(DataLoader(Stream(11), batch_size=2)))
     assert it == it_full[1:], (it, it_full)
     disp = prepare_data_loader(DataLoader(list(range(11)), batch_size=2), dispatch_batches=True, put_on_device=True,
-                               device=torch.device("cpu"))
+                               device=PartialState().device)
     disp_full = _batches(disp)
     assert _batches(skip_first_batches(disp, 2)) == disp_full[2:]
     return {"full": full, "reads_full": reads_full}
@@ -267,7 +273,7 @@ def check_resume_state_dict():
 def _loop(dl, transform=lambda b: b, **kw):
     collected = []
     for batch in dl:
-        out = gather_for_metrics(transform(batch), **kw)
+        out = gather_for_metrics(_dev(transform(batch)), **kw)
         collected.extend(out.tolist() if isinstance(out, torch.Tensor) else out)
     return collected
 
@@ -299,7 +305,7 @@ def check_gather_for_metrics_variants():
             continue  # one variant at a time keeps the launch short
         count += 1
         data = Stream(n) if iterable else list(range(n))
-        extra = dict(dispatch_batches=True, put_on_device=True, device=torch.device("cpu")) if dispatch else {}
+        extra = dict(dispatch_batches=True, put_on_device=True, device=PartialState().device) if dispatch else {}
         dl = prepare_data_loader(DataLoader(data, batch_size=bs), even_batches=even, split_batches=split, **extra)
         try:
             if kind == "tensor":
@@ -307,7 +313,7 @@ def check_gather_for_metrics_variants():
             elif kind == "dict":
                 got = []
                 for batch in dl:
-                    out = gather_for_metrics({"v": batch, "pair": (batch * 2, batch.float()[:, None])})
+                    out = gather_for_metrics(_dev({"v": batch, "pair": (batch * 2, batch.float()[:, None])}))
                     assert out["pair"][0].tolist() == [2 * v for v in out["v"].tolist()]
                     assert out["pair"][1].shape == (len(out["v"]), 1)
                     got += out["v"].tolist()
@@ -335,10 +341,10 @@ def check_gather_for_metrics_variants():
 
 def check_gather_for_metrics_outside_loader():
     world, rank = _world()
-    t = torch.tensor([rank, rank])
+    t = torch.tensor([rank, rank], device=PartialState().device)
     assert gather_for_metrics(t).tolist() == [q for q in range(world) for _ in range(2)]
     assert gather_for_metrics([f"r{rank}"]) == [f"r{q}" for q in range(world)]
-    scalar = gather_for_metrics(torch.tensor(float(rank)))
+    scalar = gather_for_metrics(torch.tensor(float(rank), device=PartialState().device))
     return {"scalar": scalar.tolist()}
 
 
@@ -388,8 +394,8 @@ def check_uneven_two_calls_per_batch_raise():
     dl = prepare_data_loader(DataLoader(list(range(5)), batch_size=2), even_batches=False)
     try:
         for batch in dl:
-            gather_for_metrics(batch)
-            gather_for_metrics(batch * 10)
+            gather_for_metrics(_dev(batch))
+            gather_for_metrics(_dev(batch * 10))
     except RuntimeError as err:
         return {"raised": "one gather_for_metrics call per batch" in str(err), "world": world}
     return {"raised": False, "world": world}

@@ -38,9 +38,9 @@ def _equivalence(stage, accum, clip):
     norms, _ = _train(acc, model, opt, loader, steps, clip)
     # The hang watchdog's step counter moves once per real (engine) step, as with DDP.
     assert progress.STATE.steps - stepped == 4, progress.STATE.steps - stepped
-    ref, ref_norms = _reference(steps, accum, clip, 2, acc.num_processes)
+    ref, ref_norms = _reference(steps, accum, clip, 2, acc.num_processes, acc.device)  # weights on CPU
     got = acc.get_state_dict(model)
-    worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+    worst = max(float((got[k].cpu() - ref[k]).abs().max()) for k in ref)
     assert worst < 1e-5, worst
     assert len(norms) == len(ref_norms) == 4 and all(abs(a - b) < 1e-5 for a, b in zip(norms, ref_norms)), \
         (norms, ref_norms)
@@ -223,7 +223,7 @@ def check_transformers_zero3_save_model_reloads():
     acc.wait_for_everyone()
     again = LlamaForCausalLM.from_pretrained(folder)
     mine = again.state_dict()
-    worst = max(float((mine[k] - state[k]).abs().max()) for k in state if k in mine)
+    worst = max(float((mine[k] - state[k].cpu()).abs().max()) for k in state if k in mine)
     assert worst == 0.0, worst
     return worst
 
@@ -353,7 +353,7 @@ def check_zero_checkpoints_for_merge_weights():
     with _Warnings() as caught:
         acc.load_state(os.path.join(root, "zero1"))
     got, expected = acc.get_state_dict(model), load_file(os.path.join(root, "zero1.safetensors"))
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
     assert any("ZeRO stage 1 on 2 processes" in w and "optimizers start fresh" in w for w in caught), caught
     return root
 
@@ -414,7 +414,7 @@ def check_load_on_one_process():
         with _Warnings() as caught:
             acc.load_state(folder)
         got = acc.get_state_dict(model)
-        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k].cpu(), expected[k]) for k in expected), name
         messages[name] = [m for m in caught if "optimizers start fresh" in m]
         assert messages[name] and "ZeRO stage 2 on 2 processes" in messages[name][0], caught
         x, y = next(iter(loader))
@@ -436,7 +436,7 @@ def check_load_on_one_process():
         assert "written without DeepSpeed and this run uses DeepSpeed" in str(e), str(e)
     else:
         raise AssertionError("a plain checkpoint loaded into a DeepSpeed run")
-    assert all(torch.equal(v, _model().state_dict()[k]) for k, v in acc.get_state_dict(model).items())
+    assert all(torch.equal(v.cpu(), _model().state_dict()[k]) for k, v in acc.get_state_dict(model).items())
     # A model the weights do not fit: refused before anything changes, naming both layouts.
     acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
     wide = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 1))
@@ -466,7 +466,7 @@ def check_load_back_on_two_processes():
     with _Warnings() as caught:
         acc.load_state(folder)
     got, expected = acc.get_state_dict(model), load_file(folder + ".safetensors")
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
     assert any("ZeRO stage 3 on 1 processes" in m for m in caught), caught
     x, y = next(iter(loader))
     acc.backward(nn.functional.mse_loss(model(x), y))
@@ -492,7 +492,8 @@ def check_zero3_fp32_keeps_one_copy_of_partitions():
     masters = storages(k for k in opt.optimizer.state)
     assert masters <= partitions, (masters, partitions)
     numel = sum(p.ds_numel for p in model.module.parameters())
-    assert model.optimizer.reduce_bucket_size == numel, model.optimizer.reduce_bucket_size
+    if acc.device.type == "cpu":  # hasten sizes the reduce bucket on CPU only; GPUs keep DeepSpeed's
+        assert model.optimizer.reduce_bucket_size == numel, model.optimizer.reduce_bucket_size
     return len(partitions)
 
 

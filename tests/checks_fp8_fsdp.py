@@ -1,4 +1,4 @@
-"""fp8 (torchao) with FSDP2 and float8 all-gather, inside each of 2 ranks over gloo. See distributed.py.
+"""fp8 (torchao) with FSDP2 and float8 all-gather, inside each of 2 ranks. See distributed.py.
 
 Two references: the same job written by hand the way torchtitan does it (convert, ``fully_shard``
 with a bf16 policy, ``precompute_float8_dynamic_scale_for_fsdp`` after each step), which hasten must
@@ -31,8 +31,8 @@ def _accelerator(accumulate=1, recipe=None, **plugin):
                        kwargs_handlers=[recipe or AORecipeKwargs()], gradient_accumulation_steps=accumulate)
 
 
-def _batch(step, rank):
-    x, y = make_data()
+def _batch(step, rank, device):
+    x, y = make_data(device=device)
     start = ((step * 2 + rank) * BATCH) % len(x)
     return x[start:start + BATCH], y[start:start + BATCH]
 
@@ -59,7 +59,7 @@ def _hasten_run(steps, accumulate, build_optimizer_first=True):
     hook = model[2].register_forward_pre_hook(lambda m, args: gathered.append(m.weight))
     scales, losses = [], []
     for step in range(steps):
-        x, y = _batch(step, acc.process_index)
+        x, y = _batch(step, acc.process_index, acc.device)
         with acc.accumulate(model):
             loss = loss_of(model(x), y)
             acc.backward(loss)
@@ -71,23 +71,23 @@ def _hasten_run(steps, accumulate, build_optimizer_first=True):
     return acc, model, opt, gathered, scales, losses
 
 
-def _hand_written(steps, accumulate):
-    """torchao + FSDP2 by hand, as torchtitan does it."""
+def _hand_written(steps, accumulate, device):
+    """torchao + FSDP2 by hand, as torchtitan does it, on ``device``; the full weights on CPU."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    model = make_model()
+    model = make_model().to(device)
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                module_filter_fn=lambda module, fqn: fqn in CONVERTED)
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
+    fully_shard(model, mesh=init_device_mesh(device.type, (2,)),
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rank = torch.distributed.get_rank()
     for step in range(steps):
         sync = (step + 1) % accumulate == 0
         model.set_requires_gradient_sync(sync)
-        x, y = _batch(step, rank)
+        x, y = _batch(step, rank, device)
         (loss_of(model(x), y) / accumulate).backward()
         if sync:
             opt.step()
@@ -96,17 +96,17 @@ def _hand_written(steps, accumulate):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: getattr(v, "_tensor", v) for k, v in state.items()}
+    return {k: getattr(v, "_tensor", v).cpu() for k, v in state.items()}
 
 
 def _compare(accumulate, build_optimizer_first=True):
     steps = 4 * accumulate
     acc, model, opt, gathered, scales, _ = _hasten_run(steps, accumulate, build_optimizer_first)
     got = _full(acc, model)
-    by_hand = _hand_written(steps, accumulate)
+    by_hand = _hand_written(steps, accumulate, acc.device)
     exact = max(float((got[k] - by_hand[k]).abs().max()) for k in by_hand)
     assert exact == 0.0, f"hasten differs from the hand-written torchao + FSDP2 loop by {exact}"
-    ref = per_shard_reference(steps, accumulate, BATCH).state_dict()
+    ref = {k: v.cpu() for k, v in per_shard_reference(steps, accumulate, BATCH, device=acc.device).state_dict().items()}
     start = make_model().state_dict()
     tracking = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert tracking < TRACKING_TOLERANCE, f"worst weight gap to one process: {tracking}"
@@ -150,7 +150,7 @@ def check_rank0_loading_layer_wrap_and_activation_checkpointing():
     wrapped = [n for n, p in model.named_parameters() if type(p._local_tensor).__name__ != "Tensor"]
     assert wrapped == [f"{n}._checkpoint_wrapped_module.weight" for n in CONVERTED], wrapped
     for step in range(4):
-        x, y = _batch(step, acc.process_index)
+        x, y = _batch(step, acc.process_index, acc.device)
         acc.backward(loss_of(model(x), y))
         opt.step()
         opt.zero_grad()
@@ -172,7 +172,7 @@ def _resume_setup():
 def _steps(acc, model, opt, first, count):
     losses = []
     for step in range(first, first + count):
-        x, y = _batch(step, acc.process_index)
+        x, y = _batch(step, acc.process_index, acc.device)
         loss = loss_of(model(x), y)
         acc.backward(loss)
         opt.step()
@@ -219,7 +219,7 @@ def check_weights_are_plain_and_load_into_unconverted_model():
         assert type(value) is torch.Tensor and value.dtype == torch.float32, (name, type(value), value.dtype)
     assert all(torch.equal(plain.state_dict()[k], full[k]) for k in full)
     if acc.is_main_process:
-        assert all(torch.equal(state[k], full[k]) for k in full)
+        assert all(torch.equal(state[k].cpu(), full[k]) for k in full)
     moved = float((full["2.weight"] - make_model().state_dict()["2.weight"]).abs().max())
     assert moved > 0, "the converted layer did not train"
     return sorted(saved)

@@ -52,17 +52,18 @@ def _train(acc, model, opt, loader, steps, clip=None):
     return norms, losses
 
 
-def _reference(steps, accum, clip, per_process_batch, world):
-    """One process, plain model, global batch = world x per-process batch (the sampler's interleaving)."""
-    model = _model()
+def _reference(steps, accum, clip, per_process_batch, world, device):
+    """One process, plain model on ``device``, global batch = world x per-process batch (the sampler's
+    interleaving). Returns the weights on CPU, where the strategy's full state dict is."""
+    model = _model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ds = _data()
     norms = []
     batches = list(torch.utils.data.DataLoader(ds, batch_size=per_process_batch))
     for step in range(steps):
         group = batches[step * world:(step + 1) * world]
-        x = torch.cat([b[0] for b in group])
-        y = torch.cat([b[1] for b in group])
+        x = torch.cat([b[0] for b in group]).to(device)
+        y = torch.cat([b[1] for b in group]).to(device)
         loss = nn.functional.mse_loss(model(x), y) / accum
         loss.backward()
         if (step + 1) % accum == 0:
@@ -70,7 +71,7 @@ def _reference(steps, accum, clip, per_process_batch, world):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
-    return model.state_dict(), norms
+    return {k: v.cpu() for k, v in model.state_dict().items()}, norms
 
 
 def _equivalence(accum, clip, wrap):
@@ -82,7 +83,7 @@ def _equivalence(accum, clip, wrap):
     model, opt, loader = acc.prepare(model, opt, loader)
     steps = 4 * accum
     norms, _ = _train(acc, model, opt, loader, steps, clip)
-    ref, ref_norms = _reference(steps, accum, clip, 2, acc.num_processes)
+    ref, ref_norms = _reference(steps, accum, clip, 2, acc.num_processes, acc.device)
     got = _full(acc, model)
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst < 1e-5, worst
@@ -135,7 +136,7 @@ def check_transformers_layer_wrap():
     from torch.distributed.fsdp import FSDPModule
 
     wrapped = [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(acc.process_index))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(acc.process_index)).to(acc.device)
     loss = model(input_ids=ids, labels=ids).loss
     acc.backward(loss)
     opt.step()
@@ -287,18 +288,21 @@ def check_optimizer_of_unprepared_model():
 
 
 def check_user_sharded_model_accepted():
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     reset_state()
     acc = Accelerator()  # plain DDP setup; the user shards himself (torchtitan style)
+    # on the ranks' device: fully_shard's default mesh is CUDA whenever a GPU exists, even for gloo ranks
+    mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
     model = _model()
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prepared, opt = acc.prepare(model, opt)
     assert prepared is model
-    x = torch.randn(4, FEATURES)
+    x = torch.randn(4, FEATURES, device=acc.device)
     acc.backward(model(x).sum())
     opt.step()
     return acc.strategy.checkpoint_format

@@ -23,15 +23,22 @@ def check_fsdp2_dcp_checkpoints():
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from hasten.state import PartialState
+
     out = os.environ["HASTEN_TEST_TMP"]
+    # The mesh on this rank's device: fully_shard's default mesh takes CUDA whenever a GPU exists, even
+    # when the ranks share one GPU and talk over gloo.
+    device = PartialState().device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = tiny_gpt2()
     for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     local = sum(p.to_local().numel() for p in model.parameters())

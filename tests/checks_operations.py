@@ -1,8 +1,11 @@
 """Checks of the collectives and RNG helpers, run inside each rank (see distributed.py).
 
-``check_debug_*`` run in a launch with HASTEN_DEBUG=1, the others in launches without it.
+``check_debug_*`` run in a launch with HASTEN_DEBUG=1, the others in launches without it. Checks
+marked ``@on_rank_device`` make their tensors on the rank's device (NCCL moves CUDA tensors only);
+the RNG checks draw from the CPU generators they synchronise, and exchange the draws as objects.
 """
 
+import functools
 import random
 from collections import OrderedDict, namedtuple
 
@@ -29,6 +32,17 @@ Pair = namedtuple("Pair", ["x", "y"])
 def _rank_world():
     s = PartialState()
     return s.process_index, s.num_processes
+
+
+def on_rank_device(check):
+    """Run ``check`` with this rank's device as the default device of tensor factories."""
+
+    @functools.wraps(check)
+    def run():
+        with torch.device(PartialState().device):
+            return check()
+
+    return run
 
 
 def _expect_error(exc_type, fn, *args, **kwargs):
@@ -59,6 +73,7 @@ class _Counter:
 
 
 # -- gather -----------------------------------------------------------------------------------------
+@on_rank_device
 def check_gather_nested():
     r, w = _rank_world()
     matrix = torch.arange(6, dtype=torch.float32).reshape(3, 2).t() + 100 * r  # (2, 3), not contiguous
@@ -88,6 +103,7 @@ def check_gather_object():
     return {"listed": listed, "single": single}
 
 
+@on_rank_device
 def check_gather_rejects_non_tensors():
     r, w = _rank_world()
     if w == 1:
@@ -96,6 +112,7 @@ def check_gather_rejects_non_tensors():
 
 
 # -- broadcast --------------------------------------------------------------------------------------
+@on_rank_device
 def check_broadcast():
     r, w = _rank_world()
     src = w - 1
@@ -107,6 +124,7 @@ def check_broadcast():
     return {"x": out["x"].tolist(), "y": out["y"][0].tolist(), "objects": objects}
 
 
+@on_rank_device
 def check_broadcast_bad_source():
     r, w = _rank_world()
     if w == 1:
@@ -115,6 +133,7 @@ def check_broadcast_bad_source():
 
 
 # -- reduce -----------------------------------------------------------------------------------------
+@on_rank_device
 def check_reduce_modes():
     r, w = _rank_world()
     values = {}
@@ -135,6 +154,7 @@ def check_reduce_modes():
 
 
 # -- pad_across_processes ---------------------------------------------------------------------------
+@on_rank_device
 def check_pad_across_processes():
     r, w = _rank_world()
     rows = torch.full((2 + 2 * r, 2), float(r + 1))  # 2 rows on rank 0, 4 on rank 1
@@ -177,6 +197,7 @@ def check_send_to_device():
 
 
 # -- extra communication ----------------------------------------------------------------------------
+@on_rank_device
 def check_no_extra_collective_without_debug():
     r, w = _rank_world()
     assert not PartialState().debug
@@ -222,6 +243,7 @@ def check_synchronize_rng_states():
 
 
 # -- debug mode (HASTEN_DEBUG=1) --------------------------------------------------------------------
+@on_rank_device
 def check_debug_shape_mismatch():
     r, w = _rank_world()
     assert PartialState().debug and w == 2
@@ -233,6 +255,7 @@ def check_debug_shape_mismatch():
     raise AssertionError("gather of different shapes did not raise in debug mode")
 
 
+@on_rank_device
 def check_debug_different_operations():
     r, w = _rank_world()
     t = torch.ones(2)
@@ -243,6 +266,7 @@ def check_debug_different_operations():
     raise AssertionError("different collectives on the two ranks did not raise in debug mode")
 
 
+@on_rank_device
 def check_debug_other_mismatches():
     r, w = _rank_world()
     messages = {
@@ -260,6 +284,7 @@ def check_debug_other_mismatches():
     return messages
 
 
+@on_rank_device
 def check_debug_matching_calls_work():
     r, w = _rank_world()
     with _Counter() as counter:

@@ -59,7 +59,8 @@ def check_prepare_every_kind_in_a_loop():
 def check_collectives_accept_tensors_that_require_grad():
     """An evaluation written without no_grad gathers losses that require grad (every collective)."""
     n, rank = _world()
-    weight = torch.ones(3, requires_grad=True)
+    device = PartialState().device  # where a script's tensors are (NCCL moves CUDA tensors only)
+    weight = torch.ones(3, device=device, requires_grad=True)
     y = weight * (rank + 1)  # a non-leaf that requires grad
     out = {
         "gather": ops.gather(y).tolist(),
@@ -70,7 +71,7 @@ def check_collectives_accept_tensors_that_require_grad():
         "pad": ops.pad_across_processes(y[: rank + 1]).tolist(),
         "gather_object": [t.tolist() for t in ops.gather_object([y])],
     }
-    leaf = torch.full((2, 3), float(rank)).t().contiguous().t().requires_grad_()  # a non-contiguous leaf
+    leaf = torch.full((2, 3), float(rank), device=device).t().contiguous().t().requires_grad_()  # a non-contiguous leaf
     ops.broadcast(leaf)
     out["broadcast_leaf"] = leaf.tolist()
     moved = y.clone()

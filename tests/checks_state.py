@@ -1,8 +1,12 @@
 """Checks of process state and topology, run inside each rank (see distributed.py)."""
 
+import os
+
 import torch
 
 from hasten.state import PartialState
+
+from devices import expected_device
 
 
 def check_identity():
@@ -10,8 +14,9 @@ def check_identity():
     assert s.num_processes in (1, 2)
     assert s.is_main_process == (s.process_index == 0)
     assert s.is_last_process == (s.process_index == s.num_processes - 1)
-    assert s.device == torch.device("cpu")
-    return {"rank": s.process_index, "world": s.num_processes, "type": str(s.distributed_type), "backend": s.backend}
+    assert s.device == expected_device(s.local_process_index), s.device
+    return {"rank": s.process_index, "world": s.num_processes, "type": str(s.distributed_type), "backend": s.backend,
+            "use_cpu": os.environ.get("HASTEN_USE_CPU")}
 
 
 def check_split_between_processes():

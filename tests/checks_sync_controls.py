@@ -19,10 +19,10 @@ def _spread(acc, tensor):
 
 
 def check_trigger_sync_in_backward_is_a_context_manager():
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     torch.manual_seed(0)
     model = acc.prepare(nn.Linear(3, 1))
-    x = torch.full((2, 3), float(acc.process_index + 1))  # different data on each process
+    x = torch.full((2, 3), float(acc.process_index + 1), device=acc.device)  # different data on each process
     with acc.no_sync(model):
         with acc.trigger_sync_in_backward(model):
             acc.backward(model(x).sum())
@@ -45,14 +45,14 @@ def _counts(*loaders):
 
 
 def check_join_uneven_inputs_warns_instead_of_failing():
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=None))
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=None))
     mapped = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2)  # 5 batches: 3 + 2 when uneven
     model, mapped, dispatched = acc.prepare(nn.Linear(1, 1), mapped, DataLoader(Stream(), batch_size=2))
     seen = {"before": _counts(mapped, dispatched)}
     with acc.join_uneven_inputs([model], even_batches=False):
         seen["inside"] = _counts(mapped, dispatched)
     seen["after"] = _counts(mapped, dispatched)
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
     sharded = acc.prepare(DataLoader(Stream(), batch_size=2))  # each process reads its own share
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

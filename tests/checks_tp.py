@@ -1,7 +1,8 @@
 """Tensor and N-D parallelism inside each rank (see distributed.py and test_tp.py).
 
 Run on 2 processes (tp alone) and on 4 (dp_shard x tp, HSDP); each check looks at the world
-size and the environment to pick its layout. References are computed on one process, locally.
+size and the environment to pick its layout. References are computed on one process, locally, on
+the rank's device; they are compared on CPU, where the strategy's full state dict is.
 """
 
 import json
@@ -55,19 +56,23 @@ def _worst(got: dict, ref: dict) -> float:
     return max(float((got[k] - ref[k]).abs().max()) for k in ref)
 
 
-def _mlp_reference(steps, per_replica, replicas, clip):
-    model = _mlp()
+def _cpu(state: dict) -> dict:
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def _mlp_reference(steps, per_replica, replicas, clip, device):
+    model = _mlp().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = list(torch.utils.data.DataLoader(_data(), batch_size=per_replica))
     norms = []
     for step in range(steps):
         group = batches[step * replicas:(step + 1) * replicas]
-        x, y = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
+        x, y = torch.cat([b[0] for b in group]).to(device), torch.cat([b[1] for b in group]).to(device)
         nn.functional.mse_loss(model(x), y).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-    return model.state_dict(), norms
+    return _cpu(model.state_dict()), norms
 
 
 def _mlp_equivalence(acc, steps=3, clip=0.5):
@@ -81,7 +86,7 @@ def _mlp_equivalence(acc, steps=3, clip=0.5):
         norms.append(float(acc.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-    ref, ref_norms = _mlp_reference(steps, 2, acc.strategy.mesh.dp_size, clip)
+    ref, ref_norms = _mlp_reference(steps, 2, acc.strategy.mesh.dp_size, clip, acc.device)
     worst = _worst(_full(acc, model), ref)
     assert worst < 1e-5, worst
     assert max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5, (norms, ref_norms)
@@ -116,12 +121,12 @@ def check_tp_llama_plan_equals_one_process():
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
-    ref = _llama()
+    ref = _llama().to(acc.device)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(3):
-        ids = torch.randint(0, 64, (2, 8), generator=g)
+        ids = torch.randint(0, 64, (2, 8), generator=g).to(acc.device)
         loss = model(input_ids=ids, labels=ids).loss
         acc.backward(loss)
         opt.step()
@@ -133,7 +138,7 @@ def check_tp_llama_plan_equals_one_process():
         losses.append((float(loss), float(ref_loss)))
     split = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
     assert "model.layers.0.self_attn.q_proj.weight" in split and "lm_head.weight" in split, split
-    worst = _worst(_full(acc, model), ref.state_dict())
+    worst = _worst(_full(acc, model), _cpu(ref.state_dict()))
     assert worst < 1e-5, (worst, losses)
     return {"worst": worst, "split": len(split)}
 

@@ -14,7 +14,7 @@ def _offline(root):
 def check_only_main_creates_runs():
     root = os.environ["TRACK_DIR"]
     _offline(root)
-    acc = Accelerator(cpu=True, log_with=["tensorboard", "wandb"], project_dir=os.path.join(root, "runs"))
+    acc = Accelerator(log_with=["tensorboard", "wandb"], project_dir=os.path.join(root, "runs"))
     acc.init_trackers("two", config={"world": acc.num_processes})
     rank = acc.process_index
     for step in range(3):
@@ -57,7 +57,7 @@ class EveryProcess(GeneralTracker):
 
 def check_tracker_for_every_process():
     tracker = EveryProcess()
-    acc = Accelerator(cpu=True, log_with=tracker)
+    acc = Accelerator(log_with=tracker)
     acc.init_trackers("p")
     acc.log({"rank": acc.process_index})
     acc.free_memory()

@@ -18,10 +18,10 @@ def _model(seed=0):
 
 def check_profile_writes_one_trace_per_rank():
     out = os.path.join(os.environ["HASTEN_TEST_TMP"], "traces")
-    acc = Accelerator(cpu=True, kwargs_handlers=[ProfileKwargs(output_trace_dir=out, record_shapes=True)])
+    acc = Accelerator(kwargs_handlers=[ProfileKwargs(output_trace_dir=out, record_shapes=True)])
     model = acc.prepare(_model())
     with acc.profile() as prof:
-        model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4, device=acc.device)).sum().backward()
     averages = prof.key_averages()
     # After the block every rank's trace exists (the block ends with a barrier, as in Accelerate).
     traces = {}
@@ -36,7 +36,7 @@ def check_profile_schedule_and_handler_override():
     seen = []
     handler = ProfileKwargs(schedule_option={"wait": 1, "warmup": 1, "active": 2}, on_trace_ready=lambda p: seen.append(1),
                             activities=["cpu"])
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     with acc.profile(handler) as prof:
         for _ in range(5):
             torch.randn(8, 8) @ torch.randn(8, 8)
@@ -49,7 +49,7 @@ def _flat(model):
 
 
 def _run_local_sgd(enabled, steps=7, every=3):
-    acc = Accelerator(cpu=True)
+    acc = Accelerator()
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = acc.prepare(model, optimizer)
@@ -57,7 +57,7 @@ def _run_local_sgd(enabled, steps=7, every=3):
     rows = []
     with LocalSGD(acc, model, local_sgd_steps=every, enabled=enabled) as local_sgd:
         for _ in range(steps):
-            x = torch.randn(16, 4, generator=g)
+            x = torch.randn(16, 4, generator=g).to(acc.device)
             loss = (model(x).squeeze(-1) - x.sum(1)).pow(2).mean()
             acc.backward(loss)
             optimizer.step()

@@ -1,9 +1,12 @@
-"""Run check functions in real processes (2 ranks over gloo) and report per rank.
+"""Run check functions in real processes (1, 2 or 4 ranks) and report per rank.
 
 One launch runs every ``check_*`` function of a module in the same processes, so the ~2 s
 start-up of each process is paid once per module, not once per test. Each rank writes one JSON
 line per check as it finishes; a test then judges what each rank *reported*, so a rank that
 aborts during teardown (a known gloo quirk) cannot make a passing check fail.
+
+Devices follow tests/devices.py: the ranks use one GPU each (NCCL) when the machine has enough,
+else CPU (gloo) through ``HASTEN_USE_CPU=1``, the variable ``hasten launch --cpu`` sets.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Optional
+
+from devices import process_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,7 +48,7 @@ def one_process_checkpoint(folder: str, model, features: int) -> tuple[str, dict
     acc = Accelerator()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
-    acc.backward(model(torch.randn(4, features)).pow(2).mean())
+    acc.backward(model(torch.randn(4, features, device=acc.device)).pow(2).mean())
     opt.step()
     acc.save_state(folder)
     expected = {k: v.tolist() for k, v in model.state_dict().items()}
@@ -97,12 +102,15 @@ class Report:
 
 def run_checks(module_name: str, world_size: int = 2, env: Optional[dict] = None, timeout: float = 900,
                only: Optional[list[str]] = None) -> Report:
-    """Start ``world_size`` processes (torchrun's variables) that run the module's checks."""
+    """Start ``world_size`` processes (torchrun's variables) that run the module's checks.
+
+    ``env`` is applied last, so a test may still pin a device policy of its own."""
     out = tempfile.mkdtemp(prefix="hasten-checks-")
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
         penv = dict(os.environ)
+        penv.update(process_env(world_size))
         penv.update(env or {})
         penv.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -141,6 +149,16 @@ def run_checks(module_name: str, world_size: int = 2, env: Optional[dict] = None
     return Report(world_size, results, texts)
 
 
+def _barrier(dist) -> None:
+    """A barrier between checks; NCCL is told this rank's GPU (else it guesses one, with a warning)."""
+    if dist.get_backend() == "nccl":
+        import torch
+
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def _worker(module_name: str, out: str, rank: int, only: list[str]) -> None:
     import torch.distributed as dist
 
@@ -165,7 +183,7 @@ def _worker(module_name: str, out: str, rank: int, only: list[str]) -> None:
             f.write(json.dumps(item) + "\n")
             f.flush()
             if state.use_distributed and dist.is_initialized():
-                dist.barrier()
+                _barrier(dist)
     state.destroy_process_group()
 
 

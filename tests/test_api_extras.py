@@ -162,6 +162,7 @@ def test_whole_model_compilation_without_regional_flag():
 def test_accelerator_positional_arguments_follow_accelerate():
     with pytest.warns(FutureWarning, match="split_batches"):
         acc = Accelerator(True, True, "no", 2, True)  # device_placement, split_batches, precision, steps, cpu
+    # cpu-on-purpose: the fifth positional argument is cpu=True
     assert acc.split_batches is True and acc.gradient_accumulation_steps == 2 and acc.device.type == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # leaving split_batches out warns about nothing
@@ -252,7 +253,7 @@ def test_load_into_meta_model_with_device_map_keeps_ties(tmp_path):
     with torch.device("meta"):
         empty = Tied()
     load_checkpoint_in_model(empty, tmp_path, device_map={"": "cpu"})
-    assert all(t.device.type == "cpu" for t in [*empty.parameters(), *empty.buffers()])
+    assert all(t.device.type == "cpu" for t in [*empty.parameters(), *empty.buffers()])  # cpu-on-purpose: device_map
     assert empty.out.weight is empty.embed.weight  # the tie survives the replacement
     for name, value in source.state_dict().items():
         assert torch.equal(empty.state_dict()[name], value), name

@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from devices import reference_device
 from distributed import reset_state
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -80,7 +81,7 @@ def setup(project=None, hidden=8, auto=True, total_limit=None, resume=None, **kw
 
 
 def train_step(model, opt, sched):
-    loss = model(torch.arange(6)).pow(2).mean()
+    loss = model(torch.arange(6, device=reference_device())).pow(2).mean()
     loss.backward()
     opt.step()
     sched.step()

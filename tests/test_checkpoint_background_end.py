@@ -14,12 +14,15 @@ import sys
 
 import pytest
 
+from devices import process_env
 from scripts.launch_common import clean_env, free_port, hasten, script
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return clean_env(tmp_path_factory.mktemp("cfg") / "absent.yaml", OMP_NUM_THREADS=1)
+    # process_env: CPU (HASTEN_USE_CPU, which hasten launch, torchrun'd and forked processes all honour)
+    # unless each of the 2 processes can have a GPU.
+    return clean_env(tmp_path_factory.mktemp("cfg") / "absent.yaml", OMP_NUM_THREADS=1, **process_env(2))
 
 
 def _run(launcher, project, mode, env, layout="ddp"):

@@ -1,4 +1,4 @@
-"""save_state / load_state across 2 real processes (gloo): who writes what, agreement on errors."""
+"""save_state / load_state across 2 real processes: who writes what, agreement on errors."""
 
 import pytest
 from distributed import run_checks

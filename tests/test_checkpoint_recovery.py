@@ -231,7 +231,7 @@ def test_a_save_fsyncs_every_file_and_folder_a_crash_needs_each_once(fresh_state
     acc = Accelerator()
     model = torch.nn.Linear(4, 4)
     model, opt = acc.prepare(model, torch.optim.Adam(model.parameters()))
-    model(torch.ones(2, 4)).sum().backward()
+    model(torch.ones(2, 4, device=acc.device)).sum().backward()
     opt.step()
     synced, real = [], os.fsync
 

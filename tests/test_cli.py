@@ -381,7 +381,39 @@ def test_gpu_planning_with_four_visible_gpus(monkeypatch, capsys):
     p = plan_for("--gpu_ids", "1,3", "train.py")
     assert p.num_processes == 2 and p.child_env["CUDA_VISIBLE_DEVICES"] == "1,3"
     p = plan_for("--cpu", "--num_processes", "2", "train.py")
-    assert p.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in p.child_env
+    assert p.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in p.child_env  # cpu-on-purpose: --cpu
     assert "lists 2 GPU(s)" in one_line_error(capsys, ["launch", "--num_processes", "3", "--gpu_ids", "0,1", "train.py"])
-    assert "only 4 GPU(s) are visible" in one_line_error(capsys, ["launch", "--num_processes", "6", "train.py"])
+    assert "shows 4 GPU(s)" in one_line_error(capsys, ["launch", "--num_processes", "6", "train.py"])
     assert "names GPU 7" in one_line_error(capsys, ["launch", "--gpu_ids", "0,7", "train.py"])
+
+
+def test_more_processes_than_gpus_is_refused_naming_both_fixes(monkeypatch, capsys):
+    """`hasten launch --num_processes 2` where one GPU is visible: one line naming the numbers and the fixes,
+    exit 2, before anything starts (two processes on one GPU would hang in NCCL's first collective)."""
+    import hasten.commands.hardware as hardware
+
+    monkeypatch.setattr(hardware, "_physical_nvidia_gpus", lambda: 2)  # the driver's count (torch-free seam)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # ... of which this job may use one
+    err = one_line_error(capsys, ["launch", "--num_processes", "2", "train.py"])
+    assert "num_processes 2 (command line --num_processes)" in err, err
+    assert "2 process(es) per machine but this machine shows 1 GPU(s) (CUDA_VISIBLE_DEVICES='1')" in err, err
+    assert "pass --num_processes 1 (one per GPU), or --cpu to run 2 processes on CPU" in err, err
+    for flags in (["--use_fsdp"], ["--multi_gpu"]):
+        assert "--num_processes 1" in one_line_error(capsys, ["launch", *flags, "--num_processes", "2", "train.py"])
+    several = ["launch", "--num_machines", "2", "--main_process_ip", "1.2.3.4", "--num_processes", "4", "train.py"]
+    assert "pass --num_processes 2 (one per GPU)" in one_line_error(capsys, several)
+    # Each fix is accepted: CPU processes (flag or the variable --cpu sets), or one process per GPU.
+    assert plan_for("--cpu", "--num_processes", "2", "train.py").device == "cpu"  # cpu-on-purpose: --cpu
+    cpu = dict(os.environ, HASTEN_USE_CPU="1")
+    assert plan_for("--num_processes", "2", "train.py", env=cpu).device == "cpu"  # cpu-on-purpose: HASTEN_USE_CPU
+    assert (plan_for("--num_processes", "1", "train.py").device, plan_for("train.py").num_processes) == ("cuda", 1)
+
+
+def test_processes_exceed_gpus_names_the_numbers():
+    from hasten.commands.launch import processes_exceed_gpus
+
+    assert processes_exceed_gpus(2, 2, 1, None) is None and processes_exceed_gpus(1, 1, 1, "0") is None
+    message = processes_exceed_gpus(2, 1, 1, None)
+    assert "2 process(es) per machine but this machine shows 1 GPU(s), and" in message
+    assert "--num_processes 1" in message and "--cpu" in message
+    assert "--num_processes 4 (one per GPU)" in processes_exceed_gpus(3, 2, 2, "0,1")

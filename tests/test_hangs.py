@@ -179,8 +179,8 @@ def test_hang_timeout_setting(tmp_path, env):
     rc, out, err, _ = hasten(["launch", "--dry_run", "--config_file", cfg, "--num_processes", "2", "x.py"], env,
                              cwd=tmp_path)
     (tmp_path / "x.py").write_text("")
-    rc, out, err, _ = hasten(["launch", "--dry_run", "--config_file", cfg, "--num_processes", "2", "x.py"], env,
-                             cwd=tmp_path)
+    rc, out, err, _ = hasten(["launch", "--dry_run", "--config_file", cfg, "--cpu", "--num_processes", "2", "x.py"],
+                             env, cwd=tmp_path)
     assert rc == 0, err
     assert any(line.split()[:2] == ["hang_timeout", "42.0"] and "cfg.yaml: hang_timeout" in line
                for line in out.splitlines()), out

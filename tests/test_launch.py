@@ -1,4 +1,7 @@
-"""`hasten launch` with real processes: 2 ranks on CPU, 2 machines on loopback, failures, restarts.
+"""`hasten launch` with real processes: 2 ranks, 2 machines on loopback, failures, restarts.
+
+The scripts talk over gloo (CPU tensors), so they run anywhere; the launch asks for CPU (--cpu) when
+the machine has fewer GPUs than processes per machine, as a user on such a machine must.
 
 Each rank writes a file; the tests judge those files (what each rank saw), so a rank that aborts
 while tearing down cannot make a passing launch look failed.
@@ -13,7 +16,10 @@ import time
 
 import pytest
 
+from devices import launch_flags
 from scripts.launch_common import clean_env, free_port, hasten, ranks, script
+
+TWO = ["--num_processes", "2", *launch_flags(2)]
 
 
 def alive(pid):
@@ -34,7 +40,7 @@ def env(tmp_path):
 
 
 def test_two_processes_on_cpu_form_one_gloo_group(tmp_path, env):
-    rc, out, err, _ = hasten(["launch", "--num_processes", "2", "--mixed_precision", "bf16",
+    rc, out, err, _ = hasten(["launch", *TWO, "--mixed_precision", "bf16",
                               "--gradient_accumulation_steps", "3", script("launch_allreduce.py"), tmp_path, "--lr", "1"],
                              env)
     seen = ranks(tmp_path, 2)
@@ -68,7 +74,7 @@ def test_module_and_no_python(tmp_path, env):
 
 def test_two_machines_on_loopback_form_a_world_of_four(tmp_path, env):
     port = free_port()
-    common = ["launch", "--num_machines", "2", "--num_processes", "4", "--main_process_ip", "127.0.0.1",
+    common = ["launch", "--num_machines", "2", "--num_processes", "4", *launch_flags(2), "--main_process_ip", "127.0.0.1",
               "--main_process_port", str(port), script("launch_allreduce.py"), tmp_path]
     cmd = [sys.executable, "-m", "hasten.commands.cli"]
     nodes = [subprocess.Popen(cmd + common[:1] + ["--machine_rank", str(r)] + common[1:], env=env,
@@ -83,7 +89,7 @@ def test_two_machines_on_loopback_form_a_world_of_four(tmp_path, env):
 
 
 def test_first_failure_is_reported_with_its_traceback(tmp_path, env):
-    rc, out, err, took = hasten(["launch", "--num_processes", "2", script("launch_fail.py"), "raise", tmp_path], env)
+    rc, out, err, took = hasten(["launch", *TWO, script("launch_fail.py"), "raise", tmp_path], env)
     assert rc == 1, err
     report = err[err.index("hasten: rank"):]
     first = report.splitlines()[0]
@@ -94,7 +100,7 @@ def test_first_failure_is_reported_with_its_traceback(tmp_path, env):
 
 
 def test_a_rank_that_raised_and_was_stopped_while_exiting_is_blamed_for_its_exception(tmp_path, env):
-    rc, out, err, took = hasten(["launch", "--num_processes", "2", script("launch_fail.py"), "raise_hang", tmp_path],
+    rc, out, err, took = hasten(["launch", *TWO, script("launch_fail.py"), "raise_hang", tmp_path],
                                 env, timeout=240)
     report = err[err.index("hasten: rank"):]
     first = report.splitlines()[0]
@@ -106,7 +112,7 @@ def test_a_rank_that_raised_and_was_stopped_while_exiting_is_blamed_for_its_exce
 
 
 def test_sigkill_is_reported_and_other_ranks_stop_promptly(tmp_path, env):
-    rc, out, err, took = hasten(["launch", "--num_processes", "2", script("launch_fail.py"), "kill", tmp_path], env)
+    rc, out, err, took = hasten(["launch", *TWO, script("launch_fail.py"), "kill", tmp_path], env)
     assert rc == 128 + 9, err
     assert "hasten: rank 1 (local rank 1 on node 0" in err
     assert "was killed (SIGKILL) — often the out-of-memory killer" in err
@@ -116,7 +122,7 @@ def test_sigkill_is_reported_and_other_ranks_stop_promptly(tmp_path, env):
 
 
 def test_killing_the_launcher_leaves_no_orphans(tmp_path, env):
-    proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", "--num_processes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", *TWO,
                              script("launch_fail.py"), "sleep", tmp_path], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -133,7 +139,7 @@ def test_killing_the_launcher_leaves_no_orphans(tmp_path, env):
 
 
 def test_max_restarts_recovers_on_gloo(tmp_path, env):
-    rc, out, err, _ = hasten(["launch", "--num_processes", "2", "--max_restarts", "1", "--monitor_interval", "0.05",
+    rc, out, err, _ = hasten(["launch", *TWO, "--max_restarts", "1", "--monitor_interval", "0.05",
                               script("launch_restart.py"), tmp_path], env, timeout=300)
     seen = ranks(tmp_path, 2)
     assert [s["attempt"] for s in seen] == [1, 1] and [s["sum"] for s in seen] == [3.0, 3.0], err

@@ -8,18 +8,19 @@ import sys
 import pytest
 import torch
 
+from devices import process_env
 from hasten import launchers
 from scripts.launch_common import clean_env, script
 
 
 def test_notebook_and_debug_launchers_run_two_ranks(tmp_path):
-    env = clean_env(tmp_path / "absent.yaml")
+    env = clean_env(tmp_path / "absent.yaml", **process_env(2))  # CPU unless each rank can have a GPU
     env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run([sys.executable, script("launch_notebook.py"), str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parent = int(proc.stdout.split("parent pid")[1].split()[0])
-    for tag, precision, cpu in (("nb", "bf16", None), ("dbg", None, "true")):
+    for tag, precision, cpu in (("nb", "bf16", env.get("HASTEN_USE_CPU")), ("dbg", None, "true")):
         seen = [json.load(open(tmp_path / f"{tag}{r}.json")) for r in (0, 1)]
         assert [s["world"] for s in seen] == [2, 2] and [s["sum"] for s in seen] == [3.0, 3.0], tag
         assert all(s["parent"] == parent and s["fork"] == "1" for s in seen), tag  # forked from the interpreter

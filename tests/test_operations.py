@@ -1,10 +1,11 @@
-"""Collectives on nested structures, RNG seeding and syncing: real processes over gloo.
+"""Collectives on nested structures, RNG seeding and syncing: real processes (gloo, or NCCL with a GPU each).
 
 Three launches in all: 2 ranks, 1 rank, and 2 ranks in debug mode (HASTEN_DEBUG=1).
 """
 
 import pytest
 
+from devices import ranks_get_own_gpu
 from distributed import check_names, run_checks
 
 MODULE = "checks_operations"
@@ -12,6 +13,7 @@ _ALL = check_names(MODULE)
 DEBUG_CHECKS = [n for n in _ALL if n.startswith("check_debug_")]
 PLAIN_CHECKS = [n for n in _ALL if n not in DEBUG_CHECKS]
 _NO_DEBUG = {"HASTEN_DEBUG": "0", "ACCELERATE_DEBUG_MODE": "0"}
+ON = "on cuda" if ranks_get_own_gpu(2) else "on cpu"  # where the debug launch's tensors live
 
 
 @pytest.fixture(scope="module")
@@ -153,27 +155,27 @@ def test_synchronize_rng_states(report):
 def test_debug_shape_mismatch_names_every_rank(debug):
     for message in debug.assert_passed("check_debug_shape_mismatch"):
         assert "gather" in message
-        assert "process 0: gather({'x': float32[2, 3] on cpu})" in message
-        assert "process 1: gather({'x': float32[3, 3] on cpu})" in message
+        assert f"process 0: gather({{'x': float32[2, 3] {ON}}})" in message
+        assert f"process 1: gather({{'x': float32[3, 3] {ON}}})" in message
         assert "pad_across_processes" in message  # the fix
 
 
 def test_debug_different_operations(debug):
     for message in debug.assert_passed("check_debug_different_operations"):
         assert "different collective operations" in message
-        assert "process 0: gather(float32[2] on cpu)" in message
-        assert "process 1: reduce(float32[2] on cpu, reduction='sum')" in message
+        assert f"process 0: gather(float32[2] {ON})" in message
+        assert f"process 1: reduce(float32[2] {ON}, reduction='sum')" in message
 
 
 def test_debug_other_mismatches(debug):
     for value in debug.assert_passed("check_debug_other_mismatches"):
         assert "reduction='sum'" in value["reduce_mode"] and "reduction='max'" in value["reduce_mode"]
         assert "from_process=0" in value["broadcast_source"] and "from_process=1" in value["broadcast_source"]
-        assert "{'a': float32[2] on cpu}" in value["structure"] and "{'b': float32[2] on cpu}" in value["structure"]
+        assert f"{{'a': float32[2] {ON}}}" in value["structure"] and f"{{'b': float32[2] {ON}}}" in value["structure"]
         assert "float32[2]" in value["dtype"] and "float64[2]" in value["dtype"]
-        assert "process 0: pad_across_processes(float32[2] on cpu, dim=0)" in value["pad_ndim"]
-        assert "process 1: pad_across_processes(float32[2, 2] on cpu, dim=0)" in value["pad_ndim"]
-        assert "gather_object()" in value["object_vs_tensor"] and "gather(float32[1] on cpu)" in value["object_vs_tensor"]
+        assert f"process 0: pad_across_processes(float32[2] {ON}, dim=0)" in value["pad_ndim"]
+        assert f"process 1: pad_across_processes(float32[2, 2] {ON}, dim=0)" in value["pad_ndim"]
+        assert "gather_object()" in value["object_vs_tensor"] and f"gather(float32[1] {ON})" in value["object_vs_tensor"]
 
 
 def test_debug_matching_calls_work(debug):

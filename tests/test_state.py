@@ -2,6 +2,7 @@
 
 import pytest
 
+from devices import process_env, ranks_get_own_gpu
 from distributed import check_names, run_checks
 
 
@@ -17,7 +18,9 @@ def test_state_two_processes(two_ranks, name):
 
 def test_identity_and_split(two_ranks):
     ids = two_ranks.assert_passed("check_identity")
-    assert ids == [{"rank": r, "world": 2, "type": "MULTI_CPU", "backend": "gloo"} for r in (0, 1)]
+    kind, backend = ("MULTI_GPU", "nccl") if ranks_get_own_gpu(2) else ("MULTI_CPU", "gloo")
+    use_cpu = process_env(2).get("HASTEN_USE_CPU")  # the harness applies the device policy (tests/devices.py)
+    assert ids == [{"rank": r, "world": 2, "type": kind, "backend": backend, "use_cpu": use_cpu} for r in (0, 1)]
     split = two_ranks.assert_passed("check_split_between_processes")
     assert [s["plain"] for s in split] == [[0, 1, 2], [3, 4]]
     assert [s["padded"] for s in split] == [[0, 1, 2], [3, 4, 4]]

@@ -81,3 +81,17 @@ def test_env_prefixes():
         parse_int("GRADIENT_ACCUMULATION_STEPS", 1, environ={"HASTEN_GRADIENT_ACCUMULATION_STEPS": "four"})
     with pytest.raises(ValueError, match="boolean"):
         parse_flag("USE_CPU", environ={"HASTEN_USE_CPU": "maybe"})
+
+
+def test_each_local_rank_gets_its_own_gpu_or_a_clear_error():
+    """torchrun --nproc_per_node 2 on one GPU: the second process stops with the fixes instead of taking cuda:0
+    too (both processes on one GPU hang in NCCL's first collective)."""
+    from hasten.state import own_gpu
+
+    assert [own_gpu(rank, 2, None) for rank in (0, 1)] == [0, 1]
+    with pytest.raises(RuntimeError) as err:
+        own_gpu(1, 1, "3")
+    message = str(err.value)
+    assert "local rank 1 has no GPU of its own: this node shows 1 CUDA device(s) (CUDA_VISIBLE_DEVICES='3')" in message
+    assert "hasten launch --num_processes 1" in message and "hasten launch --cpu" in message
+    assert "HASTEN_USE_CPU=1" in message and "Accelerator(cpu=True)" in message

@@ -71,14 +71,8 @@ def pick_device(topology: Topology, cpu: bool) -> torch.device:
     if cpu:
         return torch.device("cpu")
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if topology.local_rank >= count:
-            raise RuntimeError(
-                f"local rank {topology.local_rank} has no GPU: this node shows {count} CUDA device(s) "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); launch at most "
-                f"{count} processes per node or pass cpu=True"
-            )
-        return torch.device("cuda", topology.local_rank)
+        index = own_gpu(topology.local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return torch.device("cuda", index)
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         return torch.device("xpu", topology.local_rank % max(1, xpu.device_count()))
@@ -86,6 +80,22 @@ def pick_device(topology: Topology, cpu: bool) -> torch.device:
     if mps is not None and mps.is_available() and topology.world_size == 1:
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def own_gpu(local_rank: int, count: int, visible: Optional[str]) -> int:
+    """The GPU of the process with ``local_rank`` on a node showing ``count`` GPUs: its local rank.
+
+    Raises when the node has fewer GPUs than that: two processes on one GPU would hang in their first
+    NCCL collective, so the process stops here and says how to start the job instead.
+    """
+    if local_rank < count:
+        return local_rank
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU of its own: this node shows {count} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES={visible!r}) and processes cannot share one. Start at most {count} process(es) "
+        f"per node (hasten launch --num_processes {count}), or run on CPU (hasten launch --cpu, "
+        "HASTEN_USE_CPU=1, or Accelerator(cpu=True))"
+    )
 
 
 class SharedDict:

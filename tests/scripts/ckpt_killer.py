@@ -57,7 +57,7 @@ def child(project: str, pipe: int) -> None:
     acc.register_for_checkpointing(step)  # resume="auto" restores it here
     resumed = step.value
     os.write(pipe, (json.dumps({"resumed": resumed, "iteration": acc.project_configuration.iteration}) + "\n").encode())
-    x = torch.randn(4, 512)
+    x = torch.randn(4, 512, device=acc.device)
     while True:
         step.value += 1
         model(x).sum().backward()

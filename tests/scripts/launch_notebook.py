@@ -19,7 +19,7 @@ def train(tag, out):
     from hasten.state import PartialState
 
     state = PartialState()
-    t = torch.tensor([float(state.process_index + 1)])
+    t = torch.tensor([float(state.process_index + 1)], device=state.device)
     dist.all_reduce(t)
     torch.randn(64, 64) @ torch.randn(64, 64)
     with open(os.path.join(out, f"{tag}{state.process_index}.json"), "w") as f:

@@ -118,7 +118,7 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
             f"({_src(res, 'num_machines')}); machines are numbered from 0"
         )
     gpu_ids = _gpu_ids(res, device)
-    procs = _count_processes(res, device, gpus, gpu_ids, machines)
+    procs = _count_processes(res, device, gpus, gpu_ids, machines, env.get("CUDA_VISIBLE_DEVICES"))
     per_node = procs // machines
     backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
     tee, log_dir, restarts = res["tee"], res["log_dir"], res["max_restarts"]
@@ -200,7 +200,8 @@ def _gpu_ids(res: Resolved, device: str) -> Optional[str]:
     return gpu_ids
 
 
-def _count_processes(res: Resolved, device: str, gpus: int, gpu_ids: Optional[str], machines: int) -> int:
+def _count_processes(res: Resolved, device: str, gpus: int, gpu_ids: Optional[str], machines: int,
+                     visible: Optional[str]) -> int:
     """Processes in total over all machines (Accelerate's meaning of num_processes)."""
     procs = res["num_processes"]
     listed = len(gpu_ids.split(",")) if gpu_ids not in (None, "all") else None
@@ -217,10 +218,26 @@ def _count_processes(res: Resolved, device: str, gpus: int, gpu_ids: Optional[st
     if listed is not None and listed != per_node:
         raise HastenCLIError(f"{where} gives {per_node} process(es) per machine but gpu_ids {gpu_ids} "
                              f"({_src(res, 'gpu_ids')}) lists {listed} GPU(s); make them agree")
-    if device == "cuda" and listed is None and per_node > gpus:
-        raise HastenCLIError(f"{where} gives {per_node} process(es) per machine but only {gpus} GPU(s) are "
-                             f"visible; use at most {gpus} per machine, or --cpu")
+    if device == "cuda" and listed is None:
+        problem = processes_exceed_gpus(per_node, gpus, machines, visible)
+        if problem:
+            raise HastenCLIError(f"{where}: {problem}")
     return procs
+
+
+def processes_exceed_gpus(per_node: int, gpus: int, machines: int, visible: Optional[str]) -> Optional[str]:
+    """Why ``per_node`` processes cannot each have one of ``gpus`` GPUs, naming both fixes; None when they can.
+
+    Two processes on one GPU would each ask NCCL for the same device and hang in their first
+    collective, so the launch is refused before anything starts.
+    """
+    if per_node <= gpus:
+        return None
+    shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    fewer = max(1, gpus) * machines
+    return (f"{per_node} process(es) per machine but this machine shows {gpus} GPU(s){shown}, and processes "
+            f"cannot share a GPU; pass --num_processes {fewer} (one per GPU), or --cpu to run {per_node} "
+            "processes on CPU")
 
 
 def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
