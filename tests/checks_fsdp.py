@@ -522,7 +522,7 @@ def check_cpu_ram_efficient_loading_with_offload():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
     expected = _buffered_model()
-    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())  # cpu-on-purpose: offloaded shards live on the CPU
     for name, p in model.named_parameters():
         mine = p.to_local()
         full = expected.get_parameter(name)

@@ -292,15 +292,15 @@ def test_cpu_offload_with_hook_moves_models_in_turn():
         want_1, want_2 = first(ids, shift=shift), second(ids, shift=shift)
     first, hook_1 = cpu_offload_with_hook(first, execution_device=DEVICE)
     second, hook_2 = cpu_offload_with_hook(second, execution_device=DEVICE, prev_module_hook=hook_1)
-    assert first.embed.weight.device.type == "cpu" and second.embed.weight.device.type == "cpu"
+    assert first.embed.weight.device.type == "cpu" and second.embed.weight.device.type == "cpu"  # cpu-on-purpose: offload target
     with torch.no_grad():
         assert torch.equal(first(ids, shift=shift), want_1)
         assert first.embed.weight.device.type == DEVICE.type  # moved for its forward, and stays
         assert torch.equal(second(ids, shift=shift), want_2)
-    assert first.embed.weight.device.type == "cpu"  # offloaded just before the second model ran
+    assert first.embed.weight.device.type == "cpu"  # cpu-on-purpose: offloaded just before the second model ran
     assert second.embed.weight.device.type == DEVICE.type
     hook_2.offload()
-    assert second.embed.weight.device.type == "cpu"
+    assert second.embed.weight.device.type == "cpu"  # cpu-on-purpose: offload target
     hook_2.remove()
     assert not hasattr(second, "_hf_hook") and "forward" not in vars(second)
 
