@@ -18,7 +18,7 @@ from torch import nn
 from . import progress
 from .checkpointing import CheckpointMixin
 from .fp8 import plan_for as fp8_plan
-from .compilation import compile_regions
+from .compilation import compile_regions, has_repeated_blocks
 from .optimizer import AcceleratedOptimizer
 from .options import (
     UNSET,
@@ -263,12 +263,17 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             self.strategy.convert_fp8(model, self.fp8)
         self.precision.wrap_forward(model)
         dynamo = self.state.dynamo_plugin
-        regional = dynamo is not None and not dynamo.disable and dynamo.use_regional_compilation
+        compiling = dynamo is not None and not dynamo.disable
+        # Regions are compiled in place, below the model's own autocast hooks. A model without
+        # repeated blocks is compiled whole instead (as Accelerate does), through the wrapper:
+        # compiled in place, its autocast hooks would be inside the traced code.
+        regional = compiling and dynamo.use_regional_compilation and has_repeated_blocks(model)
         if regional:  # in place, before wrapping: the wrappers' hooks stay on the call path
             compile_regions(model, **dynamo.to_compile_kwargs())
         prepared = model if evaluation_mode or by_user else self.strategy.wrap_model(model)
-        if dynamo is not None and not dynamo.disable and not regional:
+        if compiling and not regional:
             prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
+            self.precision.wrap_compiled(prepared, model)
         self._models.append(prepared)
         return self._remember(model, prepared)
 
@@ -499,8 +504,10 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         inner = self.strategy.unwrap_model(inner)
         while foreign_wrapper(inner) in ("DistributedDataParallel", "DataParallel"):
             inner = inner.module
-        if not keep_fp32_wrapper:
+        if not keep_fp32_wrapper:  # as Accelerate: the prepared model (and its compiled form) stops autocasting too
             Precision.unwrap_forward(inner)
+            if compiled is not None:
+                Precision.unwrap_forward(compiled)
         if compiled is not None and keep_torch_compile:
             compiled._orig_mod = inner
             return compiled
