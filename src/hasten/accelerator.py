@@ -259,16 +259,16 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             device_placement = self.device_placement
         if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
-        if self.fp8 is not None:
-            self.strategy.convert_fp8(model, self.fp8)
-        self.precision.wrap_forward(model)
         dynamo = self.state.dynamo_plugin
         compiling = dynamo is not None and not dynamo.disable
-        # Regions are compiled in place, below the model's own autocast hooks. A model without
-        # repeated blocks is compiled whole instead (as Accelerate does), through the wrapper:
-        # compiled in place, its autocast hooks would be inside the traced code.
+        if self.fp8 is not None:
+            self.strategy.convert_fp8(model, self.fp8)
+            self.fp8.speed_up(model, compiled=compiling or hasattr(model, "_orig_mod"))
+        self.precision.wrap_forward(model)
+        # In place, before wrapping (the wrappers' hooks stay on the call path). Without repeated blocks:
+        # whole, through the wrapper, as Accelerate (in place, the autocast hooks would be traced).
         regional = compiling and dynamo.use_regional_compilation and has_repeated_blocks(model)
-        if regional:  # in place, before wrapping: the wrappers' hooks stay on the call path
+        if regional:
             compile_regions(model, **dynamo.to_compile_kwargs())
         prepared = model if evaluation_mode or by_user else self.strategy.wrap_model(model)
         if compiling and not regional:
@@ -505,9 +505,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         while foreign_wrapper(inner) in ("DistributedDataParallel", "DataParallel"):
             inner = inner.module
         if not keep_fp32_wrapper:  # as Accelerate: the prepared model (and its compiled form) stops autocasting too
-            Precision.unwrap_forward(inner)
-            if compiled is not None:
-                Precision.unwrap_forward(compiled)
+            for wrapped in (inner, compiled) if compiled is not None else (inner,):
+                Precision.unwrap_forward(wrapped)
         if compiled is not None and keep_torch_compile:
             compiled._orig_mod = inner
             return compiled
