@@ -10,6 +10,7 @@ Variants (each in its own process, so compile caches and memory do not leak betw
     bf16+compile    hasten, bf16, dynamo_backend="inductor"
     fp8 eager       hasten, fp8, AORecipeKwargs(auto_compile=False)
     fp8 default     hasten, fp8, default settings (on CUDA: the float8 layers compiled)
+    fp8 regional    hasten, fp8, TorchDynamoPlugin(use_regional_compilation=True): the blocks compiled
     fp8+compile     hasten, fp8, dynamo_backend="inductor"
     raw fp8+compile torchao by hand: convert_to_float8_training (same layers), torch.compile, bf16 autocast
 
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("bf16", "bf16+compile", "fp8 eager", "fp8 default", "fp8+compile", "raw fp8+compile")
+VARIANTS = ("bf16", "bf16+compile", "fp8 eager", "fp8 default", "fp8 regional", "fp8+compile", "raw fp8+compile")
 
 
 def build(args: argparse.Namespace):
@@ -76,7 +77,7 @@ def prepared(variant: str, args: argparse.Namespace):
 
     from hasten import Accelerator
     from hasten.fp8 import default_module_filter
-    from hasten.utils import AORecipeKwargs
+    from hasten.utils import AORecipeKwargs, TorchDynamoPlugin
 
     model = build(args)
     if variant == "raw fp8+compile":
@@ -93,7 +94,9 @@ def prepared(variant: str, args: argparse.Namespace):
     if precision == "fp8":
         handlers = [AORecipeKwargs(config=args.recipe, auto_compile=False if variant == "fp8 eager" else None)]
     backend = "inductor" if variant.endswith("+compile") else None
-    acc = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend=backend, kwargs_handlers=handlers)
+    plugin = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if variant == "fp8 regional" else None
+    acc = Accelerator(mixed_precision=precision, cpu=args.cpu, dynamo_backend=backend, dynamo_plugin=plugin,
+                      kwargs_handlers=handlers)
     model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     return model, optimizer, contextlib.nullcontext, acc.device
 
@@ -153,7 +156,7 @@ def main() -> None:
             continue
         results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         r = results[variant]
-        print(f"{variant:>16}: {r['ms_per_step']:8.1f} ms/step  loss {r['loss']:.3f}  ({r['params'] / 1e9:.2f}B params, {r['device']})",
+        print(f"{variant:>16}: {r['ms_per_step']:8.1f} ms/step  loss {r['loss']:.3f}  ({r['params'] / 1e6:.1f}M params, {r['device']})",
               flush=True)
     goals = (("fp8 default", "bf16", 1.0, "fp8 with default settings at least as fast as bf16 eager"),
              ("fp8+compile", "raw fp8+compile", 1.02, "hasten fp8+compile within 2% of raw fp8+compile"))

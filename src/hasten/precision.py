@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -169,8 +169,8 @@ class Precision:
 
 
 class _OuterRegions:
-    """How many outer (compile-wrapper) regions the running thread is inside. Read by traced code,
-    so a plain class attribute: dynamo guards on its value."""
+    """How many outer (compile-wrapper) regions are active in this process. Read by traced code,
+    so a plain class attribute (not thread-local): dynamo guards on its value."""
 
     depth = 0
 
@@ -219,6 +219,7 @@ class AutocastRegion:
         return None
 
     def attach(self, module: torch.nn.Module) -> None:
+        _make_untraced()
         self._handles = (module.register_forward_pre_hook(self.before),
                          module.register_forward_hook(self.after, always_call=True))
 
@@ -226,6 +227,10 @@ class AutocastRegion:
         for handle in self._handles:
             handle.remove()
         self._handles = ()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled in a new process: hooks can run there
+        self.__dict__.update(state)
+        _make_untraced()
 
     def _steps_aside(self) -> bool:
         # Traced inside hasten's compile wrapper: the autocast entered by its region is in force.
@@ -235,7 +240,7 @@ class AutocastRegion:
         if self._steps_aside():
             return
         if torch.compiler.is_compiling():
-            _enter_untraced(self)
+            _UNTRACED["enter"](self)
         else:
             _enter(self)
 
@@ -243,7 +248,7 @@ class AutocastRegion:
         if self._steps_aside():
             return None
         if torch.compiler.is_compiling():
-            _leave_untraced(self)
+            _UNTRACED["leave"](self)
         else:
             _leave(self)
         from .utils.operations import convert_to_fp32
@@ -276,8 +281,14 @@ def _leave(region: AutocastRegion) -> None:
     context.__exit__(None, None, None)
 
 
-_enter_untraced = torch.compiler.disable(_enter)
-_leave_untraced = torch.compiler.disable(_leave)
+# _enter and _leave as dynamo runs them from traced code: outside the graph. Made when a region is
+# attached or unpickled, not at import: torch.compiler.disable imports dynamo (about a second).
+_UNTRACED: dict[str, Callable[[AutocastRegion], None]] = {}
+
+
+def _make_untraced() -> None:
+    if not _UNTRACED:
+        _UNTRACED.update(enter=torch.compiler.disable(_enter), leave=torch.compiler.disable(_leave))
 
 
 # Device types that can hold an autocast state (privateuse1 backends are added at call time).
