@@ -1,6 +1,6 @@
 """Checks of the public API that scripts use on every rank (see distributed.py): copying a tensor
 that one process owns, the run-on-some-processes decorators, RNG synchronisation from the top-level
-name, re-creating the state objects, ``no_sync``, regional compilation under DDP."""
+name, re-creating the state objects, ``no_sync``, regional compilation and torch.compile with bf16 under DDP."""
 
 import torch
 from torch import nn
@@ -130,6 +130,31 @@ def check_regional_compilation_under_ddp():
     reference(x).pow(2).mean().backward()
     for p, q in zip(inner.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def check_compile_with_bf16_under_ddp():
+    """torch.compile around DDP with bf16: the autocast is entered outside the compiled graph and the
+    gradients are still averaged, equal to one process's autocast run on the whole batch."""
+    acc = Accelerator(mixed_precision="bf16", dynamo_backend="aot_eager")
+    torch.manual_seed(0)
+    reference = Stack().to(acc.device)
+    model = Stack().to(acc.device)
+    model.load_state_dict(reference.state_dict())
+    model = acc.prepare(model)
+    assert type(model._orig_mod).__name__ == "DistributedDataParallel"  # compiled around DDP
+    inner = acc.unwrap_model(model, keep_torch_compile=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * acc.num_processes, 6, generator=g).to(acc.device)
+    out = model(x[acc.process_index * 2:(acc.process_index + 1) * 2])
+    assert out.dtype == torch.float32
+    acc.backward(out.pow(2).mean())
+    with torch.autocast(acc.device.type, dtype=torch.bfloat16):
+        expected = reference(x)
+    assert expected.dtype == torch.bfloat16
+    expected.float().pow(2).mean().backward()
+    for p, q in zip(inner.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
     return True
 
 

@@ -42,6 +42,10 @@ def test_regional_compilation_under_ddp_matches_one_process(two):
     two.assert_passed("check_regional_compilation_under_ddp")
 
 
+def test_compile_with_bf16_under_ddp_matches_one_process(two):
+    two.assert_passed("check_compile_with_bf16_under_ddp")
+
+
 def test_save_and_load_state_with_a_folder_per_process(two):
     assert two.assert_passed("check_save_and_load_state_with_a_folder_per_process") == [[True, True], [True, True]]
 

@@ -18,7 +18,7 @@ from torch import nn
 from . import progress
 from .checkpointing import CheckpointMixin
 from .fp8 import plan_for as fp8_plan
-from .compilation import compile_regions
+from .compilation import compile_regions, has_repeated_blocks
 from .optimizer import AcceleratedOptimizer
 from .options import (
     UNSET,
@@ -259,16 +259,21 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             device_placement = self.device_placement
         if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
+        dynamo = self.state.dynamo_plugin
+        compiling = dynamo is not None and not dynamo.disable
         if self.fp8 is not None:
             self.strategy.convert_fp8(model, self.fp8)
+            self.fp8.speed_up(model, compiled=compiling or hasattr(model, "_orig_mod"))
         self.precision.wrap_forward(model)
-        dynamo = self.state.dynamo_plugin
-        regional = dynamo is not None and not dynamo.disable and dynamo.use_regional_compilation
-        if regional:  # in place, before wrapping: the wrappers' hooks stay on the call path
+        # In place, before wrapping (the wrappers' hooks stay on the call path). Without repeated blocks:
+        # whole, through the wrapper, as Accelerate (in place, the autocast hooks would be traced).
+        regional = compiling and dynamo.use_regional_compilation and has_repeated_blocks(model)
+        if regional:
             compile_regions(model, **dynamo.to_compile_kwargs())
         prepared = model if evaluation_mode or by_user else self.strategy.wrap_model(model)
-        if dynamo is not None and not dynamo.disable and not regional:
+        if compiling and not regional:
             prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
+            self.precision.wrap_compiled(prepared, model)
         self._models.append(prepared)
         return self._remember(model, prepared)
 
@@ -499,8 +504,9 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         inner = self.strategy.unwrap_model(inner)
         while foreign_wrapper(inner) in ("DistributedDataParallel", "DataParallel"):
             inner = inner.module
-        if not keep_fp32_wrapper:
-            Precision.unwrap_forward(inner)
+        if not keep_fp32_wrapper:  # as Accelerate: the prepared model (and its compiled form) stops autocasting too
+            for wrapped in (inner, compiled) if compiled is not None else (inner,):
+                Precision.unwrap_forward(wrapped)
         if compiled is not None and keep_torch_compile:
             compiled._orig_mod = inner
             return compiled

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -234,6 +235,10 @@ class Float8Plan:
                 "but not supported yet. Use AORecipeKwargs (torchao) instead"
             )
         self.config = recipe.config
+        self.device = device
+        self._warned: set[str] = set()  # each speed warning once per Accelerator, however many models
+        auto = getattr(recipe, "auto_compile", None)
+        self.auto_compile = _env_flag("FP8_AUTO_COMPILE", device.type == "cuda") if auto is None else auto
         if not sharded and self.config.enable_fsdp_float8_all_gather:
             # The all-gather wrapper replaces each weight Parameter, so an optimizer built before
             # prepare() would keep updating the old ones (Accelerate 1.15 trains nothing in the
@@ -278,6 +283,62 @@ class Float8Plan:
             logger.warning("fp8: no layer was converted to float8 (the filter kept every Linear in high "
                            "precision), so this model trains in bf16")
         return converted
+
+
+    def speed_up(self, model: nn.Module, compiled: bool) -> list[str]:
+        """Make the converted ``model`` fast, or say once why it will not be; returns the layers compiled here.
+
+        Float8 pays only compiled: eagerly, each layer's scaling and casting runs as a string of small
+        kernels and a step is slower than bf16 (about 2x on an H100). So unless the model is
+        compiled already (``compiled``: a ``dynamo_backend``/``dynamo_plugin``), each float8 layer
+        is compiled in place (``auto_compile``, on by default on CUDA); the model, its keys and its
+        wrappers are unchanged. Where fp8 cannot beat bf16 (eager by choice, a CPU, layers below
+        the sizes where float8 matmuls win) a warning says so once, with the fix.
+        """
+        from torchao.float8.float8_linear import Float8Linear
+
+        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+        if not layers:
+            return []
+        if self.device.type != "cuda":
+            self._warn_once(f"mixed_precision='fp8' on {self.device.type}: no float8 matrix units there, so torch emulates "
+                      "the float8 matmuls and a step is several times slower than with bf16. Use it to check fp8 "
+                      "numerics; train with mixed_precision='bf16' (or on a GPU with compute capability 8.9+)")
+        small = [name for name, m in layers if too_small_for_float8(m, _recipe_label(self.config))]
+        if small and self.device.type == "cuda":
+            self._warn_once(f"fp8: {len(small)} of {len(layers)} float8 layer(s) are below the sizes where a float8 matmul "
+                      f"beats bf16 on an H100 (torchao's tables), e.g. {small[0]}; they likely run slower than in "
+                      "bf16. Keep them in bf16 with AORecipeKwargs(module_filter_func=...), or use mixed_precision='bf16'")
+        if compiled:
+            return []
+        if not self.auto_compile:
+            if self.device.type == "cuda":
+                self._warn_once("fp8 without torch.compile (AORecipeKwargs(auto_compile=False) or HASTEN_FP8_AUTO_COMPILE=false) "
+                          "is slower than bf16: each float8 layer's casts run as separate kernels. Leave auto_compile on, "
+                          "or compile the model (Accelerator(dynamo_backend='inductor'))")
+            return []
+        for _, layer in layers:
+            layer.compile()  # in place: no wrapper, same keys; traced on the first call
+        names = [name for name, _ in layers]
+        logger.info(f"fp8: {len(names)} float8 layer(s) compiled with torch.compile (inductor) so that float8 pays; "
+                    "opt out with AORecipeKwargs(auto_compile=False) or HASTEN_FP8_AUTO_COMPILE=false")
+        return names
+
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)  # the script line that called prepare()
+
+
+def too_small_for_float8(layer: nn.Module, recipe: str) -> bool:
+    """Whether a float8 matmul of this layer's size is slower than bf16 on an H100, by the thresholds of
+    torchao's published benchmarks (tensorwise: in <= 4096 and out <= 1024; rowwise: out <= 2048,
+    in <= 1024, or both out <= 4096 and in <= 2048)."""
+    out_features, in_features = layer.weight.shape
+    if recipe == "rowwise":
+        return out_features <= 2048 or in_features <= 1024 or (out_features <= 4096 and in_features <= 2048)
+    return in_features <= 4096 and out_features <= 1024
 
 
 def _recipe_label(config: Any) -> str:

@@ -8,10 +8,9 @@ bookkeeping that clipping relies on.
 from __future__ import annotations
 
 import contextlib
-import functools
+import threading
 import weakref
-from types import MethodType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -83,32 +82,37 @@ class Precision:
         return torch.autocast(device_type=self.device.type, **kw)
 
     def wrap_forward(self, model: torch.nn.Module) -> None:
-        """Make ``model.forward`` run under autocast and return fp32 outputs (idempotent)."""
-        if not self.enabled or hasattr(model, "_hasten_original_forward"):
-            return
-        from .utils.operations import convert_outputs_to_fp32
+        """Make calls of ``model`` run under autocast and return fp32 outputs (idempotent).
 
-        original = model.forward
-        inner = original.__func__ if isinstance(original, MethodType) else original
-        autocast = self.autocast
+        Done with forward hooks (see ``AutocastRegion``), so ``model.forward``, the state-dict
+        keys and the module's type stay the user's own.
+        """
+        if self.enabled and AutocastRegion.of(model) is None:
+            AutocastRegion(self._region_settings()).attach(model)
 
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with autocast():
-                return inner(*args, **kwargs)
+    @staticmethod
+    def wrap_compiled(compiled: torch.nn.Module, model: torch.nn.Module) -> None:
+        """Enter ``model``'s autocast around ``compiled`` (its ``torch.compile`` wrapper), outside the traced code.
 
-        forward = convert_outputs_to_fp32(forward)
-        model._hasten_original_forward = original
-        model.forward = MethodType(forward, model) if isinstance(original, MethodType) else forward
+        Dynamo cannot trace a context entered in one hook and left in another; with this outer
+        region active the inner model's hooks step aside while being traced, so the compiled graph
+        runs under the autocast entered here (a ``fullgraph=True`` compile keeps a single graph).
+        No-op when ``model`` has no autocast region (no mixed precision, or FSDP2's policy).
+        """
+        inner = AutocastRegion.of(model)
+        if inner is not None and AutocastRegion.of(compiled) is None:
+            AutocastRegion(inner.settings, outer=True).attach(compiled)
+
+    def _region_settings(self) -> tuple[str, torch.dtype, bool, Optional[bool]]:
+        handler = self.autocast_kwargs
+        return self.device.type, self.dtype, bool(handler.enabled), handler.cache_enabled
 
     @staticmethod
     def unwrap_forward(model: torch.nn.Module) -> None:
-        original = model.__dict__.pop("_hasten_original_forward", None)
-        if original is not None:
-            if isinstance(original, MethodType) and original.__self__ is model:
-                model.__dict__.pop("forward", None)  # fall back to the class's forward
-            else:
-                model.forward = original
+        """Remove what ``wrap_forward``/``wrap_compiled`` added to ``model`` (no-op if nothing)."""
+        region = AutocastRegion.of(model)
+        if region is not None:
+            region.detach()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -164,8 +168,152 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
+class _OuterRegions:
+    """How many outer (compile-wrapper) regions are active in this process. Read by traced code,
+    so a plain class attribute (not thread-local): dynamo guards on its value."""
+
+    depth = 0
+
+
+class _Entered(threading.local):
+    """Per thread: the autocast contexts that regions entered and have not left yet (innermost last)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple["AutocastRegion", contextlib.AbstractContextManager]] = []
+
+
+_ENTERED = _Entered()
+
+
+class AutocastRegion:
+    """Forward hooks that run a module under ``torch.autocast`` and hand back fp32 outputs.
+
+    A forward pre-hook enters the autocast; a forward hook registered with ``always_call`` (it
+    runs when forward raises too) leaves it and converts fp16/bf16 outputs to fp32. Hooks rather
+    than a replaced ``forward``: the module keeps its own method, type and state-dict keys, and the
+    region pickles with it (the hooks are bound methods of this object).
+
+    Under ``torch.compile`` a context cannot be entered in one hook and left in another inside the
+    traced code. When hasten compiles a wrapped model, an *outer* region on the compile wrapper
+    enters the autocast eagerly, and the inner hooks, while traced, do nothing (the graph is traced
+    under that autocast). A model compiled by the user, without an outer region, still gets its
+    autocast: the inner hooks then run outside the graph (a graph break at each end of forward).
+
+    Args:
+        settings: (device type, dtype, autocast enabled, cache_enabled or None).
+        outer: True for the region around a compile wrapper.
+    """
+
+    def __init__(self, settings: tuple[str, torch.dtype, bool, Optional[bool]], outer: bool = False) -> None:
+        self.settings = settings
+        self.outer = outer
+        self._handles: tuple[Any, ...] = ()
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> Optional["AutocastRegion"]:
+        """The region attached to ``module``, or None."""
+        for hook in module._forward_pre_hooks.values():
+            region = getattr(hook, "__self__", None)
+            if isinstance(region, AutocastRegion):
+                return region
+        return None
+
+    def attach(self, module: torch.nn.Module) -> None:
+        _make_untraced()
+        self._handles = (module.register_forward_pre_hook(self.before),
+                         module.register_forward_hook(self.after, always_call=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = ()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled in a new process: hooks can run there
+        self.__dict__.update(state)
+        _make_untraced()
+
+    def _steps_aside(self) -> bool:
+        # Traced inside hasten's compile wrapper: the autocast entered by its region is in force.
+        return not self.outer and _OuterRegions.depth > 0 and torch.compiler.is_compiling()
+
+    def before(self, module: torch.nn.Module, args: Any) -> None:
+        if self._steps_aside():
+            return
+        if torch.compiler.is_compiling():
+            _UNTRACED["enter"](self)
+        else:
+            _enter(self)
+
+    def after(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self._steps_aside():
+            return None
+        if torch.compiler.is_compiling():
+            _UNTRACED["leave"](self)
+        else:
+            _leave(self)
+        from .utils.operations import convert_to_fp32
+
+        return convert_to_fp32(output)
+
+
+def _enter(region: AutocastRegion) -> None:
+    device_type, dtype, enabled, cache_enabled = region.settings
+    if not enabled:
+        context: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        kw: dict[str, Any] = {"dtype": dtype}
+        if cache_enabled is not None:
+            kw["cache_enabled"] = cache_enabled
+        context = torch.autocast(device_type=device_type, **kw)
+    context.__enter__()
+    _ENTERED.stack.append((region, context))
+    if region.outer:
+        _OuterRegions.depth += 1
+
+
+def _leave(region: AutocastRegion) -> None:
+    # Only what this region entered: if an earlier pre-hook raised, ours never ran.
+    if not _ENTERED.stack or _ENTERED.stack[-1][0] is not region:
+        return
+    _, context = _ENTERED.stack.pop()
+    if region.outer:
+        _OuterRegions.depth -= 1
+    context.__exit__(None, None, None)
+
+
+# _enter and _leave as dynamo runs them from traced code: outside the graph. Made when a region is
+# attached or unpickled, not at import: torch.compiler.disable imports dynamo (about a second).
+_UNTRACED: dict[str, Callable[[AutocastRegion], None]] = {}
+
+
+def _make_untraced() -> None:
+    if not _UNTRACED:
+        _UNTRACED.update(enter=torch.compiler.disable(_enter), leave=torch.compiler.disable(_leave))
+
+
+# Device types that can hold an autocast state (privateuse1 backends are added at call time).
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
+
+
+def _autocasting_device_types() -> list[str]:
+    found = []
+    for device_type in dict.fromkeys((*_AUTOCAST_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                found.append(device_type)
+        except (RuntimeError, TypeError):  # a device type this torch build does not know
+            continue
+    return found
+
+
 @contextlib.contextmanager
 def no_autocast() -> Iterator[None]:
-    """Leave any surrounding autocast region (e.g. for a loss that must run in fp32)."""
-    with torch.autocast(device_type="cpu", enabled=False), torch.autocast(device_type="cuda", enabled=False):
+    """Leave any surrounding autocast region (e.g. for a loss that must run in fp32).
+
+    Only the device types whose autocast is on are touched: an MPS or XPU autocast is left too,
+    and no autocast is created for a device this host does not have.
+    """
+    with contextlib.ExitStack() as stack:
+        for device_type in _autocasting_device_types():
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
         yield

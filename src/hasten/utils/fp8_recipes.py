@@ -58,6 +58,9 @@ class AORecipeKwargs(KwargsHandler):
         pad_inner_dim: pad matmul dimensions to multiples of 16 (default True; ``HASTEN_FP8_PAD_INNER_DIM``).
         enable_fsdp_float8_all_gather: all-gather FSDP2 shards in float8 (default True;
             ``HASTEN_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER``); ignored without FSDP2.
+        auto_compile: (hasten only) ``torch.compile`` each converted float8 layer when the model is
+            not compiled otherwise (no ``dynamo_backend``/``dynamo_plugin``); without it float8 is
+            slower than bf16. Default: True on CUDA, False elsewhere (``HASTEN_FP8_AUTO_COMPILE``).
 
     Needs torchao (``pip install torchao``); constructing the object without it raises ImportError.
     """
@@ -66,8 +69,12 @@ class AORecipeKwargs(KwargsHandler):
     module_filter_func: Optional[Callable] = None
     pad_inner_dim: Optional[bool] = None
     enable_fsdp_float8_all_gather: Optional[bool] = None
+    auto_compile: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        if self.auto_compile is not None and not isinstance(self.auto_compile, bool):
+            raise TypeError(f"AORecipeKwargs(auto_compile={self.auto_compile!r}) must be True, False or None "
+                            "(None: compile the float8 layers on CUDA only)")
         if self.module_filter_func is not None and not callable(self.module_filter_func):
             raise TypeError(f"AORecipeKwargs(module_filter_func={self.module_filter_func!r}) is not callable; pass "
                             "a function (module, fqn) -> bool, or None for the default filter")
