@@ -1,0 +1,228 @@
+"""Optimizer hyperparameters across a resume, gradient norms on accumulation micro-steps, and
+checkpoints written for other runs, inside each rank of 2 processes (see distributed.py and
+test_resume_state.py). Every check runs its layouts in the same processes, so DDP, FSDP2 and tensor
+parallelism are judged against each other on the same numbers."""
+
+import os
+
+import torch
+from torch import nn
+
+from distributed import reset_state
+from hasten import Accelerator
+from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
+from hasten.utils.parallelism_config import ParallelismConfig
+
+# A model with a tensor-parallel plan, so the same model runs under every layout.
+from checks_tp import MLP_PLAN, _data, _mlp  # noqa: E402
+
+
+def _accelerator(kind: str, accum: int = 1, mixed_precision: str = "no") -> Accelerator:
+    reset_state()
+    if kind == "ddp":
+        return Accelerator(gradient_accumulation_steps=accum, mixed_precision=mixed_precision)
+    if kind == "fsdp2":
+        return Accelerator(fsdp_plugin=Plugin(fsdp_version=2), gradient_accumulation_steps=accum,
+                           mixed_precision=mixed_precision)
+    if kind == "tp":
+        return Accelerator(parallelism_config=ParallelismConfig(tp_size=2, tp_plan=MLP_PLAN),
+                           gradient_accumulation_steps=accum, mixed_precision=mixed_precision)
+    raise ValueError(kind)
+
+
+def _full(acc, model) -> dict:
+    return {k: v.clone() for k, v in acc.strategy.model_state_dict(model, everyone=True).items()}
+
+
+def _step(acc, model, opt, batch) -> None:
+    x, y = batch
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+
+
+def _sgd_run(kind):
+    acc = _accelerator(kind)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2)
+    return acc, *acc.prepare(model, opt, sched, loader)
+
+
+def _sgd_lr_resume(kind):
+    """Plain SGD (no state at all) with a StepLR: the lr must come back with the scheduler."""
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], f"sgd_{kind}")
+    acc, model, opt, sched, loader = _sgd_run(kind)
+    batches = iter(loader)
+    for _ in range(2):
+        _step(acc, model, opt, next(batches))
+        sched.step()
+    saved_lr = opt.param_groups[0]["lr"]
+    acc.save_state(folder)
+    _step(acc, model, opt, next(batches))
+    expected = _full(acc, model)
+    acc, model, opt, sched, loader = _sgd_run(kind)
+    acc.load_state(folder)
+    lr, last = opt.param_groups[0]["lr"], sched.get_last_lr()[0]
+    assert lr == saved_lr == last, f"{kind}: lr {lr} after load_state, {saved_lr} at save, scheduler says {last}"
+    _step(acc, model, opt, next(iter(loader)))  # the loader resumes at the batch after the save
+    got = _full(acc, model)
+    worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    assert worst < 1e-6, (kind, worst)
+    return {"lr": lr, "worst": worst}
+
+
+def check_sgd_lr_resumes_ddp():
+    return _sgd_lr_resume("ddp")
+
+
+def check_sgd_lr_resumes_fsdp2():
+    return _sgd_lr_resume("fsdp2")
+
+
+def check_sgd_lr_resumes_tp():
+    return _sgd_lr_resume("tp")
+
+
+def _adam_run(kind):
+    acc = _accelerator(kind)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** (step + 1))  # lr 0.05 from the start
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2)
+    return acc, *acc.prepare(model, opt, sched, loader)
+
+
+def _adam_before_first_step(kind):
+    """Adam saved before its first step (no state yet), loaded into a run whose Adam already stepped:
+    the lr comes back and the moments are gone, as torch's load_state_dict does; the next step then
+    equals the one the saving run took (a step count of 1 left behind would change it)."""
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], f"adam_{kind}")
+    acc, model, opt, sched, loader = _adam_run(kind)
+    saved_lr = opt.param_groups[0]["lr"]
+    acc.save_state(folder)
+    batch = next(iter(loader))
+    _step(acc, model, opt, batch)
+    expected = _full(acc, model)
+    acc, model, opt, sched, loader = _adam_run(kind)
+    for _ in range(2):
+        _step(acc, model, opt, batch)
+        sched.step()
+    assert opt.param_groups[0]["lr"] != saved_lr and len(opt.state) > 0
+    acc.load_state(folder)
+    lr = opt.param_groups[0]["lr"]
+    assert lr == saved_lr, f"{kind}: lr {lr} after load_state, {saved_lr} at save"
+    assert len(opt.state) == 0, f"{kind}: {len(opt.state)} parameters kept optimizer state the checkpoint did not hold"
+    _step(acc, model, opt, batch)
+    got = _full(acc, model)
+    worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    assert worst < 1e-6, (kind, worst)
+    return {"lr": lr, "worst": worst}
+
+
+def check_adam_before_first_step_ddp():
+    return _adam_before_first_step("ddp")
+
+
+def check_adam_before_first_step_fsdp2():
+    return _adam_before_first_step("fsdp2")
+
+
+def check_adam_before_first_step_tp():
+    return _adam_before_first_step("tp")
+
+
+def _micro_norms(kind, mixed_precision="no"):
+    """``clip_grad_norm_`` on every step of 2-step accumulation (the value a user logs each step)."""
+    acc = _accelerator(kind, accum=2, mixed_precision=mixed_precision)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    norms = []
+    for i, (x, y) in enumerate(loader):
+        if i == 6:
+            break
+        with acc.accumulate(model):
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+    return norms, _full(acc, model)
+
+
+def check_micro_step_norms_fsdp2_equal_ddp():
+    """Each process gets the norm of the gradients it accumulated so far, as under DDP; the sync
+    steps (clipped at 0.5) train the same weights."""
+    ddp, ddp_weights = _micro_norms("ddp")
+    fsdp, fsdp_weights = _micro_norms("fsdp2")
+    assert all(n > 0 for n in fsdp), fsdp
+    assert all(abs(a - b) <= 1e-6 * max(1.0, b) for a, b in zip(fsdp, ddp)), (fsdp, ddp)
+    worst = max(float((fsdp_weights[k] - ddp_weights[k]).abs().max()) for k in ddp_weights)
+    assert worst < 1e-6, worst
+    return {"fsdp2": fsdp, "ddp": ddp}
+
+
+def check_micro_step_norms_fsdp2_bf16():
+    """bf16 FSDP2 accumulates in fp32 buffers of its own on micro-steps: the norm is read there."""
+    ddp, _ = _micro_norms("ddp", "bf16")
+    fsdp, _ = _micro_norms("fsdp2", "bf16")
+    assert all(n > 0 for n in fsdp), fsdp
+    assert all(abs(a - b) <= 2e-2 * b for a, b in zip(fsdp, ddp)), (fsdp, ddp)
+    return {"fsdp2": fsdp, "ddp": ddp}
+
+
+def check_micro_step_norms_tp_equal_one_process():
+    """Tensor parallelism alone: every process sees the whole batch, so every step's norm (micro-step
+    or not) is the one process's norm of the same accumulated gradients."""
+    tp, _ = _micro_norms("tp")
+    model = _mlp()
+    expected = []
+    for i, (x, y) in enumerate(list(torch.utils.data.DataLoader(_data(), batch_size=2))[:6]):
+        (nn.functional.mse_loss(model(x), y) / 2).backward()
+        grads = [p.grad for p in model.parameters()]
+        expected.append(float(torch.nn.utils.get_total_norm(grads)))
+        if i % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.zero_grad()
+    assert all(abs(a - b) <= 1e-5 * max(1.0, b) for a, b in zip(tp, expected)), (tp, expected)
+    return {"tp": tp, "expected": expected}
+
+
+def check_fsdp2_checkpoint_for_evaluation():
+    """Written here, loaded by the test into one plain process that prepared no dataloader."""
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "fsdp_eval")
+    acc = _accelerator("fsdp2")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    batches = iter(loader)
+    for _ in range(2):
+        _step(acc, model, opt, next(batches))
+    acc.save_state(folder)
+    return {"folder": folder, "weights": {k: v.tolist() for k, v in _full(acc, model).items()}}
+
+
+def check_deepspeed_checkpoint_for_evaluation():
+    """A ZeRO-2 checkpoint, loaded by the test into one plain process that prepared no dataloader."""
+    from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
+
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "ds_eval")
+    reset_state()
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    batches = iter(loader)
+    for _ in range(2):
+        _step(acc, model, opt, next(batches))
+    acc.save_state(folder)
+    weights = {k: v.tolist() for k, v in acc.get_state_dict(model).items()}
+    acc.free_memory()
+    return {"folder": folder, "weights": weights}
