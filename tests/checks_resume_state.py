@@ -133,22 +133,31 @@ def check_adam_before_first_step_tp():
     return _adam_before_first_step("tp")
 
 
-def _micro_norms(kind, mixed_precision="no"):
-    """``clip_grad_norm_`` on every step of 2-step accumulation (the value a user logs each step)."""
-    acc = _accelerator(kind, accum=2, mixed_precision=mixed_precision)
+def _micro_norms(kind, mixed_precision="no", acc=None):
+    """``clip_grad_norm_`` on every step of 2-step accumulation (the value a user logs each step),
+    and for each window's first micro-step what one process computes from the same weights and
+    batch: the norm of that batch's gradient (the loss divided by the 2 steps)."""
+    acc = acc or _accelerator(kind, accum=2, mixed_precision=mixed_precision)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(_data(), batch_size=2)
     model, opt, loader = acc.prepare(model, opt, loader)
-    norms = []
+    norms, own = [], []
     for i, (x, y) in enumerate(loader):
         if i == 6:
             break
+        if i % 2 == 0:
+            plain = _mlp()
+            plain.load_state_dict(_full(acc, model))
+            (nn.functional.mse_loss(plain(x), y) / 2).backward()
+            own.append(float(torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])))
         with acc.accumulate(model):
             acc.backward(nn.functional.mse_loss(model(x), y))
             norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
             opt.step()
             opt.zero_grad()
+    tolerance = 1e-5 if mixed_precision == "no" else 2e-2  # bf16 compute vs the fp32 process
+    assert all(abs(a - b) <= tolerance * max(1.0, b) for a, b in zip(norms[::2], own)), (kind, norms[::2], own)
     return norms, _full(acc, model)
 
 
@@ -226,3 +235,15 @@ def check_deepspeed_checkpoint_for_evaluation():
     weights = {k: v.tolist() for k, v in acc.get_state_dict(model).items()}
     acc.free_memory()
     return {"folder": folder, "weights": weights}
+
+
+def check_micro_step_norms_dp_shard_times_tp():
+    """4 processes, FSDP2 over 2 x tensor parallel over 2: on micro-steps each process's unreduced
+    gradient, whole over its tp pair (checked inside against one process on the same batch)."""
+    if int(os.environ["WORLD_SIZE"]) != 4:
+        return "skipped"
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2, tp_plan=MLP_PLAN),
+                      fsdp_plugin=Plugin(fsdp_version=2), gradient_accumulation_steps=2)
+    norms, _ = _micro_norms("dp_shard x tp", acc=acc)
+    return norms

@@ -41,6 +41,13 @@ def test_tp_micro_step_norms_equal_one_process(two):
     two.assert_passed("check_micro_step_norms_tp_equal_one_process")
 
 
+def test_dp_shard_times_tp_micro_step_norms():
+    four = run_checks("checks_resume_state", world_size=4, only=["check_micro_step_norms_dp_shard_times_tp"])
+    norms = four.assert_passed("check_micro_step_norms_dp_shard_times_tp")
+    assert norms[0][0] == norms[1][0] != norms[2][0] == norms[3][0]  # tp pairs agree, dp ranks differ
+    assert len({n[1] for n in norms}) == 1  # sync steps: the global norm
+
+
 def _plain(with_optimizer=True, loaders=0):
     import checks_tp
 
