@@ -48,7 +48,7 @@ def test_dp_shard_times_tp_micro_step_norms():
     assert len({n[1] for n in norms}) == 1  # sync steps: the global norm
 
 
-def _plain(with_optimizer=True, loaders=0):
+def _plain(with_optimizer=True, loaders=0, optimizer=torch.optim.AdamW):
     import checks_tp
 
     from hasten import Accelerator
@@ -57,7 +57,7 @@ def _plain(with_optimizer=True, loaders=0):
     model = checks_tp._mlp()
     objects = [model]
     if with_optimizer:
-        objects.append(torch.optim.AdamW(model.parameters(), lr=0.01))
+        objects.append(optimizer(model.parameters(), lr=0.01))
     for _ in range(loaders):
         objects.append(torch.utils.data.DataLoader(checks_tp._data(), batch_size=2, shuffle=True))
     prepared = acc.prepare(*objects)
@@ -85,7 +85,7 @@ def test_sharded_checkpoint_loads_for_evaluation_in_one_plain_process(two, fresh
 def test_deepspeed_checkpoint_loads_for_evaluation_in_one_plain_process(two, fresh_state):
     pytest.importorskip("deepspeed")
     saved = two.assert_passed("check_deepspeed_checkpoint_for_evaluation")[0]
-    acc, (model, _) = _plain()
+    acc, (model, _) = _plain(optimizer=torch.optim.SGD)
     messages = _caught(lambda: acc.load_state(saved["folder"]))
     got = model.state_dict()
     assert all(torch.equal(got[k], torch.tensor(v)) for k, v in saved["weights"].items())
