@@ -217,24 +217,36 @@ def check_fsdp2_checkpoint_for_evaluation():
     return {"folder": folder, "weights": {k: v.tolist() for k, v in _full(acc, model).items()}}
 
 
-def check_deepspeed_checkpoint_for_evaluation():
-    """A ZeRO-2 checkpoint, loaded by the test into one plain process that prepared no dataloader."""
+def _deepspeed_checkpoint(stage):
+    """A ZeRO checkpoint of SGD + StepLR after 2 steps, for the test to load into one plain process
+    that prepared no dataloader: its weights, and the lr the scheduler had set."""
     from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
 
-    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "ds_eval")
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], f"ds_eval_{stage}")
     reset_state()
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage))
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
     loader = torch.utils.data.DataLoader(_data(), batch_size=2, shuffle=True)
-    model, opt, loader = acc.prepare(model, opt, loader)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
     batches = iter(loader)
     for _ in range(2):
         _step(acc, model, opt, next(batches))
+        sched.step()
     acc.save_state(folder)
     weights = {k: v.tolist() for k, v in acc.get_state_dict(model).items()}
+    lr = opt.param_groups[0]["lr"]
     acc.free_memory()
-    return {"folder": folder, "weights": weights}
+    return {"folder": folder, "weights": weights, "lr": lr}
+
+
+def check_deepspeed_checkpoint_for_evaluation():
+    return _deepspeed_checkpoint(2)
+
+
+def check_deepspeed_zero3_checkpoint_for_evaluation():
+    return _deepspeed_checkpoint(3)
 
 
 def check_micro_step_norms_dp_shard_times_tp():

@@ -82,15 +82,28 @@ def test_sharded_checkpoint_loads_for_evaluation_in_one_plain_process(two, fresh
     assert any("dataloader 0" in m and "not restored" in m for m in messages), messages
 
 
-def test_deepspeed_checkpoint_loads_for_evaluation_in_one_plain_process(two, fresh_state):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpoint_loads_for_evaluation_in_one_plain_process(two, fresh_state, stage):
+    """ZeRO on 2 processes -> one plain process with model, optimizer and scheduler: the consolidated
+    weights, fresh moments, and the learning rate the scheduler had set (not the constructor's)."""
     pytest.importorskip("deepspeed")
-    saved = two.assert_passed("check_deepspeed_checkpoint_for_evaluation")[0]
-    acc, (model, _) = _plain(optimizer=torch.optim.SGD)
+    from hasten import Accelerator
+
+    name = "check_deepspeed_checkpoint_for_evaluation" if stage == 2 else "check_deepspeed_zero3_checkpoint_for_evaluation"
+    saved = two.assert_passed(name)[0]
+    import checks_tp
+
+    acc = Accelerator()
+    model = checks_tp._mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    model, opt, sched = acc.prepare(model, opt, sched)
     messages = _caught(lambda: acc.load_state(saved["folder"]))
     got = model.state_dict()
     assert all(torch.equal(got[k], torch.tensor(v)) for k, v in saved["weights"].items())
     assert any("optimizers start fresh" in m for m in messages), messages
     assert any("dataloader 0" in m and "not restored" in m for m in messages), messages
+    assert opt.param_groups[0]["lr"] == saved["lr"] == sched.get_last_lr()[0] < 0.1
 
 
 def test_dataloaders_the_run_has_are_restored_and_the_rest_named_once(tmp_path, fresh_state):
