@@ -41,6 +41,11 @@ def test_tp_micro_step_norms_equal_one_process(two):
     two.assert_passed("check_micro_step_norms_tp_equal_one_process")
 
 
+def test_deepspeed_micro_step_norms(two):
+    pytest.importorskip("deepspeed")
+    two.assert_passed("check_micro_step_norms_deepspeed")
+
+
 def test_dp_shard_times_tp_micro_step_norms():
     four = run_checks("checks_resume_state", world_size=4, only=["check_micro_step_norms_dp_shard_times_tp"])
     norms = four.assert_passed("check_micro_step_norms_dp_shard_times_tp")
