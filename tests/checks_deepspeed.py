@@ -384,11 +384,13 @@ def check_resume_on_other_world_size():
 
 
 def _one_sgd_step(acc, model, opt, x, y):
-    """One plain SGD step (lr 0.1, fresh optimizer) from the model's current weights: what a run must produce."""
+    """One plain SGD step (fresh optimizer, the saved lr 0.01) from the model's current weights: what a run must
+    produce."""
+    assert opt.param_groups[0]["lr"] == 0.01, opt.param_groups[0]["lr"]  # the saved lr, not the constructor's 0.1
     start = {k: v.clone().requires_grad_(True) for k, v in acc.get_state_dict(model).items()}
     out = torch.func.functional_call(_model(), start, (x,))
     grads = torch.autograd.grad(nn.functional.mse_loss(out, y), list(start.values()))
-    expected = {k: (v - 0.1 * g).detach() for (k, v), g in zip(start.items(), grads)}
+    expected = {k: (v - 0.01 * g).detach() for (k, v), g in zip(start.items(), grads)}
     acc.backward(nn.functional.mse_loss(model(x), y))
     opt.step()
     opt.zero_grad()

@@ -439,8 +439,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         """Unscale (once) and clip gradients; returns the total norm before clipping.
 
         On accumulation micro-steps nothing is clipped or unscaled: the result is the norm of the
-        gradients accumulated so far (divided by the fp16 loss scale), so ``norm.item()`` can be
-        logged on every step.
+        gradients this process accumulated so far, not yet reduced across processes (divided by the
+        fp16 loss scale; the same under DDP and FSDP2), so ``norm.item()`` can be logged on every step.
         """
         if not self._clip_allowed("clip_grad_norm_"):
             norm = self.strategy.grad_norm(parameters, norm_type=norm_type)

@@ -132,6 +132,7 @@ class DeepSpeedCheckpoint:
                 return [str(e)]
         self.native = self._native(contents)
         self.weights: list[dict[str, torch.Tensor]] = []
+        self.groups: list[Optional[list[dict[str, Any]]]] = []  # per engine: its optimizer's hyperparameters
         problems = []
         for i, (entry, module) in enumerate(zip(contents["models"], inner)):
             label = f"model {i} ({type(module).__name__}, saved by ZeRO stage {entry.get('zero_stage')} on " \
@@ -147,6 +148,7 @@ class DeepSpeedCheckpoint:
             elif not self.native and not problems:
                 try:
                     weights = consolidated_weights(path)
+                    groups = saved_hyperparameters(path)
                 except ValueError as e:
                     problems.append(f"{label}: {e}")
                     continue
@@ -154,20 +156,52 @@ class DeepSpeedCheckpoint:
                 if missing:
                     problems.append(f"{label}: the consolidated weights lack {', '.join(missing[:8])}")
                 self.weights.append(weights)
+                self.groups.append(groups)
+        if not self.native and not problems:
+            problems.extend(self._check_groups(inner, optimizers))
+        return problems
+
+    def _owned(self, inner: list[nn.Module], optimizers: list[Any]) -> list[tuple[Any, Optional[list[dict]]]]:
+        """(optimizer, the saved hyperparameters of the engine of its model) for each live optimizer."""
+        out = []
+        for i, opt in enumerate(optimizers):
+            inner_opt = getattr(opt, "optimizer", opt)
+            held = {id(p) for g in inner_opt.param_groups for p in g["params"]}
+            index = next((m for m, module in enumerate(inner) if any(id(p) in held for p in module.parameters())
+                          or getattr(self._engine(module), "optimizer", None) is inner_opt), i)
+            out.append((inner_opt, self.groups[index] if index < len(self.groups) else None))
+        return out
+
+    def _engine(self, module: nn.Module) -> Any:
+        engine_of = getattr(self.strategy, "engine_of", None)
+        return engine_of(module) if engine_of is not None else None
+
+    def _check_groups(self, inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
+        problems = []
+        for i, (opt, groups) in enumerate(self._owned(inner, optimizers)):
+            if groups is not None and len(groups) != len(opt.param_groups):
+                problems.append(f"optimizer {i}: {len(groups)} parameter groups saved, {len(opt.param_groups)} in "
+                                "this run")
         return problems
 
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
         if not self.native:
             for module, weights in zip(inner, self.weights):
                 self.strategy.load_model_state_dict(module, weights, strict=False)
+            for opt, groups in self._owned(inner, optimizers):
+                for live, stored in zip(opt.param_groups, groups or []):
+                    # The learning rate a scheduler set goes with the scheduler's state. Keys this run's
+                    # optimizer lacks, and how a step runs on the writer's machine (fused, foreach...), stay.
+                    live.update({k: v for k, v in stored.items() if k in live and k not in _HOW_TO_STEP})
             entry = contents["models"][0] if contents["models"] else {}
             warnings.warn(
                 f"load_state: the DeepSpeed checkpoint was written by ZeRO stage {entry.get('zero_stage')} on "
                 f"{entry.get('world_size')} processes and this run is {self._this_run()}: the consolidated fp32 "
                 "weights were loaded, the optimizer state (moments, step counts, fp16 loss scale) was not restored "
-                "and the optimizers start fresh; schedulers, data positions, RNG and registered objects were restored",
+                "and the optimizers start fresh (with the saved hyperparameters, learning rate included); "
+                "schedulers, data positions, RNG and registered objects were restored",
                 stacklevel=4)
-            self.weights = []
+            self.weights, self.groups = [], []
             return
         path = os.path.join(folder, SUBDIR)
         for i, engine in enumerate(self._engines(inner)):
@@ -229,6 +263,31 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
                          f"{lines[0] if lines else 'no message'}); it is incomplete or damaged") from None
     return {k: v.detach() for k, v in state.items()}
+
+
+_HOW_TO_STEP = ("foreach", "fused", "capturable", "differentiable")
+
+
+def saved_hyperparameters(path: str) -> Optional[list[dict[str, Any]]]:
+    """The hyperparameters of each parameter group (learning rate, momentum, ...) of the optimizer in
+    the engine checkpoint folder ``path``, from process 0's files; None when they hold no optimizer."""
+    optim = sorted(glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")))
+    model = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
+    noise = io.StringIO()
+    try:
+        with _weights_only_reads(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+            if optim:  # ZeRO 1/2 (and bf16): "base_optimizer_state"; ZeRO 3: "optimizer_state_dict"
+                wrapper = torch.load(optim[0], map_location="cpu", weights_only=True).get("optimizer_state_dict") or {}
+                base = wrapper.get("base_optimizer_state") or wrapper.get("optimizer_state_dict")
+            else:  # no ZeRO: the torch optimizer's state dict beside the module
+                base = torch.load(model[0], map_location="cpu", weights_only=True).get("optimizer") if model else None
+    except Exception as e:  # noqa: BLE001 - truncated files, foreign pickles
+        raise ValueError(f"cannot read the optimizer hyperparameters of the DeepSpeed checkpoint {path!r} "
+                         f"({type(e).__name__}); it is incomplete or damaged") from None
+    groups = base.get("param_groups") if isinstance(base, dict) else None
+    if not isinstance(groups, list):
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups if isinstance(g, dict)]
 
 
 def _stage0_weights(path: str) -> dict[str, torch.Tensor]:

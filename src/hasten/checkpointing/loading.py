@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..saving import CheckpointMismatchError
+from ..state import warn_once
 from . import backends, layout, restorer, resume, rng, saver
 from .fileio import CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
@@ -169,6 +170,9 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     for dl, state in zip(acc._dataloaders, loaded["dataloaders"]):
         if hasattr(dl, "load_state_dict"):
             dl.load_state_dict(restorer.detach_state(state))
+    unrestored = restorer.dataloader_note(folder, manifest, acc)
+    if unrestored is not None:  # once per checkpoint: a script evaluating it again is told once
+        warn_once(unrestored)
     custom = [restorer.detach_state(s) for s in loaded["custom"]]
     for obj, state in zip(acc._custom_objects, custom):
         obj.load_state_dict(state)

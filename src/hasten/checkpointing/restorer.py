@@ -92,26 +92,45 @@ def _unpickle(reader: Reader, name: str, allow_pickle: bool) -> Any:
 
 # -- checks (read only) ---------------------------------------------------------------------------------
 def check_counts(manifest: dict[str, Any], accelerator: Any) -> list[str]:
-    """Objects of the checkpoint vs the live ones (models are checked after the load hooks)."""
+    """Objects of the checkpoint vs the live ones (models are checked after the load hooks).
+    Dataloaders are not compared: a run loads the positions of those it has (``dataloader_note``)."""
     contents = manifest["contents"]
     problems = []
     live = {"optimizers": accelerator._optimizers, "schedulers": accelerator._schedulers,
-            "dataloaders": accelerator._dataloaders, "custom_objects": accelerator._custom_objects}
+            "custom_objects": accelerator._custom_objects}
     what = {"optimizers": "prepared optimizers", "schedulers": "prepared schedulers",
-            "dataloaders": "prepared dataloaders", "custom_objects": "objects given to register_for_checkpointing"}
+            "custom_objects": "objects given to register_for_checkpointing"}
     for key, objects in live.items():
         saved = contents[key]
         if len(saved) != len(objects):
             problems.append(f"it holds {len(saved)} {what[key]} but this run has {len(objects)}")
             continue
         for i, (entry, obj) in enumerate(zip(saved, objects)):
-            if "class" in entry and key != "dataloaders":
+            if "class" in entry:
                 from .saver import class_name
 
                 if entry["class"] != class_name(obj):
                     problems.append(f"{key[:-1].replace('_', ' ')} {i} was a {entry['class']}, this run has a "
                                     f"{class_name(obj)}")
     return problems
+
+
+def dataloader_note(folder: str, manifest: dict[str, Any], accelerator: Any) -> Optional[str]:
+    """What ``load_state`` says when the run prepared another number of dataloaders than the
+    checkpoint in ``folder`` holds positions for (a run that loads to evaluate often prepares none):
+    the first ones are restored, the rest named."""
+    saved, live = len(manifest["contents"]["dataloaders"]), len(accelerator._dataloaders)
+    if saved == live:
+        return None
+    first, last = min(saved, live), max(saved, live)
+    one = last - first == 1
+    which = f"dataloader {first}" if one else \
+        f"dataloaders {', '.join(str(i) for i in range(first, last - 1))} and {last - 1}"
+    if saved > live:
+        return (f"load_state: {folder!r} holds the positions of {saved} prepared dataloaders and this run prepared "
+                f"{live}; the position{'' if one else 's'} of {which} {'was' if one else 'were'} not restored")
+    return (f"load_state: this run prepared {live} dataloaders and {folder!r} holds the positions of {saved}; "
+            f"{which} {'was' if one else 'were'} not restored and start{'s' if one else ''} at the beginning")
 
 
 def check_model(view: SafetensorsView, model: torch.nn.Module, index: int) -> list[str]:

@@ -32,8 +32,29 @@ def _owner(models: list[nn.Module], optimizer: Any) -> nn.Module:
                      "checkpoint stores optimizer state by parameter name, so prepare its model too")
 
 
+def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter names. One without state (plain SGD, any optimizer
+    before its first step) is stored as its parameter groups alone: DCP's helper would first give it
+    a state by taking a zero step (Adam would then resume at step 1)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if optimizer.state:
+        return get_optimizer_state_dict(model, optimizer)
+    names = _names(model)
+    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[names[id(p)] for p in g["params"]])
+              for g in optimizer.param_groups]
+    return {"state": {}, "param_groups": groups}
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name.replace("_checkpoint_wrapped_module.", ""))
+    return names
+
+
 def _targets(models: list[nn.Module], optimizers: list[Any], with_optimizers: list[bool]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
@@ -41,15 +62,14 @@ def _targets(models: list[nn.Module], optimizers: list[Any], with_optimizers: li
     for i, (opt, wanted) in enumerate(zip(optimizers, with_optimizers)):
         if wanted:
             inner = getattr(opt, "optimizer", opt)
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(_owner(models, inner), inner)
+            state[f"optimizer_{i}"] = _optimizer_state(_owner(models, inner), inner)
     return state
 
 
 def entries(models: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict], list[bool]]:
-    """Manifest entries of the models, and which optimizers have state to store."""
-    # An optimizer without state yet would be given one by DCP's state-dict helper (a zero step): skip it.
-    with_state = [bool(getattr(opt, "optimizer", opt).state) for opt in optimizers]
-    return [{"dcp": f"model_{i}"} for i in range(len(models))], with_state
+    """Manifest entries of the models, and which optimizers to store (all: at least their
+    parameter groups, so a learning rate set by a scheduler survives a resume)."""
+    return [{"dcp": f"model_{i}"} for i in range(len(models))], [True] * len(optimizers)
 
 
 def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state: list[bool], group: Any = None) -> None:
@@ -155,7 +175,12 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
         entry = contents["optimizers"][i]
         if not entry.get("dcp"):
             continue
-        names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in _owner(models, getattr(opt, "optimizer", opt)).named_parameters()}
+        inner = getattr(opt, "optimizer", opt)
+        groups = _saved_groups(saved, entry["dcp"])[1]
+        if len(groups) != len(inner.param_groups):
+            problems.append(f"optimizer {i}: {len(groups)} parameter groups saved, {len(inner.param_groups)} in "
+                            "this run")
+        names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in _owner(models, inner).named_parameters()}
         prefix = f"{entry['dcp']}.state."
         for key, meta in saved.items():
             if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata) or len(meta.size) == 0:
@@ -174,17 +199,52 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
          group: Any = None) -> None:
     """Read the shards into the live models and optimizers (after ``check`` passed everywhere)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
-    with_state = [bool(e.get("dcp")) for e in contents["optimizers"]]
-    state = _targets(models, optimizers, with_state)
+    saved = _metadata(folder).state_dict_metadata
+    state = _targets(models, [], [])
+    stateless = set()
+    for entry, opt in zip(contents["optimizers"], optimizers):
+        name = entry.get("dcp")  # None: written before parameter groups were always stored
+        if not name:
+            continue
+        inner = getattr(opt, "optimizer", opt)
+        has_state, groups = _saved_groups(saved, name)
+        if has_state:
+            state[name] = get_optimizer_state_dict(_owner(models, inner), inner)
+        else:  # only hyperparameters were stored: read them as they were saved
+            state[name] = {"param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
+            stateless.add(name)
     dcp.load(state, storage_reader=_dcp_reader(folder), process_group=group)
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
-    for i, opt in enumerate(optimizers):
-        if with_state[i]:
-            inner = getattr(opt, "optimizer", opt)
-            set_optimizer_state_dict(_owner(models, inner), inner, state[f"optimizer_{i}"])
+    for entry, opt in zip(contents["optimizers"], optimizers):
+        name = entry.get("dcp")
+        inner = getattr(opt, "optimizer", opt)
+        if name in stateless:
+            _load_groups(inner, state[name]["param_groups"])
+        elif name:
+            set_optimizer_state_dict(_owner(models, inner), inner, state[name])
+
+
+def _saved_groups(saved: dict[str, Any], name: str) -> tuple[bool, dict[int, list[str]]]:
+    """Whether optimizer ``name`` was stored with state, and the keys of each of its parameter groups."""
+    state_prefix, group_prefix = f"{name}.state.", f"{name}.param_groups."
+    groups: dict[int, list[str]] = {}
+    for key in saved:
+        if key.startswith(group_prefix):
+            index, _, field = key[len(group_prefix):].partition(".")
+            groups.setdefault(int(index), []).append(field)
+    return any(key.startswith(state_prefix) for key in saved), groups
+
+
+def _load_groups(optimizer: Any, groups: list[dict[str, Any]]) -> None:
+    """What ``Optimizer.load_state_dict`` does with a state dict without state: the saved
+    hyperparameters, the live parameters, and no state left from before."""
+    for live, stored in zip(optimizer.param_groups, groups):
+        live.update({k: v for k, v in stored.items() if k != "params"})
+    optimizer.state.clear()
 
 
 def refuse(blocking: bool, mid_window: bool) -> None:

@@ -254,6 +254,20 @@ class DeepSpeedStrategy(Strategy):
         norm = engine.get_global_grad_norm()
         return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
 
+    def grad_norm(self, parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+        """On an accumulation micro-step: the norm of the ``.grad`` the parameters hold. ZeRO-2/3
+        reduce and partition each micro-step's gradients in backward (no ``.grad`` is left), so
+        there it is 0.0 and a warning says so once."""
+        stage = self.plugin.zero_stage_value
+        if stage is not None and stage >= 2:
+            from ..state import warn_once
+
+            warn_once(f"clip_grad_norm_ on an accumulation micro-step under DeepSpeed ZeRO-{stage} returns 0.0: ZeRO-2/3 "
+                      "reduce and partition the gradients in backward, so this process's accumulated gradients are not "
+                      "held anywhere; the norm is known at the sync step (guard the call with "
+                      "`if accelerator.sync_gradients:`)")
+        return super().grad_norm(parameters, norm_type)
+
     def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
         raise ValueError("clip_grad_value_ is not available under DeepSpeed (it clips by norm inside its step); use "
                          "clip_grad_norm_ with gradient_clipping set in the DeepSpeed config")

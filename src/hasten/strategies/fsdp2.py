@@ -67,6 +67,7 @@ class FSDP2Strategy(Strategy):
         self._fp8_replaced: dict[int, nn.Parameter] = {}  # id(float8 weight wrapper) -> the parameter it replaced
         self._fp8_models: list[weakref.ref] = []  # models whose weights FSDP2 all-gathers in float8
         self._fp8_hooks: list[Any] = []  # optimizer step hooks that precompute their float8 scales
+        self._sharded_models: list[weakref.ref] = []  # models fully_shard changed (their micro-step gradients)
         super().__init__(state, **options)
 
     # -- layout and precision -------------------------------------------------------------------
@@ -181,6 +182,7 @@ class FSDP2Strategy(Strategy):
 
             kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=torch.float32)
         fully_shard(model, **kwargs)
+        self._sharded_models.append(weakref.ref(model))
 
     def _user_policy(self) -> bool:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -255,6 +257,7 @@ class FSDP2Strategy(Strategy):
             handle.remove()
         self._fp8_hooks.clear()
         self._fp8_models.clear()
+        self._sharded_models.clear()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point ``optimizer`` at the sharded parameters that replaced the ones it was built on."""
@@ -335,6 +338,16 @@ class FSDP2Strategy(Strategy):
     def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_global_norm_(parameters, max_norm, norm_type)
 
+    def grad_norm(self, parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the gradients this process accumulated so far, not yet reduced: what DDP's
+        ``.grad`` hold on an accumulation micro-step. FSDP2 keeps them unsharded beside each
+        parameter until the sync step (the sharded ``.grad`` is still None); tensor-parallel
+        shards are added up over their ``tp`` processes. Changes nothing."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        pending = _unreduced_grads([ref() for ref in self._sharded_models if ref() is not None])
+        grads = [pending.get(id(p), p.grad) for p in params]
+        return local_norm([g for g in grads if g is not None], norm_type)
+
     def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         for p in params:
@@ -400,6 +413,63 @@ def clip_global_norm_(parameters: Params, max_norm: float, norm_type: float = 2.
         local = _local(g)
         local.mul_(coef.to(local.device, local.dtype))
     return total
+
+
+def _unreduced_grads(models: list[nn.Module]) -> dict[int, torch.Tensor]:
+    """id(sharded parameter) -> the unsharded gradient FSDP2 accumulated for it without reducing
+    (``set_requires_gradient_sync(False)``), for the parameters that have one. FSDP2 offers no public
+    way to read them, so this looks at its parameter groups (``FSDPParam``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[int, torch.Tensor] = {}
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            try:
+                group = module._get_fsdp_state()._fsdp_param_group
+                fsdp_params = group.fsdp_params if group is not None else []
+                for fp in fsdp_params:
+                    # bf16/fp16 compute: accumulated in the reduce dtype beside the parameter; else in its .grad.
+                    grad = fp.unsharded_accumulated_grad
+                    if grad is None and hasattr(fp, "_unsharded_param"):
+                        grad = fp._unsharded_param.grad
+                    if grad is not None:
+                        out[id(fp.sharded_param)] = grad
+            except AttributeError as e:
+                raise RuntimeError(f"clip_grad_norm_ on an accumulation micro-step cannot read FSDP2's accumulated "
+                                   f"gradients with torch {torch.__version__} ({e}); call it where "
+                                   "accelerator.sync_gradients is True") from None
+    return out
+
+
+def local_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of ``grads`` as this process holds them: plain tensors as they are, DTensors whole
+    over the mesh dimensions they are sharded on (one all-reduce per mesh and dimension; replicated
+    and partial dimensions are this process's own values)."""
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    parts: dict[tuple, torch.Tensor] = {}  # (mesh, sharded dims) -> this process's sum (or max)
+    for g in grads:
+        local = _local(g).detach()
+        spec = getattr(g, "_spec", None)
+        key = (None, ()) if spec is None else \
+            (spec.mesh, tuple(d for d, p in enumerate(spec.placements) if p.is_shard()))
+        if inf:
+            value = local.abs().max().double() if local.numel() else torch.zeros((), dtype=torch.float64, device=device)
+        else:
+            value = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
+        parts[key] = torch.maximum(parts[key], value) if inf and key in parts else parts.get(key, 0) + value
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (mesh, dims), value in parts.items():
+        value = value.to(device)
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, value) if inf else total + value
+    return (total if inf else total ** (1.0 / norm_type)).float()
 
 
 def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
