@@ -50,11 +50,13 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            first = next((line for line in str(e).splitlines() if line.strip()), "")
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            why = next((line for line in lines if "WeightsUnpickler error" in line), lines[-1] if lines else "")
+            why = why.split(". Please")[0]  # torch's advice (allow the global process-wide) does not apply here
             raise unpickling.ForbiddenPickle(
                 f"the checkpoint value {read_item.dest_index.fqn!r} holds more than tensors and plain Python values, "
                 f"which a checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and "
-                f"nothing in it ran ({first.strip()})") from None
+                f"nothing in it ran ({why})") from None
         # The parent stores the value where it belongs; it is given a pickle of what was just read safely.
         safe = io.BytesIO()
         torch.save(loaded, safe)
