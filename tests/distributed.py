@@ -75,6 +75,23 @@ def tamper(folder: str, name: str, data: bytes) -> None:
         json.dump(manifest, f)
 
 
+def refused_load(acc, folder: str, marker: str) -> str:
+    """``acc.load_state(folder)`` of a checkpoint tampered with ``evil_pickle(marker)``: checks, once every
+    process tried, that it raised ``pickle.UnpicklingError`` and that nothing in the file ran; its message."""
+    import pickle
+
+    try:
+        acc.load_state(folder)
+    except Exception as e:  # noqa: BLE001 - the kind and message are judged below
+        refused = e
+    else:
+        raise AssertionError(f"the tampered checkpoint {folder!r} loaded")
+    acc.wait_for_everyone()
+    assert not os.path.exists(marker), f"the tampered file ran code ({type(refused).__name__}: {refused})"
+    assert isinstance(refused, pickle.UnpicklingError), f"{type(refused).__name__}: {refused}"
+    return str(refused)
+
+
 def mesh_facts(acc) -> dict:
     """What ``acc.torch_device_mesh`` and the rank properties say about this process (for mesh checks)."""
     mesh = acc.torch_device_mesh

@@ -14,6 +14,10 @@ another stage, DDP, one process, FSDP2) loads the consolidated fp32 weights
 (``consolidated_weights``, DeepSpeed's ``zero_to_fp32`` reading the partitions in each process)
 and starts its optimizers fresh, with a warning saying so: ZeRO partitions the optimizer state
 by flat buffers tied to the process count that wrote them.
+
+DeepSpeed unpickles its files with ``weights_only=False``; every process first reads them with
+hasten's allow-list (``refuse_foreign_pickles``), so a replaced file is refused before it can run.
+Each process checksums the files it wrote, for ``load_state(verify="checksum")``.
 """
 
 from __future__ import annotations
