@@ -25,20 +25,21 @@ from typing import Any, Iterable
 
 # Records of torch.distributed.checkpoint's metadata (torch 2.x), and what they hold.
 _DCP = "torch.distributed.checkpoint.metadata"
-DCP_RECORDS = frozenset({
+DCP_GLOBALS = frozenset({
     (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"), (_DCP, "ChunkStorageMetadata"),
     (_DCP, "TensorProperties"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-})
-DCP_GLOBALS = DCP_RECORDS | {
     (_DCP, "_MEM_FORMAT_ENCODING"),  # an Enum, rebuilt from its value
+    # What metadata written by torch 2.0/2.1 names for the tensor properties.
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.serialization", "_get_layout"),  # a layout from its name ("torch.strided")
     ("torch", "Size"),
     # StorageMeta.checkpoint_id: the folder DCP wrote to (pathlib's classes live in pathlib._local on 3.13+).
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
     ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),
     ("pathlib._local", "PurePosixPath"), ("pathlib._local", "PureWindowsPath"),
-}
+})
 
 # What torch.save writes for tensors and parameters (storages are resolved by torch.load itself).
 TENSOR_GLOBALS = frozenset({
