@@ -556,3 +556,36 @@ def _fp16_overflow(stage):
         seen.append((acc.optimizer_step_was_skipped, unchanged, sched.get_last_lr()[0] == lr))
     assert seen == [(False, False, False), (True, True, True), (False, False, False)], (stage, seen)
     return seen
+
+
+def check_tampered_engine_checkpoint_runs_nothing():
+    """A ZeRO-2 checkpoint whose model states file was replaced by a pickle that opens a file, resumed by the
+    layout that wrote it (DeepSpeed's own loader): every process refuses it, naming the file and the global,
+    before anything in it runs and before anything changes. The untampered copy still resumes."""
+    import shutil
+
+    from distributed import evil_pickle, refused_load, tamper
+
+    root = os.environ["HASTEN_TEST_TMP"]
+    folder, evil = os.path.join(root, "untampered"), os.path.join(root, "tampered")
+    marker = os.path.join(root, "created_by_a_pickle")
+    name = os.path.join("deepspeed", "model_0", "mp_rank_00_model_states.pt")
+    acc, model = _trained(2, folder)
+    if acc.is_main_process:
+        shutil.copytree(folder, evil)
+        tamper(evil, name, evil_pickle(marker))
+    acc.wait_for_everyone()
+    acc.free_memory()
+    acc, model = _trained(2, steps=1)
+    before = acc.get_state_dict(model)
+    message = refused_load(acc, evil, marker)
+    assert os.path.join(evil, name) in message and "io.open" in message and "tampered" in message, message
+    assert "nothing was changed" in message, message
+    after = acc.get_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with open(os.path.join(folder, "manifest.json")) as f:
+        files = json.load(f)["files"]
+    engine_files = {n: info["checksum"] for n, info in files.items() if n.startswith("deepspeed")}
+    assert len(engine_files) >= 3 and all(engine_files.values()), engine_files  # checksummed by their writers
+    acc.load_state(folder, verify="checksum")
+    return message

@@ -181,12 +181,16 @@ def check_bitwise_resume():
     whole = _run(acc, model, opt, _batches(loader), 18, folder, save_at=7)  # mid-epoch (6 steps per epoch)
     final = _full(acc, model)
     acc, model, opt, loader = _setup()
-    reads, read = [], dcp.FileSystemReader.read_metadata
-    dcp.FileSystemReader.read_metadata = lambda self, *a, **k: reads.append(1) or read(self, *a, **k)
+    from hasten.checkpointing import unpickling
+
+    # DCP's own reader (pickle.load) is never used; the allow-list reader once, for the check and the load.
+    reads, pickled, read, read_pickled = [], [], unpickling.dcp_metadata, dcp.FileSystemReader.read_metadata
+    unpickling.dcp_metadata = lambda path: reads.append(1) or read(path)
+    dcp.FileSystemReader.read_metadata = lambda self, *a, **k: pickled.append(1) or read_pickled(self, *a, **k)
     try:
         acc.load_state(folder)
     finally:
-        dcp.FileSystemReader.read_metadata = read
+        unpickling.dcp_metadata, dcp.FileSystemReader.read_metadata = read, read_pickled
     at_save = {k: v.tolist() for k, v in _full(acc, model).items()}
     rest = _run(acc, model, opt, _batches(loader), 11)
     again = _full(acc, model)
@@ -196,7 +200,8 @@ def check_bitwise_resume():
 
     with open(os.path.join(folder, "manifest.json")) as f:
         layout = json.load(f)["layout"]
-    return {"layout": layout, "at_save": at_save, "saved_losses": whole[7:], "metadata_reads": len(reads)}
+    return {"layout": layout, "at_save": at_save, "saved_losses": whole[7:], "metadata_reads": len(reads),
+            "pickle_reads": len(pickled)}
 
 
 def check_ddp_checkpoint_into_fsdp():
@@ -545,3 +550,53 @@ def check_cpu_ram_efficient_loading_with_offload():
     written = load_file(os.path.join(folder, "model.safetensors"))
     assert set(written) == set(trained) and all(torch.equal(written[k], trained[k]) for k in trained)
     return sorted(got)
+
+
+def check_tampered_or_damaged_shards_are_refused():
+    """A checkpoint whose ``sharded/.metadata`` was replaced by a pickle that opens a file: every process
+    refuses it, naming the file and the global, before anything in it runs and before anything changes.
+    Sharded files carry checksums, so ``verify="checksum"`` finds a flipped byte in a shard; the real
+    checkpoints (blocking and background saves) still load that way."""
+    import json
+    import shutil
+
+    from distributed import evil_pickle, refused_load, tamper
+    from hasten.checkpointing.fileio import CheckpointCorruptError
+
+    root = os.environ["FSDP_TMP"]
+    source = os.path.join(root, "resume")  # written by check_bitwise_resume
+    evil, flipped = os.path.join(root, "evil"), os.path.join(root, "flipped")
+    marker = os.path.join(root, "created_by_a_pickle")
+    acc, model, opt, loader = _setup()
+    if acc.is_main_process:
+        shutil.copytree(source, evil)
+        tamper(evil, "sharded/.metadata", evil_pickle(marker))
+        shutil.copytree(source, flipped)
+        with open(os.path.join(flipped, "sharded", "__1_0.distcp"), "r+b") as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    acc.wait_for_everyone()
+    before = _full(acc, model)
+    message = refused_load(acc, evil, marker)
+    assert os.path.join("evil", "sharded", ".metadata") in message and "io.open" in message, message
+    assert "tampered" in message and "nothing was changed" in message, message
+    assert all(torch.equal(before[k], v) for k, v in _full(acc, model).items())
+
+    with open(os.path.join(source, "manifest.json")) as f:
+        files = json.load(f)["files"]
+    shards = {n: info["checksum"] for n, info in files.items() if n.startswith("sharded/")}
+    assert sorted(shards) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"], shards
+    assert all(shards.values()), shards
+    try:
+        acc.load_state(flipped, verify="checksum")
+    except CheckpointCorruptError as e:
+        corrupt = str(e)
+    else:
+        raise AssertionError("a shard with a flipped byte passed verify='checksum'")
+    assert "__1_0.distcp" in corrupt and "checksum" in corrupt, corrupt
+    for folder in (source, os.path.join(root, "background0")):
+        acc, model, opt, loader = _setup()
+        acc.load_state(folder, verify="checksum")
+    return {"refused": message, "corrupt": corrupt}

@@ -56,6 +56,47 @@ def one_process_checkpoint(folder: str, model, features: int) -> tuple[str, dict
     return folder, expected
 
 
+def evil_pickle(marker: str) -> bytes:
+    """A pickle that creates the file ``marker`` when it is loaded: what a tampered checkpoint file can do."""
+    import pickle
+
+    class Opens:
+        def __reduce__(self):
+            return open, (marker, "w")
+
+    return pickle.dumps(Opens(), protocol=4)  # refers to the global io.open
+
+
+def tamper(folder: str, name: str, data: bytes) -> None:
+    """Replace the file ``name`` of the checkpoint ``folder`` with ``data`` and record its new size in the
+    manifest, as somebody who edits a checkpoint would (a size check alone would notice otherwise)."""
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+    path = os.path.join(folder, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"][name].update(size=len(data), checksum=None)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def refused_load(acc, folder: str, marker: str) -> str:
+    """``acc.load_state(folder)`` of a checkpoint tampered with ``evil_pickle(marker)``: checks, once every
+    process tried, that it raised ``pickle.UnpicklingError`` and that nothing in the file ran; its message."""
+    import pickle
+
+    try:
+        acc.load_state(folder)
+    except Exception as e:  # noqa: BLE001 - the kind and message are judged below
+        refused = e
+    else:
+        raise AssertionError(f"the tampered checkpoint {folder!r} loaded")
+    acc.wait_for_everyone()
+    assert not os.path.exists(marker), f"the tampered file ran code ({type(refused).__name__}: {refused})"
+    assert isinstance(refused, pickle.UnpicklingError), f"{type(refused).__name__}: {refused}"
+    return str(refused)
+
+
 def mesh_facts(acc) -> dict:
     """What ``acc.torch_device_mesh`` and the rank properties say about this process (for mesh checks)."""
     mesh = acc.torch_device_mesh

@@ -146,6 +146,66 @@ def test_merge_weights_zero_bad_inputs(two, tmp_path, capsys):
     assert os.listdir(tmp_path / "o") == ["model.safetensors"]
 
 
+def test_tampered_engine_checkpoint_runs_nothing(two):
+    """Issue #18 item 9: DeepSpeed's own resume reads no pickle that hasten's allow-list refuses."""
+    values = two.assert_passed("check_tampered_engine_checkpoint_runs_nothing")
+    assert values[0] == values[1]
+
+
+def test_merge_weights_refuses_a_tampered_partition(two, tmp_path, capsys):
+    from distributed import evil_pickle
+    from test_cli import one_line_error
+
+    root = two.assert_passed("check_zero_checkpoints_for_merge_weights")[0]
+    evil, marker = tmp_path / "evil", tmp_path / "created_by_a_pickle"
+    shutil.copytree(os.path.join(root, "zero2", "deepspeed", "model_0"), evil)
+    (evil / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(evil_pickle(str(marker)))
+    err = one_line_error(capsys, ["merge-weights", str(evil), str(tmp_path / "o")])
+    assert not marker.exists(), err
+    assert str(evil / "zero_pp_rank_1_mp_rank_00_optim_states.pt") in err and "io.open" in err, err
+    assert "tampered" in err and not (tmp_path / "o").exists(), err
+
+
+def test_consolidating_flips_no_process_wide_setting(two):
+    """Issue #18 item 11: while weights are consolidated, another thread's torch.load(weights_only=False)
+    of a pickle that holds more than tensors works (no process-wide weights-only switch, no allow-list
+    change)."""
+    import fractions
+    import io
+    import threading
+
+    import torch
+
+    from hasten.checkpointing.deepspeed_state import consolidated_weights
+
+    root = two.assert_passed("check_zero_checkpoints_for_merge_weights")[0]
+    buffer = io.BytesIO()
+    torch.save({"ratio": fractions.Fraction(1, 3)}, buffer)
+    allowed_before = list(torch.serialization.get_safe_globals())
+    stop, loads, failures = threading.Event(), [0], []
+
+    def other_thread():
+        while not stop.is_set():
+            try:
+                assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)["ratio"] == fractions.Fraction(1, 3)
+                loads[0] += 1
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{type(e).__name__}: {str(e)[:200]}")
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        for stage in (1, 2, 3, 0):
+            for _ in range(3):
+                consolidated_weights(os.path.join(root, f"zero{stage}", "deepspeed", "model_0"))
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures[:3]
+    assert loads[0] > 0 and torch.serialization.get_safe_globals() == allowed_before
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
 def test_zero3_fp32_holds_each_partition_once(two):
     two.assert_passed("check_zero3_fp32_keeps_one_copy_of_partitions")
 

@@ -50,6 +50,7 @@ def test_bitwise_resume_and_manifest_layout(two):
     assert r["layout"] == {"strategy": "FSDP2Strategy", "state_dict": "dcp",
                            "mesh": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
     assert r["metadata_reads"] == 1  # checked, then loaded, from one read of DCP's .metadata
+    assert r["pickle_reads"] == 0  # with hasten's allow-list, never with DCP's pickle.load
 
 
 def test_ddp_checkpoint_loads_into_fsdp(two):
@@ -174,3 +175,9 @@ def test_plugin_bad_values_are_named(kwargs, named):
     with pytest.raises(ValueError) as info:
         FullyShardedDataParallelPlugin(**kwargs)
     assert named in str(info.value)
+
+
+def test_tampered_metadata_runs_nothing_and_shards_are_checksummed(two):
+    """Issue #18 item 1: DCP's .metadata is read with an allow-list, sharded files carry checksums."""
+    values = two.assert_passed("check_tampered_or_damaged_shards_are_refused")
+    assert values[0]["refused"] == values[1]["refused"]  # one message, raised on every process

@@ -181,6 +181,23 @@ def test_damaged_checkpoints_are_refused(sharded, tmp_path, capsys):
     assert "is incomplete: missing files: sharded/__0_0.distcp" in err
 
 
+def test_tampered_metadata_is_refused_before_it_runs(sharded, tmp_path, capsys):
+    """Issue #18 item 1: a .metadata replaced by a pickle that opens a file is refused (one line, exit 2),
+    naming the file and the global, and the file is never created; the same folder merges untampered."""
+    from distributed import evil_pickle
+
+    evil, marker = tmp_path / "evil", tmp_path / "created_by_a_pickle"
+    shutil.copytree(os.path.join(sharded[0]["dir"], "nested"), evil)
+    (evil / ".metadata").write_bytes(evil_pickle(str(marker)))
+    err = one_line_error(capsys, ["merge-weights", str(evil), str(tmp_path / "o")])
+    assert not marker.exists(), err
+    assert str(evil / ".metadata") in err and "io.open" in err and "tampered" in err, err
+    assert not (tmp_path / "o").exists()
+    shutil.copy(os.path.join(sharded[0]["dir"], "nested", ".metadata"), evil / ".metadata")
+    assert main(["merge-weights", str(evil), str(tmp_path / "o")]) == 0
+    assert_same(load_file(tmp_path / "o" / "model.safetensors"), reference(sharded))
+
+
 def test_wrapper_prefixes_are_removed():
     from hasten.commands.merge import strip_wrappers
 

@@ -93,26 +93,29 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             layout.remove_tree(job.folder)
         raise
     errors = [r[1] for r in results if r[0] == "error"]
+    checksums: dict[str, str] = {}  # of the files the sharded write made, from the processes that wrote them
     if job.sharded is not None and not errors:  # every process knows that every process is ready
-        failure = None
+        outcome: tuple = (None, {})
         try:
-            job.sharded()
+            outcome = (None, job.sharded() or {})
         except Exception as e:  # noqa: BLE001 - DCP raises on every process when one fails
-            failure = f"process {job.rank}: {type(e).__name__}: {e}"
-        errors = [f for f in gather(failure, group) if f]
+            outcome = (f"process {job.rank}: {type(e).__name__}: {e}", {})
+        outcomes = gather(outcome, group)
+        errors = [failure for failure, _ in outcomes if failure]
+        checksums = {name: value for _, written in outcomes for name, value in written.items()}
     status = None
     if job.writes_shared:
         mine = [r for r in results if r[2] == job.node]  # with a folder per node: that node's files
-        status = _commit(job, mine, errors)
+        status = _commit(job, mine, errors, checksums)
     statuses = gather(status, group, job.world_size)
     if errors:
         raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
     raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
 
 
-def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
+def _commit(job: SaveJob, results: list, errors: list, checksums: dict[str, str]) -> Optional[str]:
     """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
-    from .fileio import MappedFile, checksum_buffer, fsync_path
+    from .fileio import MappedFile, checksum_buffer, file_checksum, fsync_path
 
     folder = job.folder
     if errors:
@@ -136,7 +139,10 @@ def _commit(job: SaveJob, results: list, errors: list) -> Optional[str]:
         if job.sharded is not None:
             from .sharded import files as sharded_files
 
-            files.update((job.listing or sharded_files)(folder))  # fsynced by the processes that wrote them
+            listed = (job.listing or sharded_files)(folder)  # fsynced by the processes that wrote them
+            for name, info in listed.items():  # a file no process claimed is checksummed here
+                info["checksum"] = checksums.get(name) or file_checksum(os.path.join(folder, name))
+            files.update(listed)
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)

@@ -14,6 +14,10 @@ another stage, DDP, one process, FSDP2) loads the consolidated fp32 weights
 (``consolidated_weights``, DeepSpeed's ``zero_to_fp32`` reading the partitions in each process)
 and starts its optimizers fresh, with a warning saying so: ZeRO partitions the optimizer state
 by flat buffers tied to the process count that wrote them.
+
+DeepSpeed unpickles its files with ``weights_only=False``; every process first reads them with
+hasten's allow-list (``refuse_foreign_pickles``), so a replaced file is refused before it can run.
+Each process checksums the files it wrote, for ``load_state(verify="checksum")``.
 """
 
 from __future__ import annotations
@@ -80,21 +84,26 @@ class DeepSpeedCheckpoint:
     def writer(self, acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool], group: Any) -> Any:
         return functools.partial(self.save, folder, inner)
 
-    def save(self, folder: str, inner: list[nn.Module]) -> None:
-        """Every process writes its partitions, then makes the files it can see durable."""
-        from .fileio import fsync_path
+    def save(self, folder: str, inner: list[nn.Module]) -> dict[str, str]:
+        """Every process writes its partitions, then makes the files it can see durable; returns the
+        checksums of its own files (``{manifest name: checksum}``) for the manifest."""
+        from .fileio import file_checksum, fsync_path
 
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)
         for i, engine in enumerate(self._engines(inner)):
             engine.save_checkpoint(path, tag=f"model_{i}", save_latest=False)
         rank = self.strategy.state.process_index
+        checksums = {}
         for root, _, names in os.walk(path):
             for name in names:
                 # Each process fsyncs its own partition files; process 0 the shared ones.
                 if f"rank_{rank}_" in name or (rank == 0 and "zero_pp_rank_" not in name):
-                    fsync_path(os.path.join(root, name))
+                    full = os.path.join(root, name)
+                    fsync_path(full)
+                    checksums[os.path.relpath(full, folder)] = file_checksum(full)
             fsync_path(root)
+        return checksums
 
     @staticmethod
     def listing(folder: str) -> dict[str, dict[str, Any]]:
@@ -145,7 +154,9 @@ class DeepSpeedCheckpoint:
             path = os.path.join(folder, SUBDIR, entry[KEY])
             if not os.path.isdir(path):
                 problems.append(f"model {i}: the engine checkpoint folder {SUBDIR}/{entry[KEY]} is missing")
-            elif not self.native and not problems:
+                continue
+            refuse_foreign_pickles(path)  # raises: the files DeepSpeed would unpickle name nothing foreign
+            if not self.native and not problems:
                 try:
                     weights = consolidated_weights(path)
                     groups = saved_hyperparameters(path)
@@ -212,26 +223,21 @@ class DeepSpeedCheckpoint:
 
 # DeepSpeed's checkpoint files are pickles holding tensors, dicts and these plain records.
 _RECORDS = (("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+            ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
             ("deepspeed.utils.tensor_fragment", "fragment_address"))
+_KIND = "DeepSpeed checkpoint"
 
 
-@contextlib.contextmanager
-def _weights_only_reads():
-    """Make DeepSpeed's readers (which pass ``weights_only=False``) unpickle weights-only, allowing
-    only DeepSpeed's plain record classes: a checkpoint cannot run code when it is consolidated."""
-    import importlib
+def refuse_foreign_pickles(path: str) -> None:
+    """Read every pickle of the engine checkpoint folder ``path`` with hasten's allow-list (tensors,
+    plain containers, DeepSpeed's records; the tensor data is mapped, not read), raising
+    ``unpickling.ForbiddenPickle`` for a file that names anything else. DeepSpeed's own readers
+    (``load_checkpoint``, ``zero_to_fp32``) pass ``weights_only=False``; they are given only folders
+    that passed, so nothing in a replaced file runs. Changes no process-wide setting."""
+    from . import unpickling
 
-    allowed = [getattr(importlib.import_module(m), n) for m, n in _RECORDS]
-    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
-    try:
-        with torch.serialization.safe_globals(allowed):
-            yield
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+    for name in sorted(glob.glob(os.path.join(glob.escape(path), "*.pt"))):
+        unpickling.torch_file(name, _KIND, _RECORDS, mmap=True)
 
 
 def is_engine_checkpoint(path: str) -> bool:
@@ -251,14 +257,19 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
     except ImportError:
         raise ValueError("reading a DeepSpeed checkpoint needs DeepSpeed: pip install 'hasten[deepspeed]' (on CPU "
                          "with DS_BUILD_OPS=0)") from None
+    from .unpickling import ForbiddenPickle
+
     noise = io.StringIO()
     try:
-        with _weights_only_reads(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+            refuse_foreign_pickles(path)
             if not glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")):
                 return _stage0_weights(path)
             parent, tag = os.path.split(os.path.normpath(path))
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
-    except Exception as e:  # noqa: BLE001 - missing partitions, truncated files, foreign pickles
+    except ForbiddenPickle as e:
+        raise ValueError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - missing partitions, truncated files
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
         raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
                          f"{lines[0] if lines else 'no message'}); it is incomplete or damaged") from None
@@ -292,8 +303,10 @@ def saved_hyperparameters(path: str) -> Optional[list[dict[str, Any]]]:
 
 def _stage0_weights(path: str) -> dict[str, torch.Tensor]:
     """Without ZeRO (stage 0) the model states file holds the whole module."""
+    from . import unpickling
+
     files = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
-    module = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
+    module = unpickling.torch_file(files[0], _KIND, _RECORDS)["module"]
     return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
 
 

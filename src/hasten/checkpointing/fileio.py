@@ -413,6 +413,11 @@ class MappedFile:
         return bytes(self.raw.numpy().tobytes())
 
 
+def file_checksum(path: str) -> str:
+    """The checksum of the file at ``path``, as ``verify`` recomputes it (for files another library wrote)."""
+    return MappedFile(path).checksum()
+
+
 def verify(mapped: MappedFile, size: int, checksum: Optional[str], pool: Optional[ThreadPoolExecutor] = None) -> None:
     """Raise ``CheckpointCorruptError`` unless the file has the recorded size (and checksum)."""
     if mapped.size != size:

@@ -72,19 +72,31 @@ def entries(models: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict],
     return [{"dcp": f"model_{i}"} for i in range(len(models))], [True] * len(optimizers)
 
 
-def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state: list[bool], group: Any = None) -> None:
+def save(folder: str, models: list[nn.Module], optimizers: list[Any], with_state: list[bool],
+         group: Any = None) -> dict[str, str]:
     """Every process writes its shards of the models and optimizers into ``folder/sharded``."""
-    write(folder, _targets(models, optimizers, with_state), group)
+    return write(folder, _targets(models, optimizers, with_state), group)
 
 
-def write(folder: str, state: dict[str, Any], group: Any = None) -> None:
-    """Every process writes its shards of ``state`` into ``folder/sharded`` and fsyncs them."""
+def write(folder: str, state: dict[str, Any], group: Any = None) -> dict[str, str]:
+    """Every process writes its shards of ``state`` into ``folder/sharded`` and fsyncs them; returns
+    the checksums of the files it wrote (``{manifest name: checksum}``), computed while they are
+    still in the page cache, for the manifest."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    from .fileio import file_checksum
 
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
     dcp.save(state, storage_writer=writer, process_group=group)
+    # DCP names each process's file after its rank in the group (``__<rank>_0.distcp``); its rank 0
+    # writes ``.metadata``. Files nobody claims are checksummed by the committing process.
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    mine = [n for n in os.listdir(path) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    mine += [".metadata"] if rank == 0 else []
+    return {f"{SUBDIR}/{n}": file_checksum(os.path.join(path, n)) for n in mine}
 
 
 def writer(acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool], group: Any,
@@ -104,7 +116,7 @@ def writer(acc: Any, folder: str, inner: list[nn.Module], with_state: list[bool]
 
 
 def files(folder: str) -> dict[str, dict[str, Any]]:
-    """Manifest records of the DCP files (sizes; DCP checks its own reads)."""
+    """Manifest records of the DCP files (sizes; the checksums come from the processes that wrote them)."""
     path = os.path.join(folder, SUBDIR)
     out = {}
     for name in sorted(os.listdir(path)):
@@ -118,35 +130,27 @@ _LAST_METADATA: list = [None]  # (folder, file identity, Metadata) of the last r
 
 
 def _metadata(folder: str) -> Any:
-    """DCP's ``.metadata`` of ``folder``, read once for ``check`` and ``load`` (unpickling it costs
-    milliseconds per hundred tensors); a file replaced in between is read again."""
-    import torch.distributed.checkpoint as dcp
+    """DCP's ``.metadata`` of ``folder``, read once for ``check`` and ``load`` with the allow-list of
+    ``unpickling`` (never ``pickle.load``: a replaced file could run code); a file replaced in between
+    is read again."""
+    from . import unpickling
 
-    info = os.stat(os.path.join(folder, SUBDIR, ".metadata"))
+    path = os.path.join(folder, SUBDIR, ".metadata")
+    info = os.stat(path)
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     last = _LAST_METADATA[0]
     if last is None or last[:2] != (folder, identity):
-        last = _LAST_METADATA[0] = (folder, identity, dcp.FileSystemReader(os.path.join(folder, SUBDIR)).read_metadata())
+        last = _LAST_METADATA[0] = (folder, identity, unpickling.dcp_metadata(path))
     return last[2]
 
 
 def _dcp_reader(folder: str) -> Any:
-    """A ``FileSystemReader`` that hands DCP the metadata ``check`` already read."""
-    import torch.distributed.checkpoint as dcp
+    """A storage reader that hands DCP the metadata ``check`` already read."""
+    from .dcp_reader import MetadataReader
 
-    reader = dcp.FileSystemReader(os.path.join(folder, SUBDIR))
-    read = reader.read_metadata
-
-    def read_metadata(*args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:  # a rank-local metadata file: DCP's own reading
-            return read(*args, **kwargs)
-        metadata = _metadata(folder)
-        _LAST_METADATA[0] = None  # used: a later load reads the file again
-        metadata.storage_meta.load_id = reader.load_id
-        return metadata
-
-    reader.read_metadata = read_metadata
-    return reader
+    metadata = _metadata(folder)
+    _LAST_METADATA[0] = None  # used: a later load reads the file again
+    return MetadataReader(os.path.join(folder, SUBDIR), metadata)
 
 
 def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
@@ -202,6 +206,8 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    from .dcp_reader import WeightsOnlyPlanner
+
     saved = _metadata(folder).state_dict_metadata
     state = _targets(models, [], [])
     stateless = set()
@@ -216,7 +222,7 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
         else:  # only hyperparameters were stored: read them as they were saved
             state[name] = {"param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
             stateless.add(name)
-    dcp.load(state, storage_reader=_dcp_reader(folder), process_group=group)
+    dcp.load(state, storage_reader=_dcp_reader(folder), planner=WeightsOnlyPlanner(), process_group=group)
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
     for entry, opt in zip(contents["optimizers"], optimizers):

@@ -221,10 +221,15 @@ def select_model_keys(metadata: Any, key: Optional[str] = None) -> tuple[dict[st
 
 
 def read_metadata(folder: str) -> Any:
-    import torch.distributed.checkpoint as dcp
+    """DCP's metadata of ``folder``, read with hasten's allow-list (``pickle.load`` could run code)."""
+    import pickle
+
+    from ..checkpointing.unpickling import dcp_metadata
 
     try:
-        return dcp.FileSystemReader(folder).read_metadata()
+        return dcp_metadata(os.path.join(folder, DCP_METADATA))
+    except pickle.UnpicklingError as e:  # refused (names the global) or damaged (names the file)
+        raise HastenCLIError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign .metadata file
         raise HastenCLIError(f"cannot read the DCP metadata of {folder!r} ({type(e).__name__}: {e}); "
                              "the checkpoint is damaged or was written by another torch") from None
@@ -247,6 +252,8 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ..checkpointing.dcp_reader import MetadataReader, WeightsOnlyPlanner
+
     buffers = {}
     for key in selected:
         meta = metadata.state_dict_metadata[key]
@@ -254,7 +261,8 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+            dcp.load(buffers, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(),
+                     no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
             # DCP's exception (a BaseException) carries each rank's traceback: its last line is the cause.
             text = [line for line in str(e).strip().splitlines() if line.strip()]
