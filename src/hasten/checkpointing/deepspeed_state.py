@@ -282,16 +282,18 @@ _HOW_TO_STEP = ("foreach", "fused", "capturable", "differentiable")
 def saved_hyperparameters(path: str) -> Optional[list[dict[str, Any]]]:
     """The hyperparameters of each parameter group (learning rate, momentum, ...) of the optimizer in
     the engine checkpoint folder ``path``, from process 0's files; None when they hold no optimizer."""
+    from . import unpickling
+
     optim = sorted(glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")))
     model = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
     noise = io.StringIO()
     try:
-        with _weights_only_reads(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
             if optim:  # ZeRO 1/2 (and bf16): "base_optimizer_state"; ZeRO 3: "optimizer_state_dict"
-                wrapper = torch.load(optim[0], map_location="cpu", weights_only=True).get("optimizer_state_dict") or {}
+                wrapper = unpickling.torch_file(optim[0], _KIND, _RECORDS).get("optimizer_state_dict") or {}
                 base = wrapper.get("base_optimizer_state") or wrapper.get("optimizer_state_dict")
             else:  # no ZeRO: the torch optimizer's state dict beside the module
-                base = torch.load(model[0], map_location="cpu", weights_only=True).get("optimizer") if model else None
+                base = unpickling.torch_file(model[0], _KIND, _RECORDS).get("optimizer") if model else None
     except Exception as e:  # noqa: BLE001 - truncated files, foreign pickles
         raise ValueError(f"cannot read the optimizer hyperparameters of the DeepSpeed checkpoint {path!r} "
                          f"({type(e).__name__}); it is incomplete or damaged") from None
