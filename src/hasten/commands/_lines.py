@@ -8,11 +8,14 @@ lines a write completes go out in one ``os.write`` (split at line ends into piec
 ``PIPE_BUF`` bytes, the size a pipe writes without interleaving; a terminal or a file takes any
 size whole), and the text after the last newline waits for its newline. It still goes out
 promptly: on ``flush()`` (``print(..., flush=True)``, progress bars, ``input()``), after
-``PARTIAL_DELAY_S`` without its newline (a prompt, ``print(..., end="")``), and at exit.
+``PARTIAL_DELAY_S`` without its newline (a prompt, ``print(..., end="")``), once it reaches
+``PIPE_BUF`` bytes, and at exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
 import os
 import select
@@ -23,6 +26,7 @@ import weakref
 from typing import Optional
 
 PARTIAL_DELAY_S = 0.2  # a line without its newline is shown after this long
+LOCK_WAIT_S = 1.0  # longer: the holder is a daemon thread the interpreter's exit froze; write anyway
 PIPE_BUF = getattr(select, "PIPE_BUF", 512)  # POSIX guarantees 512
 
 
@@ -53,30 +57,44 @@ class LineWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+    @contextlib.contextmanager
+    def _held(self):
+        got = self._lock.acquire(timeout=LOCK_WAIT_S)
+        try:
+            yield
+        finally:
+            if got:
+                self._lock.release()
+
     def write(self, data) -> int:  # type: ignore[override]
         data = bytes(data)
-        with self._lock:
-            if not self._tail:
-                self._since = time.monotonic()
+        got = self._lock.acquire(True, LOCK_WAIT_S)  # not _held(): this is the hot path
+        try:
             pending = self._tail + data
             end = pending.rfind(b"\n") + 1
+            if len(pending) - end >= PIPE_BUF:  # an unfinished line this long cannot go out whole anyway
+                end = len(pending)
+            if end or not self._tail:
+                self._since = time.monotonic()  # when the (new) unfinished line began
             self._tail = pending[end:]
             if end:
-                self._since = time.monotonic()
                 self._emit(pending[:end])
+        finally:
+            if got:
+                self._lock.release()
         if self._tail:
             _FLUSHER.remind()
         return len(data)
 
     def flush(self) -> None:
-        with self._lock:
+        with self._held():
             tail, self._tail = self._tail, b""
             if tail:
                 self._emit(tail)
 
     def flush_if_older(self, age_s: float) -> bool:
         """Write the unfinished line if it waited ``age_s``; True when one is still waiting."""
-        with self._lock:
+        with self._held():
             if self._tail and time.monotonic() - self._since >= age_s:
                 self.flush()
             return bool(self._tail)
@@ -111,9 +129,12 @@ class _Flusher:
     def __init__(self) -> None:
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._stopped = False
 
     def remind(self) -> None:
-        if self._thread is None:
+        if self._wake.is_set():
+            return
+        if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._run, name="hasten-line-flusher", daemon=True)
             self._thread.start()
         self._wake.set()
@@ -123,14 +144,19 @@ class _Flusher:
             self._wake.wait()
             self._wake.clear()
             waiting = True
-            while waiting:
+            while waiting and not self._stopped:
                 time.sleep(PARTIAL_DELAY_S / 2)
                 waiting = False
-                for writer in list(_WRITERS):
+                for writer in list(_WRITERS) if not self._stopped else []:
                     try:
                         waiting = writer.flush_if_older(PARTIAL_DELAY_S) or waiting
                     except (OSError, ValueError):
                         pass  # a closed stream: nothing to show
+
+    def stop(self) -> None:
+        """At exit, before the interpreter freezes daemon threads (maybe holding a writer's lock):
+        no more background writes; the interpreter's own final flush writes what is left."""
+        self._stopped = True
 
     def _after_fork(self) -> None:
         self._wake = threading.Event()
@@ -149,6 +175,7 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+atexit.register(_FLUSHER.stop)
 
 
 def _wrap(stream, name: str):
