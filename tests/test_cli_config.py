@@ -2,6 +2,8 @@
 
 import io
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -200,6 +202,33 @@ def test_questionnaire_multi_machine_gpu_fsdp(monkeypatch, tmp_path):
     assert cfg["fsdp_config"]["fsdp_version"] == 2
     assert cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Block"
     assert cfg["fsdp_config"]["fsdp_offload_params"] is False
+
+
+def run_questionnaire(path, answers):
+    """`hasten config` as a user runs it, the answers typed on stdin; (exit status, what it printed)."""
+    proc = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "config", "--config_file", str(path)],
+                          input="".join(f"{a}\n" for a in answers), capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("reply, written", [("yes", "yes"), ("no", "no"), ("", "no")])
+def test_questionnaire_downcast_question_says_what_yes_does(tmp_path, reply, written):
+    """TPU with bf16: yes stores float32 tensors as bfloat16 (and float64 as float32), which is
+    what `downcast_bf16: 'yes'` means to Accelerate and to torch_xla (XLA_DOWNCAST_BF16)."""
+    path = tmp_path / "q.yaml"
+    # this machine; TPU; 1 machine; 2 processes; no compile; no accumulation; bf16; the downcast question
+    rc, out = run_questionnaire(path, ["", "5", "", "", "no", "", "bf16", reply])
+    assert rc == 0, out
+    question = next(part for part in out.split(": ") if "downcast_bf16" in part)
+    assert "float32 tensors as bfloat16" in question and "float64" in question, question
+    assert yaml.safe_load(path.read_text())["downcast_bf16"] == written
+
+
+def test_questionnaire_asks_about_downcasting_only_with_bf16(tmp_path):
+    path = tmp_path / "q.yaml"
+    rc, out = run_questionnaire(path, ["", "5", "", "", "no", "", "no"])
+    assert rc == 0, out
+    assert "downcast" not in out and yaml.safe_load(path.read_text())["downcast_bf16"] == "no"
 
 
 def test_questionnaire_input_ending_early_is_one_line_error(monkeypatch, capsys, tmp_path):

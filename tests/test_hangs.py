@@ -78,6 +78,26 @@ def test_a_rank_stuck_in_its_dataset_is_reported(tmp_path, env):
     assert took < 8 + MARGIN_S, f"reported {took:.0f} s after the hang began"
 
 
+@pytest.mark.parametrize("mode, rank0, rank1", [
+    ("setup", "(from hasten reduce)", "(from hasten wait_for_everyone)"),
+    ("setup_torch", "all_reduce(float[1]) (from torch.distributed.all_reduce)", "(from torch.distributed.barrier)"),
+])
+def test_a_hang_before_the_first_step_is_reported(tmp_path, env, mode, rank0, rank1):
+    """No batch, step or backward yet: the clock starts at the first collective a process enters
+    (hasten's, or torch.distributed called directly)."""
+    rc, err, out, ended = launch_hang(tmp_path, env, mode, "--hang_timeout", "6", timeout=120)
+    assert rc == hangs.HANG_EXIT_STATUS, err
+    report = report_of(err)
+    assert "no process made progress for 6 s" in report.splitlines()[0]
+    rank0_line = next(line for line in report.splitlines() if line.startswith("  rank 0 "))
+    rank1_line = next(line for line in report.splitlines() if line.startswith("  rank 1 "))
+    assert "step 0, batch 0: in collective #" in rank0_line and rank0 in rank0_line, rank0_line
+    assert "step 0, batch 0: in collective #" in rank1_line and rank1 in rank1_line, rank1_line
+    assert "the ranks are in different collectives" in report
+    took = hung_for(out, ended)
+    assert took < 6 + MARGIN_S, f"reported {took:.0f} s after the hang began"
+
+
 def test_a_straggler_is_a_warning(tmp_path, env):
     rc, err, out, _ = launch_hang(tmp_path, env, "straggler", "--hang_timeout", "10")
     assert rc == 0, err
@@ -125,6 +145,17 @@ def test_the_timer_starts_at_the_first_progress_mark(tmp_path, monkeypatch):
     assert not w.dog.check(1011.0)
     assert w.dog.check(1021.5) and w.stopped == [1]
     assert "no process made progress for 10 s" in w.dog.report
+
+
+def test_the_timer_starts_at_the_first_collective_entered(tmp_path, monkeypatch):
+    monkeypatch.setattr(hangs, "DUMP_WAIT_S", 0.1)
+    w = Watched(tmp_path)
+    beat(tmp_path, 0)
+    beat(tmp_path, 1)
+    assert not w.dog.check(0.0) and not w.dog.check(500.0)  # the process group is up, no collective yet
+    beat(tmp_path, 1, entered=True)  # e.g. a direct torch.distributed.barrier(): no progress mark
+    assert not w.dog.check(501.0) and not w.dog.check(510.5)
+    assert w.dog.check(511.5) and "no process made progress for 10 s" in w.dog.report
 
 
 def test_finished_ranks_are_not_waited_for_and_the_script_setting_wins(tmp_path, monkeypatch):

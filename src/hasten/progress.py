@@ -42,12 +42,16 @@ STATE = Progress()
 
 
 def enter(where: str) -> tuple[Optional[str], float]:
-    """Mark the start of a phase where the ranks wait for each other; pass the token to :func:`leave`."""
+    """Mark the start of a phase where the ranks wait for each other; pass the token to :func:`leave`.
+
+    Entering counts as progress too: a hang in the very first collective (before any step or
+    batch) then starts the watchdog's clock."""
     state = STATE
     outer, start = state.where, perf_counter()
     state.where = where
     if outer is None:
         state.sync_since = start
+    state.ticks += 1
     return outer, start
 
 

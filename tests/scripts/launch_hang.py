@@ -4,7 +4,12 @@
 wait_for_everyone, while rank 0 waits in the gather. `loader`: rank 1's dataset sleeps forever in
 __getitem__ at batch 3 while rank 0 goes on to backward (DDP's all-reduce); the script sets its own
 hang timeout (8 s). `straggler`: rank 1 sleeps 0.3 s per step. `normal`: a healthy run that starts
-slowly (8 s before hasten is used, like a slow `import torch`). Each rank writes OUT/rank<r>.json
+slowly: 8 s before hasten is used (like a slow `import torch`), then, with the process group up
+but before any collective, rank 0 sleeps 7 s (silent) and rank 1 works 20 s in Python (a slow
+model load) while rank 0 already waits for it in `prepare`'s collectives. `setup`: before any training step,
+rank 0 calls `accelerator.reduce` (as under `if accelerator.is_main_process:`) while rank 1 calls
+`wait_for_everyone`. `setup_torch`: the same with torch.distributed called directly (all_reduce on
+rank 0, barrier on rank 1), so no hasten progress mark at all. Each rank writes OUT/rank<r>.json
 when done, and OUT/hang<r> with the time (time.monotonic) just before it starts hanging.
 """
 
@@ -41,6 +46,39 @@ class Data(Dataset):
 if mode == "normal":
     time.sleep(8)
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(hang_timeout=8 if mode == "loader" else None)])
+
+
+def read_shard():
+    until = time.monotonic() + 0.3
+    while time.monotonic() < until:
+        pass
+
+
+def convert_shard():
+    until = time.monotonic() + 0.45  # phases of 0.75 s: the heartbeat (once a second) finds either
+    while time.monotonic() < until:
+        pass
+
+
+if mode == "normal":
+    if accelerator.is_main_process:
+        time.sleep(7)
+    else:
+        for shard in range(int(os.environ.get("LOAD_SHARDS", "27"))):  # 20 s
+            read_shard()
+            convert_shard()
+if mode in ("setup", "setup_torch"):
+    time.sleep(2)  # a little set-up work first
+    hanging_now()
+    one = torch.ones(1, device=accelerator.device)
+    if mode == "setup":
+        if accelerator.is_main_process:
+            accelerator.reduce(one)
+        accelerator.wait_for_everyone()
+    elif accelerator.is_main_process:
+        torch.distributed.all_reduce(one)
+    else:
+        torch.distributed.barrier()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 steps = {"skip": 6, "loader": 100, "straggler": 60, "normal": 30}[mode]

@@ -4,8 +4,10 @@
 and in addition: when the script fails it writes a record (time, rank, host, traceback, whether
 the error only echoes another rank's failure) to the file torch's elastic agent names in
 ``TORCHELASTIC_ERROR_FILE``, so that the launcher can name the rank that failed first; it asks
-the kernel to stop this process if the launcher dies (no orphans); and it starts the heartbeat
-(``_heartbeat.py``) that the launcher's hang watchdog reads. Standard library only, and it must
+the kernel to stop this process if the launcher dies (no orphans); it starts the heartbeat
+(``_heartbeat.py``) that the launcher's hang watchdog reads; and it makes ``sys.stdout`` and
+``sys.stderr`` write whole lines (``_lines.py``), so that processes printing at once never glue
+their text mid-line. Standard library only, and it must
 not import the ``hasten`` package either: the script's imports start from a clean slate.
 """
 
@@ -81,19 +83,25 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             pass  # reporting must never hide the original error
 
 
+def _sibling(name: str):
+    """A module of this folder, loaded by path so that the ``hasten`` package stays unimported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_hasten{name}", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _start_heartbeat() -> None:
-    """Under ``hasten launch`` with a hang timeout: the heartbeat thread (``_heartbeat.py``, loaded
-    by path so that the ``hasten`` package stays unimported) and the SIGUSR1 stack dump."""
+    """Under ``hasten launch`` with a hang timeout: the heartbeat thread (``_heartbeat.py``) and
+    the SIGUSR1 stack dump."""
     global _HEARTBEAT
     folder = os.environ.get("HASTEN_HANG_DIR")
     if not folder:
         return
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_hasten_heartbeat", os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "_heartbeat.py"))
-    _HEARTBEAT = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(_HEARTBEAT)
+    _HEARTBEAT = _sibling("_heartbeat")
     _HEARTBEAT.start(folder)
 
 
@@ -162,6 +170,7 @@ def main(argv: list) -> None:
         sys.exit("usage: _bootstrap.py [-m] script-or-module [args...]")
     target, args = argv[0], argv[1:]
     _die_with_launcher()
+    _sibling("_lines").install()
     _start_heartbeat()
     sys.argv = [target, *args]
     if module:

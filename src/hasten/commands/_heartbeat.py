@@ -4,6 +4,7 @@ Loaded by ``_bootstrap.py`` (standard library only; it must not import the ``has
 when the launcher sets ``HASTEN_HANG_DIR``. A daemon thread writes ``beat<rank>.json`` there once
 a second: hasten's progress counters (``hasten.progress``, when the script imported hasten), a
 count of changes of the main thread's innermost frame (a rank computing in Python is not hung),
+whether it has entered a collective yet (torch's flight recorder, looked at only until then),
 and, once the counters stall, where the main thread is (top user frame, torch.distributed call,
 backward). ``SIGUSR1`` makes faulthandler write every thread's stack to ``stack<rank>.txt``, even
 when native code holds the GIL. When the launcher leaves a ``dump`` file, the thread also writes
@@ -75,7 +76,7 @@ def where_is(frame: Any) -> dict:
     return {"user": user, "c10d": c10d, "autograd": autograd, "loader": loader}
 
 
-def _flight_recorder() -> Optional[bytes]:
+def _flight_recorder(only_active: bool = False) -> Optional[bytes]:
     """torch's flight recorder as JSON, when a process group exists (NCCL's own recorder on GPUs)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -87,7 +88,15 @@ def _flight_recorder() -> Optional[bytes]:
     if dist.get_backend() == "nccl":
         dump = getattr(c10d, "_dump_nccl_trace_json", None)
     dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
-    return dump(includeCollectives=True, onlyActive=False) if dump else None
+    return dump(includeCollectives=True, onlyActive=only_active) if dump else None
+
+
+def entered_a_collective() -> bool:
+    """Whether this process has entered any collective (finished or not) of any process group, by
+    torch's flight recorder: also direct ``torch.distributed`` calls and DDP's set-up broadcasts,
+    which carry no hasten progress mark. Setting up the process group is not a collective."""
+    data = _flight_recorder()
+    return bool(data) and bool(json.loads(data).get("entries"))
 
 
 class Heartbeat:
@@ -97,6 +106,7 @@ class Heartbeat:
         self.main_id = threading.get_ident()
         self.changes, self.last_frame, self.last_ticks, self.still = 0, None, None, 0
         self.dumped: Optional[str] = None
+        self.entered = False  # a collective was entered (looked up until it is so; never once ticks move)
         self.done = False
         self.lock = threading.Lock()
         self.stacks = open(os.path.join(folder, f"stack{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
@@ -133,8 +143,13 @@ class Heartbeat:
             self.still = self.still + 1 if record["ticks"] == self.last_ticks else 0
             self.last_ticks = record["ticks"]
             record.setdefault("t", time.monotonic())  # hasten's clock (perf_counter) when it is there
+            if not self.entered and not record["ticks"]:
+                try:
+                    self.entered = entered_a_collective()
+                except Exception:  # noqa: BLE001 - no recorder: hasten's progress marks still arm the clock
+                    self.entered = False
             record.update(rank=int(self.rank), pid=os.getpid(), changes=self.changes, done=self.done,
-                          beat_t=time.monotonic())
+                          beat_t=time.monotonic(), entered=self.entered or record["ticks"] > 0)
             request = None if self.done else self._request()
             if frame is not None and (self.still >= STALL_BEATS or request):
                 record["at"] = where_is(frame)

@@ -224,8 +224,6 @@ def ask_config(ask: Asker) -> dict[str, Any]:
             "Which GPUs of this machine (ids such as 0,1, or all)?", "all",
             lambda t: _check_ids(_gpu_ids(t), per_node),
         )
-    if dtype == "XLA":
-        cfg["downcast_bf16"] = ask.yes_no("Keep float32 tensors in float32 when using bf16 (downcast_bf16)?", False)
     if ask.yes_no("Compile the model with torch.compile?", False):
         backends = [b for b in DYNAMO_BACKENDS if b != "NO"]
         dyn = {"dynamo_backend": ask.choice("Which backend?", [(b, b.lower()) for b in backends], "INDUCTOR")}
@@ -248,6 +246,12 @@ def ask_config(ask: Asker) -> dict[str, Any]:
     cfg["mixed_precision"] = ask.choice("Mixed precision?", [(p, p) for p in MIXED_PRECISION], "no")
     if cfg["mixed_precision"] == "fp8":
         cfg["fp8_config"] = _ask_fp8(ask, fsdp=cfg["distributed_type"] == "FSDP")
+    if dtype == "XLA" and cfg["mixed_precision"] == "bf16":
+        # yes = torch_xla's XLA_DOWNCAST_BF16 (float32 -> bfloat16, float64 -> float32); no = XLA_USE_BF16
+        # (both -> bfloat16). Neither keeps float32 as it is.
+        cfg["downcast_bf16"] = ask.yes_no(
+            "On the TPU, store float32 tensors as bfloat16 and float64 tensors as float32 (downcast_bf16; "
+            "otherwise both become bfloat16)?", False)
     return cfg
 
 

@@ -1,8 +1,9 @@
 """The launcher's hang watchdog and straggler check (torch-free; runs beside torch's elastic agent).
 
 Every process writes a heartbeat file once a second (``_heartbeat.py``): hasten's progress
-counters, and where it is once they stall. The watchdog reads those files. It arms at the first
-progress mark of any process (so a slow start is never a hang), and fires when no process still
+counters, and where it is once they stall. The watchdog reads those files. It arms when the first
+process enters a collective or makes a progress mark (before that every process works alone:
+a slow start is never a hang), and fires when no process still
 running has shown a sign of life (a progress mark, or its main thread moving to another line)
 for the hang timeout. It then asks every process for its Python stack (SIGUSR1 -> faulthandler)
 and torch's flight recorder, prints one report (who is in which collective, who is elsewhere),
@@ -222,7 +223,7 @@ class Watchdog:
             if self._seen.get(rank, (None,))[0] != sign:
                 self._seen[rank] = (sign, now)
         if self._armed_at is None:
-            if any(b.get("ticks", 0) > 0 for b in beats.values()):
+            if any(b.get("ticks", 0) > 0 or b.get("entered") for b in beats.values()):
                 self._armed_at = now
             return False
         self._check_stragglers(beats, now)
