@@ -171,13 +171,17 @@ def check_optimizer(saved: Any, optimizer: Any, index: int) -> list[str]:
 
 
 # -- apply (after every process agreed) -----------------------------------------------------------
-def _materialize(value: torch.Tensor, live: Any) -> torch.Tensor:
-    """Copy a mapped tensor into the live tensor when it fits, else into fresh memory."""
+def _materialize(value: torch.Tensor, live: Any, device: torch.device) -> torch.Tensor:
+    """Copy a mapped tensor into the live tensor when it fits, else straight onto ``device``.
+
+    One copy either way: a state read into host memory first and moved by the optimizer's
+    ``load_state_dict`` would cross memory twice (a resume into an optimizer without state yet).
+    """
     if (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
             and not live.requires_grad):
         live.copy_(value)
         return live
-    return value.clone()
+    return value.to(device=device, copy=True)
 
 
 def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list] = None) -> None:
@@ -190,12 +194,24 @@ def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list
         load_full_optimizer_state(owner, inner, saved)
         return
     live_state = optimizer.state_dict()["state"]
+    params = {pid: p for saved_group, group in zip(saved["param_groups"], inner.param_groups)
+              for pid, p in zip(saved_group["params"], group["params"])}
     state = {}
     for pid, entries in saved["state"].items():
         current = live_state.get(pid) or {}
-        state[pid] = {k: _materialize(v, current.get(k)) if isinstance(v, torch.Tensor) else v
-                      for k, v in entries.items()}
+        param = params.get(pid)
+        state[pid] = {k: _materialize(v, current.get(k), _state_device(k, v, param)) if isinstance(v, torch.Tensor)
+                      else v for k, v in entries.items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _state_device(key: str, value: torch.Tensor, param: Optional[torch.Tensor]) -> torch.device:
+    """Where ``Optimizer.load_state_dict`` will want an entry: on its parameter's device, except
+    the step counter, which it keeps on the host unless the optimizer is fused or capturable (it
+    moves it then, a scalar)."""
+    if param is None or key == "step" or value.dim() == 0:
+        return value.device
+    return param.device
 
 
 def detach_state(value: Any) -> Any:
