@@ -146,3 +146,65 @@ def test_cuda_tensors_are_staged_into_page_locked_memory():
     assert torch.equal(again[0].tensors["w"], w.cpu())
     assert again[0].tensors["w"].data_ptr() == staged[0].tensors["w"].data_ptr()
 
+
+
+# -- loading: read from the files into the live tensors ------------------------------------------------
+def test_copy_into_reads_each_tensor_from_the_file(tmp_path):
+    from hasten.checkpointing.fileio import MappedFile, SafetensorsView, write_safetensors
+
+    tensors = {"f32": torch.randn(33, 7), "bf16": torch.randn(5, 3).to(torch.bfloat16), "mask": torch.rand(9) > 0.5,
+               "i64": torch.arange(11), "empty": torch.empty(0, 4)}
+    path = str(tmp_path / "t.safetensors")
+    write_safetensors(path, tensors)
+    mapped = MappedFile(path)
+    view = SafetensorsView(mapped)
+    for name, expected in tensors.items():
+        dest = torch.full_like(expected, 7) if expected.numel() else torch.empty_like(expected)
+        mapped.copy_into(dest, view.tensor(name))
+        assert torch.equal(dest, expected), name
+    into_double = torch.zeros(33, 7, dtype=torch.float64)  # another dtype: converted as copy_ does
+    mapped.copy_into(into_double, view.tensor("f32"))
+    assert torch.equal(into_double, tensors["f32"].double())
+    strided = torch.zeros(7, 33).t()  # not contiguous: copy_ semantics too
+    mapped.copy_into(strided, view.tensor("f32"))
+    assert torch.equal(strided, tensors["f32"])
+    mapped.close()
+
+
+def test_load_keeps_the_live_tensors_and_matches_the_saved_state(fresh_state, tmp_path):
+    acc, pairs = _prepare()
+    (model, opt), = pairs
+    _step(acc, model, opt)
+    acc.save_state(str(tmp_path / "c"))
+    expected = _snapshot(pairs)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    moments = [v.data_ptr() for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+    _step(acc, model, opt)
+    acc.load_state(str(tmp_path / "c"))
+    assert _bitwise_equal(_snapshot(pairs), expected)
+    assert [p.data_ptr() for p in model.parameters()] == pointers  # read in place, as load_state_dict copies
+    assert [v.data_ptr() for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)] == moments
+    acc2, pairs2 = _prepare()  # a fresh run: the optimizer has no state to read into yet
+    acc2.load_state(str(tmp_path / "c"))
+    assert _bitwise_equal(_snapshot(pairs2), expected)
+    _step(acc2, *pairs2[0])  # the loaded state is ordinary, writable memory
+    assert not _bitwise_equal(_snapshot(pairs2), expected)
+
+
+def test_modules_that_customise_loading_still_load_through_load_state_dict(fresh_state, tmp_path):
+    from hasten import Accelerator
+
+    class Halves(nn.Linear):
+        def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] / 2
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    calls = []
+    acc = Accelerator()
+    model = acc.prepare(nn.Sequential(nn.Linear(4, 4), Halves(4, 4)))
+    model[0].register_load_state_dict_pre_hook(lambda *args, **kwargs: calls.append("pre"))
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    acc.save_state(str(tmp_path / "c"))
+    acc.load_state(str(tmp_path / "c"))
+    assert calls == ["pre"]
+    assert torch.equal(model[1].weight, saved["1.weight"] / 2) and torch.equal(model[0].weight, saved["0.weight"])
