@@ -56,7 +56,7 @@ class Arena:
         offsets, total = [], 0
         for _, shape, dtype, _ in layout:
             offsets.append(total)
-            total += _round_up(_numel(shape) * torch.empty((), dtype=dtype).element_size(), _ALIGN)
+            total += _round_up(_numel(shape) * dtype.itemsize, _ALIGN)
         self.nbytes = total
         self.pinned = False
         self._finalizer: Optional[weakref.finalize] = None
@@ -68,13 +68,13 @@ class Arena:
             self.pinned = self._pin(flat)
         self.views: dict[Any, torch.Tensor] = {}
         for (key, shape, dtype, _), offset in zip(layout, offsets):
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _numel(shape) * dtype.itemsize
             self.views[key] = flat[offset:offset + nbytes].view(dtype).view(shape)
 
     def _pin(self, flat: torch.Tensor) -> bool:
         # Touched first by a parallel fill: registering faults every page in, one thread at a time.
         flat.zero_()
-        error = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
+        error = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 1))  # 1: portable
         if error != 0:
             warnings.warn(f"save_state(blocking=False): page-locking {flat.numel() / 2**30:.1f} GiB of staging memory "
                           f"failed (CUDA error {error}); staging into pageable memory, which copies from the GPU "
