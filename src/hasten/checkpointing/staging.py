@@ -44,8 +44,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _unpin(flat: torch.Tensor, start: int) -> None:
+    """Unregister ``flat``'s memory; holding ``flat`` until then keeps it from being freed first."""
     torch.cuda.cudart().cudaHostUnregister(start)
-    del flat  # the memory is freed only after it is unregistered
 
 
 class Arena:
