@@ -187,6 +187,11 @@ def test_load_keeps_the_live_tensors_and_matches_the_saved_state(fresh_state, tm
     acc2, pairs2 = _prepare()  # a fresh run: the optimizer has no state to read into yet
     acc2.load_state(str(tmp_path / "c"))
     assert _bitwise_equal(_snapshot(pairs2), expected)
+    model2, opt2 = pairs2[0]
+    for param in model2.parameters():  # moments where their parameter lives, the step counter on the host
+        state = getattr(opt2, "optimizer", opt2).state[param]
+        assert state["exp_avg"].device == param.device and state["exp_avg_sq"].device == param.device
+        assert state["step"].device.type == "cpu"
     _step(acc2, *pairs2[0])  # the loaded state is ordinary, writable memory
     assert not _bitwise_equal(_snapshot(pairs2), expected)
 
