@@ -165,7 +165,7 @@ class Stager:
                 for i, v in enumerate(value):
                     collect(v, f"{path}/{i}")
             elif isinstance(value, torch.Tensor):
-                local = value.to_local() if getattr(value, "_spec", None) is not None else value
+                local = value.detach().to_local() if getattr(value, "_spec", None) is not None else value
                 pairs.append((path, local))
 
         collect(tree, "")
