@@ -266,6 +266,8 @@ def plan(args) -> tuple[list[dict], list[str]]:
         if name not in FRAMEWORKS + VARIANTS:
             raise SystemExit(f"bench/gpu.py: unknown framework or variant {name!r}; frameworks: {', '.join(FRAMEWORKS)}; "
                              f"variants: {', '.join(VARIANTS)}")
+    if importlib.util.find_spec("transformers") is None:
+        raise SystemExit("bench/gpu.py builds its model from transformers.LlamaConfig: pip install transformers")
     if "accelerate" in frameworks and importlib.util.find_spec("accelerate") is None:
         frameworks.remove("accelerate")
         notes.append("Accelerate is not installed: its rows are skipped (pip install accelerate)")
