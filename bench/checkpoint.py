@@ -2,6 +2,7 @@
 
     python bench/checkpoint.py                    # ~200 MB model + Adam state, 6 interleaved rounds
     python bench/checkpoint.py --rounds 9 --mb 200 --dir /path/on/the/disk/to/test
+    python bench/checkpoint.py --compare --mb 300   # hasten vs torch.save + fsync vs Accelerate
 
 Throughput: one process trains a ~200 MB model (fp32 Linear layers) one step with Adam, so the
 optimizer holds two more copies (~600 MB in all). Each round runs the saves, then the loads, each
@@ -189,6 +190,91 @@ def throughput(rounds: int, mb: int, base: str) -> dict:
     return out
 
 
+def compare(rounds: int, mb: int, base: str) -> dict:
+    """hasten vs plain ``torch.save`` + fsync vs Accelerate (when installed), each on its own copy of
+    the same model + Adam state, interleaved: every round runs each save, then each load, in a
+    rotating order. Loads read from the page cache (every folder is read once, untimed, first)."""
+    import torch
+
+    from hasten import Accelerator
+
+    width = 2048
+    layers = max(1, round(mb * 2**20 / (width * width * 4)))
+
+    def trained(prepare):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = prepare(model, opt)
+        model(torch.randn(2, width)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    ours = Accelerator(cpu=True)
+    model, opt = trained(ours.prepare)
+    raw_model, raw_opt = trained(lambda m, o: (m, o))
+    folders = {k: os.path.join(base, k) for k in ("raw", "hasten", "hasten_bg", "accelerate")}
+    raw_file = os.path.join(folders["raw"], "state.pt")
+
+    def raw_save():
+        os.makedirs(folders["raw"], exist_ok=True)
+        torch.save({"model": raw_model.state_dict(), "optimizer": raw_opt.state_dict()}, raw_file)
+        fd = os.open(raw_file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def raw_load():
+        state = torch.load(raw_file, weights_only=True)
+        raw_model.load_state_dict(state["model"])
+        raw_opt.load_state_dict(state["optimizer"])
+
+    def background_return():
+        start = time.perf_counter()
+        ours.save_state(folders["hasten_bg"], blocking=False)
+        returned = time.perf_counter() - start
+        ours.wait_for_checkpoint()
+        return returned
+
+    saves = {"torch.save + fsync": raw_save, "hasten save": lambda: ours.save_state(folders["hasten"]),
+             "hasten save, blocking=False (return)": background_return}
+    loads = {"torch.load": raw_load, "hasten load": lambda: ours.load_state(folders["hasten"])}
+    try:
+        import accelerate
+    except ImportError:
+        print("accelerate is not installed: compared with torch.save/torch.load only")
+    else:
+        theirs = accelerate.Accelerator(cpu=True)
+        their_model, their_opt = trained(theirs.prepare)
+        saves["accelerate save_state (no fsync)"] = lambda: theirs.save_state(folders["accelerate"])
+        loads["accelerate load_state"] = lambda: theirs.load_state(folders["accelerate"])
+    writes = dict(zip(saves, (folders["raw"], folders["hasten"], folders["hasten_bg"], folders["accelerate"])))
+    for fn in list(saves.values()):  # warm-up: first writes, first staging
+        fn()
+    times: dict = {k: [] for k in list(saves) + list(loads)}
+    for r in range(rounds):
+        for group in (saves, loads):
+            names = list(group)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if group is saves:  # fresh files for every save, the old ones deleted untimed
+                    shutil.rmtree(writes[name], ignore_errors=True)
+                else:
+                    for folder in folders.values():
+                        if os.path.isdir(folder):
+                            _read_all(folder)
+                _quiesce()
+                start = time.perf_counter()
+                returned = group[name]()
+                times[name].append(returned if isinstance(returned, float) else time.perf_counter() - start)
+    total = sum(p.numel() * 4 * 3 for p in model.parameters())
+    return {"bytes": total, "rounds": rounds,
+            "min_s": {k: min(v) for k, v in times.items()},
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()}}
+
+
 def seek(samples: int = 1_000_000, batch: int = 32) -> dict:
     import torch
 
@@ -223,10 +309,23 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds to wait after sync() before each timed operation (default 1)")
+    parser.add_argument("--compare", action="store_true",
+                        help="hasten vs torch.save + fsync vs Accelerate save/load instead of the default runs")
     args = parser.parse_args()
     global SETTLE
     SETTLE = args.settle
     base = tempfile.mkdtemp(prefix="hasten-bench-ckpt-", dir=args.dir)
+    if args.compare:
+        try:
+            result = compare(args.rounds, args.mb, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print(f"state: {result['bytes'] / 2**20:.0f} MiB (model + AdamW), {result['rounds']} interleaved rounds")
+        print(f"  {'operation':40s} {'min':>8s} {'median':>8s}")
+        for name in result["median_s"]:
+            print(f"  {name:40s} {result['min_s'][name]:7.3f}s {result['median_s'][name]:7.3f}s")
+        print(json.dumps(result))
+        return
     try:
         result = {"throughput": throughput(args.rounds, args.mb, base), "seek": seek()}
     finally:

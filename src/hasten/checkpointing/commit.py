@@ -2,7 +2,7 @@
 
 ``write_and_commit`` runs either inline (``save_state()``) or on a background thread
 (``save_state(blocking=False)``). The background variant first copies every tensor into staging
-buffers (``Stager``), so training may change the live state while the files are written, and it
+buffers (``staging.Stager``), so training may change the live state while the files are written, and it
 talks to the other processes over a process group of its own: collectives of the training loop
 on the default group and those of the save never interleave.
 """
@@ -16,10 +16,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from . import layout, saver
+from .staging import Stager
 
 
 class ProcessGroupGone(RuntimeError):
@@ -173,77 +173,6 @@ def _folder_files(folder: str) -> list[str]:
     return out
 
 
-class Stager:
-    """Copies of a checkpoint's tensors in host memory, reused from one save to the next.
-
-    Reusing the buffers matters: fresh memory costs a page fault per page on first touch, which
-    makes a first copy several times slower than a copy into buffers touched before. CUDA tensors
-    go to pinned buffers with asynchronous copies and one synchronisation at the end.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self.tree_buffers: dict[str, torch.Tensor] = {}
-
-    @staticmethod
-    def _copy(old: dict, kept: dict, key: Any, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` copied into the buffer ``old[key]`` (a new one when its shape or dtype changed)."""
-        tensor = tensor.detach()
-        on_cuda = tensor.device.type == "cuda"
-        buffer = old.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
-        buffer.copy_(tensor, non_blocking=on_cuda)
-        kept[key] = buffer
-        return buffer
-
-    @staticmethod
-    def _sync(kept: dict) -> None:
-        if any(b.is_pinned() for b in kept.values()):  # CUDA copies went out asynchronously
-            torch.cuda.synchronize()
-
-    def stage(self, items: list) -> list:
-        kept: dict[tuple[str, str], torch.Tensor] = {}
-        staged_items = []
-        for item in items:
-            if item.tensors is None:
-                staged_items.append(item)  # bytes: already a copy
-                continue
-            staged = {key: self._copy(self.buffers, kept, (item.name, key), tensor)
-                      for key, tensor in item.tensors.items()}
-            staged_items.append(item._replace(tensors=staged))
-        self._sync(kept)
-        self.buffers = kept  # buffers of tensors that are gone are freed
-        return staged_items
-
-    def stage_tree(self, tree: Any) -> Any:
-        """A copy of a nested state (dicts, lists, tensors, DTensors; other values as they are) whose
-        tensors live in host buffers kept for the next save. A DTensor stays a DTensor with the same
-        placement over the same mesh: each process copies its own shard (a sharded checkpoint's state)."""
-        kept: dict[str, torch.Tensor] = {}
-
-        def visit(value: Any, path: str) -> Any:
-            if isinstance(value, dict):
-                return {k: visit(v, f"{path}/{k}") for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(visit(v, f"{path}/{i}") for i, v in enumerate(value))
-            if not isinstance(value, torch.Tensor):
-                return value
-            spec = getattr(value, "_spec", None)
-            if spec is None:
-                return self._copy(self.tree_buffers, kept, path, value)
-            from torch.distributed.tensor import DTensor
-
-            # Built from the spec, not DTensor.from_local: that would move a host copy back to the GPU.
-            return DTensor(self._copy(self.tree_buffers, kept, path, value.detach().to_local()), spec,
-                           requires_grad=False)
-
-        staged = visit(tree, "")
-        self._sync(kept)
-        self.tree_buffers = kept
-        return staged
-
-
 class Background:
     """At most one save running on a thread; its failure is raised by the next ``wait``.
 
@@ -281,6 +210,7 @@ class Background:
         self.target, self.error = target, None
         # Not a daemon: an interpreter that is exiting waits for the commit instead of abandoning it.
         self.thread = threading.Thread(target=run, name="hasten-checkpoint-save")
+        self.stager.reader = self.thread  # the next staging waits for it before reusing the buffers
         self.thread.start()
 
     def wait(self) -> None:

@@ -397,6 +397,7 @@ class MappedFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._fd: Optional[int] = None
         self.size = os.path.getsize(path)
         if self.size:
             with open(path, "rb") as f:
@@ -409,6 +410,39 @@ class MappedFile:
     def checksum(self, pool: Optional[ThreadPoolExecutor] = None) -> str:
         return checksum_buffer(self.raw, pool)
 
+    def copy_into(self, dest: torch.Tensor, source: torch.Tensor, bounce: Optional["Bounce"] = None) -> None:
+        """``dest.copy_(source)`` for a ``source`` that views this mapping, read with ``pread``
+        instead when ``dest`` is a plain contiguous tensor of the same dtype and size: on the
+        machines we measured, copying out of a file mapping ran at a third of the speed of reading
+        the same bytes (a page fault per 4 KiB page). CUDA destinations are read through ``bounce``.
+        """
+        start = source.data_ptr() - self.raw.data_ptr() if self.size else -1
+        nbytes = source.numel() * source.element_size()
+        direct = (0 <= start and start + nbytes <= self.size and source.is_contiguous() and dest.is_contiguous()
+                  and type(dest) in (torch.Tensor, torch.nn.Parameter) and dest.dtype == source.dtype
+                  and dest.shape == source.shape and dest.device.type in ("cpu", "cuda") and nbytes > 0)
+        if not direct:
+            dest.copy_(source)
+            return
+        flat = dest.detach().view(-1).view(torch.uint8)
+        if dest.device.type == "cpu":
+            _pread_into(self.fd(), memoryview(flat.numpy()), start)
+        else:
+            (bounce or Bounce()).to_device(self.fd(), start, flat)
+
+    def fd(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
     def bytes(self) -> bytes:
         return bytes(self.raw.numpy().tobytes())
 
@@ -416,6 +450,49 @@ class MappedFile:
 def file_checksum(path: str) -> str:
     """The checksum of the file at ``path``, as ``verify`` recomputes it (for files another library wrote)."""
     return MappedFile(path).checksum()
+
+
+def _pread_into(fd: int, view: memoryview, position: int) -> None:
+    view = view.cast("B") if view.format != "B" else view
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + _CHUNK]], position + done)
+        if got <= 0:
+            raise CheckpointCorruptError(f"a checkpoint file ended {len(view) - done} bytes early while reading it")
+        done += got
+
+
+class Bounce:
+    """Two host buffers that file data passes through on its way to a GPU: while one is copied to
+    the device (asynchronously, from pinned memory), the next piece is read into the other."""
+
+    SIZE = 64 << 20
+
+    def __init__(self) -> None:
+        self.buffers: list = []
+        self.events: list = [None, None]
+        self.turn = 0
+
+    def to_device(self, fd: int, position: int, dest: torch.Tensor) -> None:
+        """Read ``dest.numel()`` bytes at ``position`` of ``fd`` into the flat uint8 device tensor ``dest``."""
+        if not self.buffers:
+            from .staging import wants_pinned
+
+            pinned = wants_pinned([dest.device.type])
+            self.buffers = [torch.empty(self.SIZE, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        stream = torch.cuda.current_stream(dest.device)
+        done, total = 0, dest.numel()
+        while done < total:
+            n = min(self.SIZE, total - done)
+            i = self.turn
+            if self.events[i] is not None:  # its previous copy must be finished before it is refilled
+                self.events[i].synchronize()
+            buffer = self.buffers[i][:n]
+            _pread_into(fd, memoryview(buffer.numpy()), position + done)
+            dest[done:done + n].copy_(buffer, non_blocking=buffer.is_pinned())
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record(stream)
+            done, self.turn = done + n, 1 - i
 
 
 def verify(mapped: MappedFile, size: int, checksum: Optional[str], pool: Optional[ThreadPoolExecutor] = None) -> None:
@@ -438,6 +515,7 @@ class SafetensorsView:
 
     def __init__(self, mapped: MappedFile) -> None:
         self.path = mapped.path
+        self.mapped = mapped
         raw = mapped.raw
         if raw.numel() < 8:
             raise CheckpointCorruptError(f"{mapped.path!r} is not a safetensors file (only {raw.numel()} bytes)")

@@ -13,7 +13,7 @@ import torch
 from ..saving import CheckpointMismatchError
 from ..state import warn_once
 from . import backends, layout, restorer, resume, rng, saver
-from .fileio import CheckpointCorruptError, quiet_frombuffer
+from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
 _KINDS = {
@@ -150,16 +150,17 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     _agree(problems, folder)
 
     # 3. apply: nothing below can fail on a checkpoint that passed the checks
+    bounce = Bounce()  # host buffers for file -> GPU reads, shared by every file of this load
     with torch.no_grad():
         inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
-        for model, state in zip(inner, loaded["models"]):
-            if state is not None:
+        for model, state, view in zip(inner, loaded["models"], loaded["model_views"]):
+            if state is not None and not (_plain_loading(acc, model) and restorer.read_model_in_place(model, view, bounce)):
                 acc.strategy.load_model_state_dict(model, state)
         if loaded["grads"] is not None:
             restorer.apply_gradients(acc, loaded["grads"])
-        for opt, state in zip(acc._optimizers, loaded["optimizers"]):
+        for opt, state, name in zip(acc._optimizers, loaded["optimizers"], loaded["optimizer_files"]):
             if state is not None:
-                restorer.apply_optimizer(opt, state, inner)
+                restorer.apply_optimizer(opt, state, inner, reader.mapped(name), bounce)
     if loaded["sharded"] is not None:
         loaded["sharded"].load(folder, manifest["contents"], inner, acc._optimizers)
     acc.strategy.weights_loaded(inner)
@@ -192,10 +193,20 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     return folder
 
 
+def _plain_loading(acc: Any, model: torch.nn.Module) -> bool:
+    """Whether the strategy loads a full state dict with ``Module.load_state_dict`` (no sharding, no
+    engine of its own), which reading the file straight into the model's tensors matches."""
+    from ..strategies.base import Strategy
+    from ..strategies.sharded_state import is_sharded
+
+    return type(acc.strategy).load_model_state_dict is Strategy.load_model_state_dict and not is_sharded(model)
+
+
 def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list, allow_pickle: bool,
                  problems: list) -> dict[str, Any]:
     contents = manifest["contents"]
-    out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": [], "grads": None}
+    out: dict[str, Any] = {"models": [], "model_views": [], "optimizers": [], "optimizer_files": [], "schedulers": [],
+                           "custom": [], "grads": None}
     if len(contents["models"]) != len(models):
         problems.append(("mismatch", f"it holds {len(contents['models'])} models but {len(models)} are prepared "
                          "(after the load_state pre-hooks)"))
@@ -213,12 +224,15 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
     for i, (entry, model) in enumerate(zip(contents["models"], inner)):
         if backend is not None:
             out["models"].append(None)
+            out["model_views"].append(None)
             continue
         view = reader.view(entry["file"])
         found = restorer.check_model(view, model, i)
         problems.extend(("mismatch", p) for p in found)
         out["models"].append(restorer.model_state(view))
+        out["model_views"].append(view)
     for i, (entry, opt) in enumerate(zip(contents["optimizers"], acc._optimizers)):
+        out["optimizer_files"].append(entry["file"])
         if backend is not None and backend.KEY in entry:
             out["optimizers"].append(None)
             continue

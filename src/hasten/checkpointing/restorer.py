@@ -17,7 +17,7 @@ import torch
 
 from ..saving import ALIASES_KEY
 from . import codec
-from .fileio import MappedFile, SafetensorsView, verify
+from .fileio import Bounce, MappedFile, SafetensorsView, verify
 from .layout import IncompleteCheckpointError
 from .saver import CLASS_KEY, SKELETON_KEY
 
@@ -73,6 +73,8 @@ class Reader:
         return codec.decode(skeleton, view.tensors()), view.metadata.get(CLASS_KEY)
 
     def close(self) -> None:
+        for mapped in self._mapped.values():
+            mapped.close()
         self._mapped.clear()
 
 
@@ -190,16 +192,50 @@ def check_optimizer(saved: Any, optimizer: Any, index: int) -> list[str]:
 
 
 # -- apply (after every process agreed) -----------------------------------------------------------
-def _materialize(value: torch.Tensor, live: Any) -> torch.Tensor:
-    """Copy a mapped tensor into the live tensor when it fits, else into fresh memory."""
-    if (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
-            and not live.requires_grad):
-        live.copy_(value)
-        return live
-    return value.clone()
+def _materialize(value: torch.Tensor, live: Any, device: torch.device, source: Optional[MappedFile] = None,
+                 bounce: Optional[Bounce] = None) -> torch.Tensor:
+    """Copy a mapped tensor into the live tensor when it fits, else straight onto ``device``.
+
+    One copy either way: a state read into host memory first and moved by the optimizer's
+    ``load_state_dict`` would cross memory twice (a resume into an optimizer without state yet).
+    """
+    fits = (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
+            and not live.requires_grad)
+    dest = live if fits else torch.empty(value.shape, dtype=value.dtype, device=device)
+    if source is not None:
+        source.copy_into(dest, value, bounce)
+    else:
+        dest.copy_(value)
+    return dest
 
 
-def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list] = None) -> None:
+def read_model_in_place(model: torch.nn.Module, view: SafetensorsView, bounce: Optional[Bounce] = None) -> bool:
+    """Read a full model file straight into the model's tensors, as ``load_state_dict`` would copy
+    them; False (nothing changed) unless every entry is a plain tensor of the saved dtype and shape
+    and no module customises loading (hooks, ``_load_from_state_dict``): then the caller loads the
+    usual way."""
+    for module in model.modules():
+        if (type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+                or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
+            return False
+    live = model.state_dict(keep_vars=True)
+    saved = model_state(view)
+    if live.keys() != saved.keys():
+        return False
+    for name, tensor in live.items():
+        value = saved[name]
+        if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.dtype != value.dtype
+                or tensor.shape != value.shape or not tensor.is_contiguous()):
+            return False
+    with torch.no_grad():
+        for name, tensor in live.items():
+            view.mapped.copy_into(tensor.detach(), saved[name], bounce)
+    return True
+
+
+def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list] = None,
+                    source: Optional[MappedFile] = None, bounce: Optional[Bounce] = None) -> None:
+    """Load a full optimizer state decoded from ``source`` (read from the file, see ``MappedFile.copy_into``)."""
     from ..strategies.sharded_state import is_sharded, load_full_optimizer_state
 
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -209,12 +245,24 @@ def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list
         load_full_optimizer_state(owner, inner, saved)
         return
     live_state = optimizer.state_dict()["state"]
+    params = {pid: p for saved_group, group in zip(saved["param_groups"], inner.param_groups)
+              for pid, p in zip(saved_group["params"], group["params"])}
     state = {}
     for pid, entries in saved["state"].items():
         current = live_state.get(pid) or {}
-        state[pid] = {k: _materialize(v, current.get(k)) if isinstance(v, torch.Tensor) else v
-                      for k, v in entries.items()}
+        param = params.get(pid)
+        state[pid] = {k: _materialize(v, current.get(k), _state_device(k, v, param), source, bounce)
+                      if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _state_device(key: str, value: torch.Tensor, param: Optional[torch.Tensor]) -> torch.device:
+    """Where ``Optimizer.load_state_dict`` will want an entry: on its parameter's device, except
+    the step counter, which it keeps on the host unless the optimizer is fused or capturable (it
+    moves it then, a scalar)."""
+    if param is None or key == "step" or value.dim() == 0:
+        return value.device
+    return param.device
 
 
 def detach_state(value: Any) -> Any:
