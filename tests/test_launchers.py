@@ -32,6 +32,14 @@ def test_notebook_and_debug_launchers_run_two_ranks(tmp_path):
     assert "KeyError: 'broken on rank 1'" in error["message"]
 
 
+def test_importing_the_launchers_patches_nothing_in_torch():
+    code = ("import torch; before = torch.cuda._lazy_init; import hasten.launchers; "
+            "assert torch.cuda._lazy_init is before, torch.cuda._lazy_init; "
+            "assert not hasattr(torch.cuda, '_hasten_tracks_init')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def _initialise_cuda_here():
     torch.cuda._lazy_init()  # raises on a CPU build, after hasten has noted the caller
 
