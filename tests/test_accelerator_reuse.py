@@ -49,5 +49,5 @@ def test_an_accelerator_survives_a_pickle_round_trip(fresh_state, tmp_path):
     assert copy.gradient_state.__dict__ is acc.gradient_state.__dict__
     assert (copy.gradient_accumulation_steps, copy.num_processes, copy.device) == (2, 1, acc.device)
     assert [b[0].tolist() for b in copy._dataloaders[0]] == [b[0].tolist() for b in dl]
-    assert copy.resume == "auto" and copy.prepare.__name__ == "prepare_then_resume"
+    assert copy.resume == "auto" and copy._auto_resume.accelerator is copy  # the plan follows the copy
     assert copy.save_state().endswith("checkpoint_1")

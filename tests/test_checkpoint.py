@@ -535,6 +535,20 @@ def test_resume_auto_starts_fresh_then_continues(fresh_state, tmp_path):
         setup(tmp_path, resume="sometimes")
 
 
+def test_resume_auto_keeps_the_instance_plain(fresh_state, tmp_path):
+    acc, model, opt, sched = setup(tmp_path, resume="auto")
+    acc.save_state()
+    reset_state()
+    acc, model, opt, sched = setup(tmp_path, resume="auto")  # resumed by prepare() itself
+    acc.register_for_checkpointing(Counter(0))
+    assert acc.save_iteration == 1 and acc.resume == "auto"
+    for name in ("prepare", "register_for_checkpointing", "_hasten_auto_resume"):
+        assert name not in vars(acc), name  # no per-instance method or hidden entry
+    assert acc.prepare.__func__ is type(acc).prepare
+    acc.resume = None
+    assert acc.resume is None and acc.save_state().endswith("checkpoint_1")
+
+
 # -- seeking ---------------------------------------------------------------------------------------------
 def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fresh_state):
     from torch.utils.data import BatchSampler, SequentialSampler

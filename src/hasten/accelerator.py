@@ -184,6 +184,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         self._custom_objects: list[Any] = []
         self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
+        self._auto_resume: Optional[Any] = None  # checkpointing.resume.AutoResume, set by the resume setter
         self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
 
     # -- prepare --------------------------------------------------------------------------------
@@ -202,8 +203,13 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects; give one per object"
             )
         result = list(args)
-        if self.strategy.joint_prepare:
-            return self._prepare_jointly(args, result, device_placement)
+        prepare_all = self._prepare_jointly if self.strategy.joint_prepare else self._prepare_by_kind
+        prepared = prepare_all(args, result, device_placement)
+        self._resume_if_pending()  # resume=...: restores once everything the checkpoint holds is prepared
+        return prepared
+
+    def _prepare_by_kind(self, args: tuple, result: list, device_placement: Sequence[Optional[bool]]) -> Any:
+        """Models and dataloaders, then optimizers, then schedulers."""
         passes = (
             (nn.Module, self.prepare_model), (torch.utils.data.DataLoader, self.prepare_data_loader),
             (torch.optim.Optimizer, self.prepare_optimizer), (_scheduler_types(), self.prepare_scheduler),
@@ -550,7 +556,9 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                     f"register_for_checkpointing: object at position {i} ({type(obj).__name__}) has no "
                     "state_dict()/load_state_dict(); wrap it in a class that provides both"
                 )
+        first = len(self._custom_objects)
         self._custom_objects.extend(objects)
+        self._restore_registered_since(first)  # resume=...: state saved for objects registered after the resume
 
     # -- profiling ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -595,15 +603,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_hasten_background_save", None)  # a thread and staging buffers of this process
-        for name in ("prepare", "register_for_checkpointing"):  # resume="auto"'s wrappers, rebuilt below
-            state.pop(name, None)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        auto = state.get("_hasten_auto_resume")
-        if auto is not None:
-            auto.install()
 
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \

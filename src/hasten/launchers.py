@@ -5,8 +5,8 @@ notebook, a test, ...) needs no pickling and no re-import; each child gets torch
 and builds its process group as a script started by ``hasten launch`` would. On CPU,
 ``num_processes=2`` really gives two ranks.
 
-Forking is refused once CUDA is initialised in the parent (a forked child cannot use it); to say
-*which* call did it, importing this module records where CUDA gets initialised from then on.
+Forking is refused once CUDA is initialised in the parent (a forked child cannot use it): the check
+is ``torch.cuda.is_initialized()`` at launch time; nothing in torch is patched to watch for it.
 """
 
 from __future__ import annotations
@@ -50,52 +50,14 @@ class LaunchError(ChildFailedError, RuntimeError):
         return type(self), (str(self), self.rank, self.exitcode, self.name, self.failures)
 
 
-# -- where was CUDA initialised? ----------------------------------------------------------------
-_cuda_init_stack: Optional[list] = None
-
-
-def _track_cuda_init() -> None:
-    """Wrap ``torch.cuda._lazy_init`` to remember the stack of the call that initialises CUDA."""
-    cuda = torch.cuda
-    if getattr(cuda, "_hasten_tracks_init", False) or cuda.is_initialized():
-        return
-    original = cuda._lazy_init
-
-    def _lazy_init(*args: Any, **kwargs: Any) -> Any:
-        global _cuda_init_stack
-        if _cuda_init_stack is None and not cuda.is_initialized():
-            _cuda_init_stack = traceback.extract_stack()[:-1]
-        return original(*args, **kwargs)
-
-    cuda._lazy_init = _lazy_init
-    cuda._hasten_tracks_init = True
-
-
-_track_cuda_init()
-
-
-def _user_frame(stack: list) -> Optional[traceback.FrameSummary]:
-    """The innermost frame outside torch and hasten: the user's call that touched CUDA."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(stack):
-        path = os.path.abspath(frame.filename) if not frame.filename.startswith("<") else frame.filename
-        if not path.startswith(skip):
-            return frame
-    return stack[-1] if stack else None
-
-
-def cuda_initialised_message(stack: Optional[list] = None) -> str:
-    """Why forking is refused, which call initialised CUDA (when known), and the fix."""
-    stack = _cuda_init_stack if stack is None else stack
-    fix = ("Restart the kernel/interpreter and call notebook_launcher before anything touches the GPU: build the "
-           "model and move it to the GPU inside the launched function.")
-    head = "CUDA is already initialised in this process, and processes forked from it cannot use CUDA. "
-    frame = _user_frame(stack) if stack else None
-    if frame is None:
-        return (head + "It was initialised before hasten.launchers was imported (e.g. by .cuda(), .to('cuda'), "
-                "torch.cuda.* calls or a library import), so the call is unknown. " + fix)
-    code = f": `{frame.line.strip()}`" if frame.line else ""
-    return head + f"It was initialised by {frame.filename}, line {frame.lineno}, in {frame.name}{code}. " + fix
+# -- refusing to fork a process that holds CUDA -------------------------------------------------
+def cuda_initialised_message() -> str:
+    """Why forking is refused, how to find the call that initialised CUDA, and the fix."""
+    return ("CUDA is already initialised in this process, and processes forked from it cannot use CUDA. Something "
+            "ran before notebook_launcher touched the GPU (e.g. .cuda(), .to('cuda'), torch.cuda.* calls or a library "
+            "import); to find it, restart the kernel/interpreter and run the cells again one at a time, checking "
+            "torch.cuda.is_initialized() after each. Restart the kernel/interpreter and call notebook_launcher before "
+            "anything touches the GPU: build the model and move it to the GPU inside the launched function.")
 
 
 # -- launching ----------------------------------------------------------------------------------
@@ -224,7 +186,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: Optio
 
     Raises:
         LaunchError: a process failed (the message has the first failing rank's traceback).
-        RuntimeError: CUDA was already initialised in this process (the message says where).
+        RuntimeError: CUDA was already initialised in this process (the message says how to find the call).
     """
     mixed_precision = str(mixed_precision).lower()
     if mixed_precision not in MIXED_PRECISION:

@@ -177,7 +177,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     custom = [restorer.detach_state(s) for s in loaded["custom"]]
     for obj, state in zip(acc._custom_objects, custom):
         obj.load_state_dict(state)
-    auto = acc.__dict__.get("_hasten_auto_resume")
+    auto = acc._auto_resume
     if custom_later and auto is not None:
         auto.pending_custom = [None] * len(acc._custom_objects) + custom[len(acc._custom_objects):]
     acc.step = int(loaded["rank"]["step"])

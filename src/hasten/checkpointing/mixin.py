@@ -73,26 +73,32 @@ class CheckpointMixin:
         return handle
 
     # -- resume switch ------------------------------------------------------------------------------
+    # The plan lives in ``self._auto_resume`` (an ``AutoResume`` or None, declared by
+    # ``Accelerator.__init__``); ``prepare`` and ``register_for_checkpointing`` call the two steps below.
     @property
     def resume(self) -> Optional[str]:
         """None, "auto" or a checkpoint folder: what ``prepare`` restores automatically."""
-        auto = self.__dict__.get("_hasten_auto_resume")
-        return auto.source if auto is not None else None
+        return self._auto_resume.source if self._auto_resume is not None else None
 
     @resume.setter
     def resume(self, value: Any) -> None:
         source = resume.check_resume(value)
-        if source is None:
-            self.__dict__.pop("_hasten_auto_resume", None)
-            return
         if source == "auto" and not self.project_configuration.automatic_checkpoint_naming:
             raise ValueError(
                 "resume='auto' continues from project_dir/checkpoints, which needs "
                 "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)"
             )
-        auto = resume.AutoResume(self, source)
-        auto.install()
-        self.__dict__["_hasten_auto_resume"] = auto
+        self._auto_resume = resume.AutoResume(self, source) if source is not None else None
+
+    def _resume_if_pending(self) -> None:
+        """End of ``prepare``: restore the checkpoint once everything it holds has been prepared."""
+        if self._auto_resume is not None:
+            self._auto_resume.maybe_resume()
+
+    def _restore_registered_since(self, first: int) -> None:
+        """End of ``register_for_checkpointing``: objects registered after the resume get their saved state."""
+        if self._auto_resume is not None:
+            self._auto_resume.restore_custom(first)
 
     # -- preemption ---------------------------------------------------------------------------------
     def save_on_preemption(self, signals: Sequence[int] = (signal.SIGTERM,), exit_code: int = 0,
@@ -144,8 +150,7 @@ class CheckpointMixin:
                           stacklevel=2)
         if not pc.automatic_checkpoint_naming and output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-        auto = self.__dict__.get("_hasten_auto_resume")
-        pending = auto.unresolved() if auto is not None else None
+        pending = self._auto_resume.unresolved() if self._auto_resume is not None else None
         if pending:
             raise RuntimeError(pending + "; saving now would overwrite the run's history")
         self.wait_for_checkpoint()  # one save at a time; a failed background save is reported here

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 RESUME_CHOICES = ("auto", "never")
 
@@ -79,10 +79,11 @@ def check_resume(value: Any) -> Optional[str]:
 class AutoResume:
     """Restores a checkpoint as soon as the run has prepared what the checkpoint holds.
 
-    Installed by ``Accelerator(resume=...)``: after every ``prepare()`` call it compares the prepared
-    models, optimizers, schedulers and dataloaders with the checkpoint's; when they match it calls
-    ``load_state``. Objects given to ``register_for_checkpointing`` later get their saved state when
-    they are registered.
+    Held by ``Accelerator(resume=...)`` (its ``resume`` setter); ``Accelerator.prepare`` calls
+    ``maybe_resume`` at its end, which compares the prepared models, optimizers, schedulers and
+    dataloaders with the checkpoint's and calls ``load_state`` once they match.
+    ``register_for_checkpointing`` calls ``restore_custom``: objects registered after the resume get
+    their saved state when they are registered.
     """
 
     def __init__(self, accelerator: Any, source: str) -> None:
@@ -92,27 +93,6 @@ class AutoResume:
         self.contents: Optional[dict] = None
         self.done = False
         self.pending_custom: list[Any] = []  # saved states of objects not yet registered
-        self.custom_offset = 0
-
-    def install(self) -> None:
-        acc = self.accelerator
-        prepare = type(acc).prepare.__get__(acc)
-        register = type(acc).register_for_checkpointing.__get__(acc)
-
-        def prepare_then_resume(*args: Any, **kwargs: Any) -> Any:
-            result = prepare(*args, **kwargs)
-            self.maybe_resume()
-            return result
-
-        def register_then_restore(*objects: Any) -> None:
-            before = len(acc._custom_objects)
-            register(*objects)
-            self.restore_custom(before)
-
-        prepare_then_resume.__doc__ = prepare.__doc__
-        register_then_restore.__doc__ = register.__doc__
-        acc.prepare = prepare_then_resume
-        acc.register_for_checkpointing = register_then_restore
 
     def locate(self) -> tuple[Optional[str], Any]:
         """(folder, its contents) to resume from, decided by process 0; (None, None): fresh start.
@@ -174,13 +154,3 @@ class AutoResume:
         return (f"resume: checkpoint {self.folder!r} holds registered objects {missing} that were never given to "
                 "register_for_checkpointing in this run")
 
-
-def custom_callback(auto: Optional[AutoResume]) -> Optional[Callable[[list], None]]:
-    if auto is None:
-        return None
-
-    def keep(states: list) -> None:
-        auto.pending_custom = list(states)
-        auto.restore_custom(0)
-
-    return keep
