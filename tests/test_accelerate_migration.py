@@ -200,6 +200,9 @@ def test_counts_must_match(tmp_path, fresh_state):
     acc.prepare(nn.Linear(3, 2))
     with pytest.raises(CheckpointMismatchError, match=r"1 optimizer states \(optimizer.bin\) but 0 are prepared"):
         acc.load_state(str(tmp_path))
+    os.makedirs(tmp_path / "pytorch_model_fsdp_0")  # Accelerate's sharded FSDP layout
+    with pytest.raises(CheckpointMismatchError, match="sharded FSDP or DeepSpeed checkpoint of Accelerate"):
+        acc.load_state(str(tmp_path))
 
 
 def test_loader_starts_a_fresh_pass_or_continues_a_stateful_position(tmp_path, fresh_state):

@@ -101,10 +101,11 @@ def _rng_globals() -> list:
 def read_rng(path: str) -> Optional[dict[str, Any]]:
     """The RNG file as hasten's ``rng.restore`` state plus ``step``; None (and a warning) when refused."""
     try:
-        saved = _torch_load(path, extra_globals=_rng_globals())
+        saved = _torch_load(path, extra_globals=_rng_globals(),
+                            advice="a file written by Accelerate holds only RNG states and NumPy arrays")
     except pickle.UnpicklingError as e:
         warnings.warn(f"load_state: random states skipped (the run continues with the current ones): {e}",
-                      stacklevel=4)
+                      stacklevel=6)
         return None
     state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
                              "torch": saved["torch_manual_seed"]}
@@ -197,7 +198,7 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
         out["scaler"] = _torch_load(path("scaler.pt"))
     elif "scaler.pt" in names or scaler_here:
         warnings.warn("load_state: the Accelerate checkpoint and this run differ in fp16 gradient scaling; the "
-                      "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=4)
+                      "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=5)
     out["loaders"] = _loader_positions(acc, folder, names)
     rng_files = sorted((n for n in names if _RNG.match(n)), key=lambda n: int(_RNG.match(n).group(1)))
     if rng_files:
@@ -207,7 +208,7 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
         out["rng_world"] = saved_world
     else:
         warnings.warn("load_state: the Accelerate checkpoint has no random_states_*.pkl; random generators and "
-                      "the step counter are left as they are", stacklevel=4)
+                      "the step counter are left as they are", stacklevel=5)
     return out
 
 
@@ -229,11 +230,11 @@ def _loader_positions(acc: Any, folder: str, names: set[str]) -> list[Optional[d
             raise ValueError(f"{file}: no batch count (_num_yielded) in this dataloader state; prepare a loader "
                              "without use_stateful_dataloader's state, or remove the file")
         warnings.warn(f"load_state: dataloader {i} continues after {done} batches ({file}); its shuffled order is "
-                      "hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=4)
+                      "hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=6)
         out.append({"epoch": int(getattr(dl, "iteration", 0)), "batches_yielded": done})
     if "sampler.bin" in names:
         warnings.warn("load_state: sampler.bin (a pickled Accelerate sampler object) is not unpickled; the "
-                      "loader's shuffling follows hasten's seed", stacklevel=4)
+                      "loader's shuffling follows hasten's seed", stacklevel=6)
     return out
 
 
@@ -281,5 +282,5 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
                          f"{acc.num_processes}: process r takes the random states of saved process r % "
                          f"{loaded['rng_world']}")
     for note in notes:
-        warnings.warn(f"load_state: {note}", stacklevel=3)
+        warnings.warn(f"load_state: {note}", stacklevel=4)
     return folder
