@@ -205,6 +205,12 @@ def test_counts_must_match(tmp_path, fresh_state):
         acc.load_state(str(tmp_path))
 
 
+# What Accelerate's save_state writes for a stateful loader (torchdata 0.11) after 2 batches.
+STATEFUL = {"_index_sampler_state": None, "_sampler_iter_state": None, "_sampler_iter_yielded": 2, "_num_yielded": 2,
+            "_IterableDataset_len_called": None, "_shared_seed": None, "fetcher_state": None, "dataset_state": None,
+            "_iterator_finished": False}
+
+
 def test_loader_starts_a_fresh_pass_or_continues_a_stateful_position(tmp_path, fresh_state):
     """Accelerate without torchdata saves no position (its resume starts a new pass); with torchdata's
     stateful loaders it writes dl_state_dict.bin, whose batch count hasten continues from."""
@@ -218,14 +224,45 @@ def test_loader_starts_a_fresh_pass_or_continues_a_stateful_position(tmp_path, f
     acc.load_state(str(tmp_path / "plain"))
     torch.testing.assert_close(next(iter(loader)), data[:4].to(acc.device))
 
-    reset_state()
-    _accelerate_save(tmp_path / "stateful", model, **{"dl_state_dict.bin": {"_num_yielded": 2,
-                                                                            "_sampler_iter_yielded": 2}})
+    _accelerate_save(tmp_path / "stateful", model, **{"dl_state_dict.bin": STATEFUL})
+    for shuffle in (False, True):
+        reset_state()
+        acc = Accelerator()
+        net, loader = acc.prepare(nn.Linear(2, 1), torch.utils.data.DataLoader(data, batch_size=4, shuffle=shuffle))
+        if shuffle:
+            with pytest.warns(UserWarning, match="continues after 2 batches .*shuffled order is hasten's"):
+                acc.load_state(str(tmp_path / "stateful"))
+            assert len(list(loader)) == 3  # the rest of the epoch: 5 batches minus the 2 consumed
+        else:
+            acc.load_state(str(tmp_path / "stateful"))
+            torch.testing.assert_close(next(iter(loader)), data[8:12].to(acc.device))
+
+
+STATEFUL_SCRIPT = """
+import sys, torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+dl = acc.prepare(torch.utils.data.DataLoader(torch.arange(48.0).reshape(24, 2), batch_size=4))
+it = iter(dl)
+next(it), next(it)
+acc.save_state(sys.argv[1])
+acc.load_state(sys.argv[1])
+print(next(iter(dl)).tolist())
+"""
+
+
+def test_mid_epoch_stateful_loader_continues_where_accelerate_does(tmp_path, fresh_state):
+    pytest.importorskip("torchdata.stateful_dataloader", reason="Accelerate's stateful loaders need torchdata")
+    from hasten import Accelerator
+
+    proc = _run([sys.executable, "-c", STATEFUL_SCRIPT, str(tmp_path / "ckpt")])
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "dl_state_dict.bin" in os.listdir(tmp_path / "ckpt")
     acc = Accelerator()
-    net, loader = acc.prepare(nn.Linear(2, 1), torch.utils.data.DataLoader(data, batch_size=4))
-    with pytest.warns(UserWarning, match="continues after 2 batches"):
-        acc.load_state(str(tmp_path / "stateful"))
-    torch.testing.assert_close(next(iter(loader)), data[8:12].to(acc.device))
+    loader = acc.prepare(torch.utils.data.DataLoader(torch.arange(48.0).reshape(24, 2), batch_size=4))
+    acc.load_state(str(tmp_path / "ckpt"))
+    assert next(iter(loader)).tolist() == theirs == torch.arange(16.0, 24.0).reshape(4, 2).tolist()
 
 
 def test_fp16_scaler_state_is_restored(tmp_path, fresh_state):

@@ -229,8 +229,10 @@ def _loader_positions(acc: Any, folder: str, names: set[str]) -> list[Optional[d
         if not isinstance(done, int):
             raise ValueError(f"{file}: no batch count (_num_yielded) in this dataloader state; prepare a loader "
                              "without use_stateful_dataloader's state, or remove the file")
-        warnings.warn(f"load_state: dataloader {i} continues after {done} batches ({file}); its shuffled order is "
-                      "hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=6)
+        sampler = dl.get_sampler() if hasattr(dl, "get_sampler") else getattr(dl, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            warnings.warn(f"load_state: dataloader {i} continues after {done} batches ({file}); its shuffled order "
+                          "is hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=6)
         out.append({"epoch": int(getattr(dl, "iteration", 0)), "batches_yielded": done})
     if "sampler.bin" in names:
         warnings.warn("load_state: sampler.bin (a pickled Accelerate sampler object) is not unpickled; the "
