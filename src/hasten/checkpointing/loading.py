@@ -12,7 +12,7 @@ import torch
 
 from ..saving import CheckpointMismatchError
 from ..state import warn_once
-from . import backends, layout, restorer, resume, rng, saver
+from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
 from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
@@ -102,6 +102,8 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     allow_pickle = load_kwargs.get("weights_only", True) is False
     quiet_frombuffer()
     folder = resolve_folder(acc, input_dir)
+    if broadcast_from_main([accelerate_folder.is_accelerate_folder(folder)])[0]:
+        return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
     pool = ThreadPoolExecutor(2)
     try:
         return _load(acc, folder, allow_pickle, custom_later, checksums, pool)

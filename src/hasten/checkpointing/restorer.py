@@ -141,13 +141,17 @@ def check_model(view: SafetensorsView, model: torch.nn.Module, index: int) -> li
     for alias, canonical in aliases.items():
         if canonical in shapes:
             shapes.setdefault(alias, shapes[canonical])
+    return check_shapes(shapes, model, f"model {index} ({type(model).__name__})")
+
+
+def check_shapes(shapes: dict[str, tuple], model: torch.nn.Module, label: str) -> list[str]:
+    """What differs between saved tensor names/shapes and ``model``'s state (one line per kind)."""
     live = model.state_dict(keep_vars=True)
     missing = [k for k in live if k not in shapes]
     unexpected = [k for k in shapes if k not in live]
     wrong = [f"{k} (checkpoint {list(shapes[k])}, model {list(live[k].shape)})" for k in shapes
-             if k in live and isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != shapes[k]]
+             if k in live and isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(shapes[k])]
     problems = []
-    label = f"model {index} ({type(model).__name__})"
     if wrong:
         problems.append(f"{label}: shapes differ for {_listing(wrong)}")
     if missing:

@@ -1,4 +1,5 @@
-"""The ``hasten`` command: ``config``, ``launch``, ``env``, ``test``, ``estimate-memory``, ``merge-weights``.
+"""The ``hasten`` command: ``config``, ``launch``, ``env``, ``test``, ``estimate-memory``, ``merge-weights``,
+``to-fsdp2``.
 
 Everything up to the moment processes start is torch-free, so ``hasten --help`` and
 ``hasten launch --help`` answer at once. A user error prints one line and exits with status 2.
@@ -15,11 +16,11 @@ from typing import Optional, Sequence
 from .errors import HastenCLIError, did_you_mean
 from .launch_settings import ArgParser
 
-COMMANDS = ("config", "launch", "env", "test", "estimate-memory", "merge-weights")
+COMMANDS = ("config", "launch", "env", "test", "estimate-memory", "merge-weights", "to-fsdp2")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import config, env, estimate, launch, merge, test
+    from . import config, env, estimate, launch, merge, test, to_fsdp2
 
     parser = ArgParser(
         prog="hasten",
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_parser(subparsers)
     estimate.add_parser(subparsers)
     merge.add_parser(subparsers)
+    to_fsdp2.add_parser(subparsers)
     return parser
 
 

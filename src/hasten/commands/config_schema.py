@@ -428,16 +428,21 @@ def to_yaml_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def write_config(path: str, cfg: Mapping[str, Any]) -> str:
     """Write ``cfg`` as YAML atomically (temp file + rename); returns the path."""
+    return dump_yaml_atomically(path, to_yaml_dict(validate(dict(cfg), "config to write")))
+
+
+def dump_yaml_atomically(path: str, data: Mapping[str, Any], flag: str = "--config_file") -> str:
+    """Write ``data`` as YAML to ``path`` through a temp file and a rename; returns the absolute path.
+    ``flag`` is the option an error message tells the user to change."""
     import yaml
 
-    data = to_yaml_dict(validate(dict(cfg), "config to write"))
     path = os.path.abspath(os.path.expanduser(path))
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".hasten-config-", suffix=".yaml", dir=folder)
     except OSError as exc:
-        raise HastenCLIError(f"cannot write the config file {path}: {exc.strerror}; pass another --config_file") from None
+        raise HastenCLIError(f"cannot write the config file {path}: {exc.strerror}; pass another {flag}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             yaml.safe_dump(data, f, default_flow_style=False, sort_keys=False)

@@ -1,0 +1,288 @@
+"""Loading a folder written by Hugging Face Accelerate's ``save_state`` (migration mid-training).
+
+Accelerate writes plain files next to each other: ``model.safetensors`` or ``pytorch_model.bin``
+(``_1``, ``_2`` ... for more models), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 on
+a GPU), ``custom_checkpoint_<i>.pkl``, ``dl_state_dict.bin`` (torchdata's stateful loaders only),
+``sampler.bin`` (a pickled sampler object) and ``random_states_<rank>.pkl``. Everything is read
+with torch's weights-only unpickler, which refuses any global outside a short allow-list *before*
+running anything; the RNG files need NumPy's array reconstructors, which are allowed for those files
+alone. As in hasten's own loader, every file is read and compared with the live objects on every
+process before anything changes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import layout, restorer, rng
+from .mixin import _HOOKS_LOAD
+
+_MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
+_SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
+                    r"random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt)$")
+_HASTEN = re.compile(r"^(grads_)?rank_\d+\.safetensors$")
+_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+_CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+_SHARDED = re.compile(r"^(pytorch_model_fsdp(_\d+)?|optimizer_\d+|latest|pytorch_model(_\d+)?)$")
+
+_ADVICE = ("hasten reads Accelerate's files with the weights-only unpickler only; if you trust the file, "
+           "load it yourself with torch.load(..., weights_only=False) and call load_state_dict")
+_CUSTOM_ADVICE = ("a registered object's state that needs pickle loads only with load_state(..., "
+                  "load_kwargs={'weights_only': False}), if you trust the file")
+
+
+def is_accelerate_folder(folder: str) -> bool:
+    """No hasten manifest nor per-process file, and a file only Accelerate's ``save_state`` writes (its
+    pickled ``.bin``/``.pkl`` files: a hasten folder holds safetensors only, so an interrupted hasten
+    save keeps its own "no manifest" error)."""
+    if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, layout.MANIFEST)):
+        return False
+    names = os.listdir(folder)
+    if any(_HASTEN.match(name) for name in names):
+        return False
+    return any(_SIGNS.match(name) for name in names)
+
+
+def _numbered(names: set[str], stem: str, ext: str) -> list[str]:
+    """``stem.ext``, ``stem_1.ext``, ... as long as they exist (Accelerate's numbering)."""
+    out = []
+    while True:
+        name = f"{stem}{'' if not out else f'_{len(out)}'}.{ext}"
+        if name not in names:
+            return out
+        out.append(name)
+
+
+def _model_files(names: set[str]) -> list[str]:
+    out = []
+    for i in range(len([n for n in names if _MODEL.match(n)])):
+        end = f"_{i}" if i else ""
+        for name in (f"model{end}.safetensors", f"pytorch_model{end}.bin"):
+            if name in names:  # Accelerate prefers the safetensors file when both exist
+                out.append(name)
+                break
+        else:
+            break
+    return out
+
+
+def _torch_load(path: str, allow_pickle: bool = False, extra_globals: Optional[list] = None,
+                advice: str = _ADVICE) -> Any:
+    name = os.path.basename(path)
+    try:
+        if allow_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(extra_globals or []):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        # torch's message is long; the line naming the refused global is the useful one
+        found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
+        reason = found.group(0) if found else lines[0]
+        raise pickle.UnpicklingError(f"{name}: refused by the weights-only unpickler ({reason}); {advice}") from None
+
+
+def _rng_globals() -> list:
+    """What ``random_states_*.pkl`` holds beyond tensors: NumPy's legacy MT19937 state tuple."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_rng(path: str) -> Optional[dict[str, Any]]:
+    """The RNG file as hasten's ``rng.restore`` state plus ``step``; None (and a warning) when refused."""
+    try:
+        saved = _torch_load(path, extra_globals=_rng_globals(),
+                            advice="a file written by Accelerate holds only RNG states and NumPy arrays")
+    except pickle.UnpicklingError as e:
+        warnings.warn(f"load_state: random states skipped (the run continues with the current ones): {e}",
+                      stacklevel=6)
+        return None
+    state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
+                             "torch": saved["torch_manual_seed"]}
+    if "numpy_random_seed" in saved:
+        kind, keys, pos, has_gauss, cached = saved["numpy_random_seed"]
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    for ours, theirs in (("cuda", "torch_cuda_manual_seed"), ("xpu", "torch_xpu_manual_seed")):
+        if theirs in saved:
+            state[ours] = list(saved[theirs])
+    return state
+
+
+def _read_model(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    return _torch_load(path)
+
+
+def _fill_ties(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Accelerate's safetensors files keep one name of each tied group; give the others the same tensor."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor) and tensor.numel() and not hasattr(tensor, "to_local"):
+            groups.setdefault((tensor.data_ptr(), tuple(tensor.shape), tensor.dtype), []).append(name)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        for name in names:
+            if present and name not in state:
+                state[name] = state[present[0]]
+
+
+def _count(problems: list, what: str, found: list[str], live: int, fix: str) -> bool:
+    if len(found) == live:
+        return True
+    problems.append(("mismatch", f"it holds {len(found)} {what} ({', '.join(found) or 'none'}) but {live} are "
+                     f"prepared; {fix}"))
+    return False
+
+
+def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_later: bool,
+          problems: list) -> dict[str, Any]:
+    """Every state this process needs, compared with the live objects (nothing applied)."""
+    out: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "custom": [], "scaler": None,
+                           "rng": None, "loaders": []}
+    sharded = sorted(n for n in names if _SHARDED.match(n) and os.path.isdir(os.path.join(folder, n)))
+    if sharded or "latest" in names:
+        problems.append(("mismatch", f"it holds {', '.join(sharded or ['latest'])}: a sharded FSDP or DeepSpeed "
+                         "checkpoint of Accelerate, which hasten does not read; save it again from Accelerate "
+                         "with a full state dict (FSDP: state_dict_type=FULL_STATE_DICT)"))
+        return out
+    live_backend = acc.strategy.checkpoint_backend()
+    if getattr(live_backend, "EXCLUSIVE", False):
+        problems.append(("mismatch", f"this run uses {live_backend.NAME}, which loads only its own checkpoints; "
+                         "load the weights with load_checkpoint_in_model before prepare instead"))
+        return out
+    path = lambda name: os.path.join(folder, name)  # noqa: E731
+    models = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
+    files = _model_files(names)
+    if _count(problems, "models", files, len(models), "prepare the same models as the run that saved it"):
+        for i, (file, model) in enumerate(zip(files, models)):
+            state = _read_model(path(file))
+            _fill_ties(state, model)
+            label = f"model {i} ({type(model).__name__}, {file})"
+            shapes = {k: tuple(v.shape) for k, v in state.items()}
+            problems.extend(("mismatch", p) for p in restorer.check_shapes(shapes, model, label))
+            out["models"].append(state)
+    optimizers = _numbered(names, "optimizer", "bin")
+    if _count(problems, "optimizer states", optimizers, len(acc._optimizers), "prepare the same optimizers"):
+        for i, (file, opt) in enumerate(zip(optimizers, acc._optimizers)):
+            state = _torch_load(path(file))
+            problems.extend(("mismatch", f"{p} ({file})") for p in restorer.check_optimizer(state, opt, i))
+            out["optimizers"].append(state)
+    schedulers = _numbered(names, "scheduler", "bin")
+    if _count(problems, "scheduler states", schedulers, len(acc._schedulers), "prepare the same schedulers"):
+        out["schedulers"] = [_torch_load(path(f)) for f in schedulers]
+    custom = sorted((n for n in names if _CUSTOM.match(n)), key=lambda n: int(_CUSTOM.match(n).group(1)))
+    registered = len(acc._custom_objects)
+    if custom_later and len(custom) >= registered:
+        custom_ok = True
+    else:
+        custom_ok = _count(problems, "registered objects", custom, registered,
+                           "register the same objects with register_for_checkpointing before load_state")
+    if custom_ok:
+        out["custom"] = [_torch_load(path(f), allow_pickle, advice=_CUSTOM_ADVICE) for f in custom]
+    scaler_here = acc.precision.scaler is not None
+    if "scaler.pt" in names and scaler_here:
+        out["scaler"] = _torch_load(path("scaler.pt"))
+    elif "scaler.pt" in names or scaler_here:
+        warnings.warn("load_state: the Accelerate checkpoint and this run differ in fp16 gradient scaling; the "
+                      "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=5)
+    out["loaders"] = _loader_positions(acc, folder, names)
+    rng_files = sorted((n for n in names if _RNG.match(n)), key=lambda n: int(_RNG.match(n).group(1)))
+    if rng_files:
+        saved_world = len(rng_files)
+        own = f"random_states_{acc.process_index % saved_world}.pkl"
+        out["rng"] = read_rng(path(own)) if own in names else None
+        out["rng_world"] = saved_world
+    else:
+        warnings.warn("load_state: the Accelerate checkpoint has no random_states_*.pkl; random generators and "
+                      "the step counter are left as they are", stacklevel=5)
+    return out
+
+
+def _loader_positions(acc: Any, folder: str, names: set[str]) -> list[Optional[dict[str, Any]]]:
+    """Where each prepared loader's next pass starts, as Accelerate would resume it.
+
+    Without torchdata, Accelerate saves no position for a loader over a map-style dataset: its resume
+    starts a fresh pass (scripts skip batches with ``skip_first_batches``). hasten does the same. With
+    torchdata's stateful loaders Accelerate saves ``dl_state_dict.bin``; its batch count is kept."""
+    out: list[Optional[dict[str, Any]]] = []
+    for i, dl in enumerate(acc._dataloaders):
+        file = "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"
+        if file not in names:
+            out.append(None)
+            continue
+        state = _torch_load(os.path.join(folder, file))
+        done = state.get("_num_yielded") if isinstance(state, dict) else None
+        if not isinstance(done, int):
+            raise ValueError(f"{file}: no batch count (_num_yielded) in this dataloader state; prepare a loader "
+                             "without use_stateful_dataloader's state, or remove the file")
+        sampler = dl.get_sampler() if hasattr(dl, "get_sampler") else getattr(dl, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            warnings.warn(f"load_state: dataloader {i} continues after {done} batches ({file}); its shuffled order "
+                          "is hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=6)
+        out.append({"epoch": int(getattr(dl, "iteration", 0)), "batches_yielded": done})
+    if "sampler.bin" in names:
+        warnings.warn("load_state: sampler.bin (a pickled Accelerate sampler object) is not unpickled; the "
+                      "loader's shuffling follows hasten's seed", stacklevel=6)
+    return out
+
+
+def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
+         agree: Callable[[list, str], None], kind: Callable[[BaseException], str]) -> str:
+    """Check then restore an Accelerate ``save_state`` folder into ``acc``; returns the folder.
+    ``agree`` and ``kind`` are ``load_state``'s: every process raises the same error, before any change."""
+    problems: list[tuple[str, str]] = []
+    loaded: dict[str, Any] = {}
+    models = list(acc._models)
+    try:
+        for hook in list(acc._hooks(_HOOKS_LOAD).values()):
+            hook(models, folder)
+        loaded = _read(acc, folder, set(os.listdir(folder)), allow_pickle, custom_later, problems)
+    except Exception as e:  # noqa: BLE001 - one process failing must stop every process
+        problems.append((kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))
+    agree(problems, folder)
+
+    with torch.no_grad():
+        inner = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
+        for model, state in zip(inner, loaded["models"]):
+            acc.strategy.load_model_state_dict(model, state)
+        for opt, state in zip(acc._optimizers, loaded["optimizers"]):
+            restorer.apply_optimizer(opt, state, inner)
+    acc.strategy.weights_loaded(inner)
+    for sched, state in zip(acc._schedulers, loaded["schedulers"]):
+        sched.load_state_dict(state)
+    if loaded["scaler"] is not None:
+        acc.precision.load_state_dict(loaded["scaler"])
+    for dl, state in zip(acc._dataloaders, loaded["loaders"]):
+        if state is not None:
+            dl.load_state_dict(state)
+    for obj, state in zip(acc._custom_objects, loaded["custom"]):
+        obj.load_state_dict(state)
+    auto = acc._auto_resume
+    if custom_later and auto is not None:
+        count = len(acc._custom_objects)
+        auto.pending_custom = [None] * count + loaded["custom"][count:]
+    notes: list[str] = []
+    if loaded["rng"] is not None:
+        acc.step = loaded["rng"]["step"]
+        notes = rng.restore(loaded["rng"])
+        if loaded["rng_world"] != acc.num_processes:
+            notes.append(f"the checkpoint was saved by {loaded['rng_world']} processes and is resumed by "
+                         f"{acc.num_processes}: process r takes the random states of saved process r % "
+                         f"{loaded['rng_world']}")
+    for note in notes:
+        warnings.warn(f"load_state: {note}", stacklevel=4)
+    return folder
