@@ -31,4 +31,4 @@ bench: .install-core
 # The API reference, from the docstrings: open site/api/index.html.
 docs: .install-core
 	$(PY) -m pip install -q -e '.[docs]'
-	$(PY) -m pdoc -o site/api hasten hasten.utils hasten.logging
+	$(PY) -m pdoc -o site/api hasten hasten.utils hasten.logging hasten.hooks hasten.big_modeling
