@@ -38,6 +38,16 @@ def test_an_accelerator_used_after_a_state_reset_says_what_happened(fresh_state)
     assert isinstance(new.prepare(nn.Linear(2, 2)), nn.Linear)
 
 
+def test_the_reset_error_starts_like_accelerates(fresh_state):
+    # Scripts written for Accelerate check for its wording: "`AcceleratorState` object has no attribute".
+    old = Accelerator(cpu=True)
+    AcceleratorState._reset_state()
+    with pytest.raises(AttributeError) as caught:
+        old.prepare(nn.Linear(1, 1))
+    assert str(caught.value.args[0]).startswith("`AcceleratorState` object has no attribute `distributed_type`")
+    assert "Create a new Accelerator after the reset" in str(caught.value)
+
+
 def test_an_accelerator_survives_a_pickle_round_trip(fresh_state, tmp_path):
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2, resume="auto",
                       project_config=ProjectConfiguration(tmp_path, automatic_checkpoint_naming=True))

@@ -174,3 +174,27 @@ def test_plugin_bad_values_are_named(kwargs, named):
     with pytest.raises(ValueError) as info:
         FullyShardedDataParallelPlugin(**kwargs)
     assert named in str(info.value)
+
+
+@pytest.mark.parametrize("given, kind", [
+    ("sharded_state_dict", "SHARDED_STATE_DICT"),
+    ("3", "SHARDED_STATE_DICT"),  # Accelerate's config files may hold the enum's number
+    ("1", "FULL_STATE_DICT"),
+])
+def test_plugin_state_dict_type_as_accelerate_accepts_it(given, kind):
+    from hasten import FullyShardedDataParallelPlugin
+
+    assert FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=given).state_dict_type == kind
+
+
+def test_plugin_takes_torchs_state_dict_type_enum():
+    # Accelerate's own merge-weights script passes torch's enum, not a string.
+    from torch.distributed.fsdp import StateDictType
+
+    from hasten import FullyShardedDataParallelPlugin
+
+    for member, kind in ((StateDictType.SHARDED_STATE_DICT, "SHARDED_STATE_DICT"),
+                         (StateDictType.FULL_STATE_DICT, "FULL_STATE_DICT")):
+        assert FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=member).state_dict_type == kind
+    with pytest.raises(ValueError, match="state_dict_type='LOCAL_STATE_DICT'"):
+        FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=StateDictType.LOCAL_STATE_DICT)

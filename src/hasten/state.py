@@ -114,7 +114,9 @@ class SharedDict:
         """Reading ``name`` from a state that was reset (``_reset_state()``) after it was created."""
         kind = type(self).__name__
         return AttributeError(
-            f"{kind}.{name} is gone: the process state was reset ({kind}._reset_state()) after this object (or the "
+            # Accelerate's wording first: scripts written for it look for it.
+            f"`{kind}` object has no attribute `{name}`: {kind}.{name} is gone: the process state was reset "
+            f"({kind}._reset_state()) after this object (or the "
             f"Accelerator holding it) was created. Create a new Accelerator after the reset and prepare your "
             f"objects with it"
         )
