@@ -38,6 +38,8 @@ _EXPORTS = {
     "ParallelismConfig": ".utils.parallelism_config",
 
     "DeepSpeedPlugin": ".utils.deepspeed_plugin",
+    "prepare_pippy": ".inference",  # refused: raises on use (hasten.utils.compat.REFUSED)
+    "rich": ".utils.refused",  # refused likewise
     "init_empty_weights": ".big_modeling",
     "init_on_device": ".big_modeling",
 }

@@ -1,7 +1,7 @@
 """Public helpers (``hasten.utils.*``), loaded on first use."""
 
 from .._lazy import lazy_module
-from .compat import REFUSED as _REFUSED
+from .compat import REFUSED as _REFUSED, TOP_LEVEL_ONLY as _TOP_LEVEL_ONLY
 
 _EXPORTS = {
     # configuration objects
@@ -93,7 +93,7 @@ _EXPORTS = {
     )},
     **{name: ".deepspeed_compat" for name in ("get_active_deepspeed_plugin", "GatheredParameters", "HfDeepSpeedConfig")},
     # names whose feature hasten lacks: they import, and raise on use (hasten.utils.compat.REFUSED)
-    **{name: ".refused" for name in _REFUSED if name != "prepare_pippy"},
+    **{name: ".refused" for name in _REFUSED if name not in _TOP_LEVEL_ONLY},
     "FeatureNotAvailableError": ".compat",
 }
 __all__ = sorted(_EXPORTS)

@@ -21,11 +21,15 @@ _TE_CONVERT = ("Transformer Engine conversion happens in accelerator.prepare: "
                "Accelerator(mixed_precision='fp8', kwargs_handlers=[TERecipeKwargs(...)])")
 _XLA = "TPUs (torch_xla) are not supported by hasten; run on CPU or CUDA GPUs"
 
-# name -> why it cannot exist here, and what to use instead.
+# name -> why it cannot exist here, and what to use instead. prepare_pippy and rich are top-level names.
+TOP_LEVEL_ONLY = frozenset({"prepare_pippy", "rich"})
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("MegatronLMPlugin", "MegatronLMDummyDataLoader", "MegatronLMDummyScheduler", "AbstractTrainStep",
                      "BertTrainStep", "GPTTrainStep", "T5TrainStep", "add_model_config_to_megatron_parser",
-                     "avg_losses_across_data_parallel_group"), _MEGATRON),
+                     "avg_losses_across_data_parallel_group", "MegatronEngine", "MegatronLMOptimizerWrapper",
+                     "MegatronLMSchedulerWrapper", "gather_across_data_parallel_groups", "megatron_lm_initialize",
+                     "megatron_lm_prepare_data_loader", "megatron_lm_prepare_model_optimizer_scheduler",
+                     "megatron_lm_prepare_optimizer", "megatron_lm_prepare_scheduler"), _MEGATRON),
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), _BNB),
     **dict.fromkeys(("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
                      "map_pytorch_optim_to_deepspeed"), _DS_WRAPPER),
@@ -40,6 +44,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("convert_model", "apply_fp8_autowrap", "contextual_fp8_autocast"), _TE_CONVERT),
     "set_numa_affinity": ("hasten does not pin processes to NUMA nodes; start the launch under "
                           "`numactl --cpunodebind=N --membind=N`"),
+    "rich": "hasten does not install rich's traceback handler on import; call rich.traceback.install() yourself",
     "prepare_pippy": ("pipeline-parallel inference (PiPPy) is not supported; for a model larger than one device use "
                       "big-model inference (dispatch_model / device_map='auto'), for more throughput "
                       "PartialState().split_between_processes"),
