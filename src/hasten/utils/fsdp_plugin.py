@@ -151,6 +151,20 @@ class FullyShardedDataParallelPlugin:
             warnings.warn("FullyShardedDataParallelPlugin: fsdp_version=1 settings translated to FSDP2: "
                           + "; ".join(self.notes), stacklevel=3)
 
+    def set_auto_wrap_policy(self, model: Any) -> None:
+        """Check the wrap policy against ``model`` before ``prepare`` (Accelerate's method): with
+        ``TRANSFORMER_BASED_WRAP`` the block classes default to the model's ``_no_split_modules`` and each
+        must occur in the model. The policy stays a name; ``prepare`` applies it."""
+        if self.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+            return
+        if self.transformer_cls_names_to_wrap is None:
+            self.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
+        present = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+        absent = [name for name in self.transformer_cls_names_to_wrap if name not in present]
+        if absent:
+            raise ValueError(f"FullyShardedDataParallelPlugin: transformer_cls_names_to_wrap names {absent[0]!r}, "
+                             f"which is not a class of any module of the model; use a class name of its blocks")
+
     def _translate_fsdp1(self) -> None:
         """FSDP1 settings with an FSDP2 meaning become that meaning; the others are refused."""
         strategy = _env("sharding_strategy", self.sharding_strategy)
