@@ -115,10 +115,9 @@ class SharedDict:
         kind = type(self).__name__
         return AttributeError(
             # Accelerate's wording first: scripts written for it look for it.
-            f"`{kind}` object has no attribute `{name}`: {kind}.{name} is gone: the process state was reset "
-            f"({kind}._reset_state()) after this object (or the "
-            f"Accelerator holding it) was created. Create a new Accelerator after the reset and prepare your "
-            f"objects with it"
+            f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
+            f"after this object (or the Accelerator holding it) was created: {kind}.{name} is gone with the "
+            f"process state. Create a new Accelerator after the reset and prepare your objects with it"
         )
 
 
