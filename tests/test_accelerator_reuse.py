@@ -49,6 +49,14 @@ def test_the_reset_error_starts_like_accelerates(fresh_state):
     assert "Create a new Accelerator after the reset" in str(caught.value)
 
 
+def test_destroy_process_group_works_after_an_accelerator_state_reset(fresh_state):
+    # Accelerate's test script resets AcceleratorState, then ends with state.destroy_process_group().
+    state = Accelerator(cpu=True).state
+    AcceleratorState._reset_state()
+    state.destroy_process_group()  # the process state (PartialState) is still there: nothing to explain
+    assert AcceleratorState.destroy_process_group is not None
+
+
 def test_an_accelerator_survives_a_pickle_round_trip(fresh_state, tmp_path):
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2, resume="auto",
                       project_config=ProjectConfiguration(tmp_path, automatic_checkpoint_naming=True))

@@ -468,6 +468,11 @@ class AcceleratorState(SharedDict):
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
 
+    def destroy_process_group(self, group: Any = None) -> None:
+        """``PartialState().destroy_process_group(group)``: works after ``AcceleratorState._reset_state()``
+        too, since the process state outlives it (as in Accelerate)."""
+        PartialState().destroy_process_group(group)
+
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
         cls._shared_state.clear()
