@@ -28,7 +28,7 @@ def test_a_second_accelerator_without_mixed_precision_keeps_the_first_ones(fresh
 def test_an_accelerator_used_after_a_state_reset_says_what_happened(fresh_state):
     old = Accelerator(cpu=True)
     AcceleratorState._reset_state(reset_partial_state=True)
-    with pytest.raises(AttributeError, match=r"AcceleratorState\.\w+ is gone: the process state was reset .*"
+    with pytest.raises(AttributeError, match=r"AcceleratorState\.\w+ is gone with the process state\. "
                                              r"Create a new Accelerator after the reset"):
         old.prepare(nn.Linear(2, 2))
     with pytest.raises(AttributeError, match="num_processes is gone"):
@@ -36,6 +36,25 @@ def test_an_accelerator_used_after_a_state_reset_says_what_happened(fresh_state)
     assert not hasattr(old.state, "device")  # still an AttributeError for hasattr()
     new = Accelerator(cpu=True)
     assert isinstance(new.prepare(nn.Linear(2, 2)), nn.Linear)
+
+
+def test_the_reset_error_starts_like_accelerates(fresh_state):
+    # Scripts written for Accelerate check for its wording: "`AcceleratorState` object has no attribute".
+    old = Accelerator(cpu=True)
+    AcceleratorState._reset_state()
+    with pytest.raises(AttributeError) as caught:
+        old.prepare(nn.Linear(1, 1))
+    assert str(caught.value.args[0]).startswith("`AcceleratorState` object has no attribute `distributed_type`. "
+                                                "This happens if `AcceleratorState._reset_state()` was called")
+    assert "Create a new Accelerator after the reset" in str(caught.value)
+
+
+def test_destroy_process_group_works_after_an_accelerator_state_reset(fresh_state):
+    # Accelerate's test script resets AcceleratorState, then ends with state.destroy_process_group().
+    state = Accelerator(cpu=True).state
+    AcceleratorState._reset_state()
+    state.destroy_process_group()  # the process state (PartialState) is still there: nothing to explain
+    assert AcceleratorState.destroy_process_group is not None
 
 
 def test_an_accelerator_survives_a_pickle_round_trip(fresh_state, tmp_path):

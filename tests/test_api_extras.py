@@ -167,9 +167,10 @@ def test_accelerator_positional_arguments_follow_accelerate():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # leaving split_batches out warns about nothing
         assert Accelerator(cpu=True).split_batches is False
-    for name in ("torch_tp_plugin", "megatron_lm_plugin"):
-        with pytest.raises(NotImplementedError, match=name):
-            Accelerator(cpu=True, **{name: object()})
+    with pytest.raises(NotImplementedError, match="megatron_lm_plugin"):
+        Accelerator(cpu=True, megatron_lm_plugin=object())
+    with pytest.raises(TypeError, match="torch_tp_plugin must be a TorchTensorParallelPlugin"):
+        Accelerator(cpu=True, torch_tp_plugin=object())
     with pytest.raises(TypeError, match="parallelism_config must be a hasten.utils.ParallelismConfig"):
         Accelerator(cpu=True, parallelism_config=object())
     with pytest.raises(TypeError):

@@ -122,6 +122,30 @@ def test_utils_names_and_signatures():
                           accelerate.utils.operations.copy_tensor_to_devices, "copy_tensor_to_devices")
 
 
+def test_every_present_utils_name_has_accelerates_signature():
+    # The whole of accelerate.utils (tools/accelerate_names.json), less what hasten refuses (it raises on
+    # use), big-model inference (its own tests) and the plugins the sharding work owns.
+    import json
+    import os
+
+    from hasten.utils.compat import BIG_MODEL, REFUSED
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                           "accelerate_names.json")) as f:
+        names = json.load(f)["utils"]
+    skip = {"write_basic_config": ("save_location",), "recursively_apply": ("test_type",)}
+    owned_elsewhere = TOP_LEVEL_ELSEWHERE | {"CannotPadNestedTensorWarning"}  # a Warning: nothing to call
+    checked = 0
+    for name in names:
+        theirs = getattr(accelerate.utils, name, None)
+        if name in REFUSED or name in BIG_MODEL or name in owned_elsewhere or not callable(theirs) \
+                or inspect.isclass(theirs) and issubclass(theirs, enum.Enum):
+            continue
+        assert_same_signature(getattr(hasten.utils, name), theirs, f"hasten.utils.{name}", skip.get(name, ()))
+        checked += 1
+    assert checked >= 150, checked
+
+
 @pytest.mark.parametrize("name", ["DistributedType", "RNGType", "DDPCommunicationHookType", "DynamoBackend", "PrecisionType"])
 def test_enum_members(name):
     theirs = {m.name: m.value for m in getattr(accelerate.utils, name)}

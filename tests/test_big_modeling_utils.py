@@ -355,3 +355,12 @@ def test_cpu_modules_load_per_forward_when_the_main_device_is_not_the_cpu(tmp_pa
         assert torch.equal(model(ids, shift=shift), want)
         assert torch.equal(model(ids.cpu(), shift=shift.cpu()), want.cpu())  # outputs on the input's device
     assert model.embed.weight.device.type == "meta" and model.head.weight is model.embed.weight
+
+
+def test_planner_names_reachable_from_the_modeling_module_as_in_accelerate():
+    # Accelerate keeps the planner in accelerate.utils.modeling; scripts import it from there.
+    from hasten.utils import device_map
+    from hasten.utils.modeling import convert_file_size_to_int, get_balanced_memory, get_max_memory
+
+    assert get_max_memory is device_map.get_max_memory and get_balanced_memory is device_map.get_balanced_memory
+    assert convert_file_size_to_int("1KB") == 1000

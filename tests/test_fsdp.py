@@ -181,3 +181,53 @@ def test_tampered_metadata_runs_nothing_and_shards_are_checksummed(two):
     """Issue #18 item 1: DCP's .metadata is read with an allow-list, sharded files carry checksums."""
     values = two.assert_passed("check_tampered_or_damaged_shards_are_refused")
     assert values[0]["refused"] == values[1]["refused"]  # one message, raised on every process
+
+
+@pytest.mark.parametrize("given, kind", [
+    ("sharded_state_dict", "SHARDED_STATE_DICT"),
+    ("3", "SHARDED_STATE_DICT"),  # Accelerate's config files may hold the enum's number
+    ("1", "FULL_STATE_DICT"),
+])
+def test_plugin_state_dict_type_as_accelerate_accepts_it(given, kind):
+    from hasten import FullyShardedDataParallelPlugin
+
+    assert FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=given).state_dict_type == kind
+
+
+def test_plugin_takes_torchs_state_dict_type_enum():
+    # Accelerate's own merge-weights script passes torch's enum, not a string.
+    from torch.distributed.fsdp import StateDictType
+
+    from hasten import FullyShardedDataParallelPlugin
+
+    for member, kind in ((StateDictType.SHARDED_STATE_DICT, "SHARDED_STATE_DICT"),
+                         (StateDictType.FULL_STATE_DICT, "FULL_STATE_DICT")):
+        assert FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=member).state_dict_type == kind
+    with pytest.raises(ValueError, match="state_dict_type='LOCAL_STATE_DICT'"):
+        FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=StateDictType.LOCAL_STATE_DICT)
+
+
+def test_plugin_set_auto_wrap_policy_checks_the_model_as_accelerate_does():
+    # Accelerate's scripts call plugin.set_auto_wrap_policy(model) before prepare.
+    from hasten import FullyShardedDataParallelPlugin
+
+    class Block(torch.nn.Linear):
+        pass
+
+    class Net(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(2, 2), Block(2, 2)])
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+    plugin.set_auto_wrap_policy(Net())
+    assert plugin.transformer_cls_names_to_wrap == ["Block"] and plugin.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    missing = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                             transformer_cls_names_to_wrap=["Decoder"])
+    with pytest.raises(ValueError, match="'Decoder'"):
+        missing.set_auto_wrap_policy(Net())
+    size = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10)
+    size.set_auto_wrap_policy(Net())
+    assert size.auto_wrap_policy == "SIZE_BASED_WRAP" and size.min_num_params == 10

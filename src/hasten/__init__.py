@@ -43,6 +43,8 @@ _EXPORTS = {
         "dispatch_model", "load_checkpoint_and_dispatch",
     )},
     "infer_auto_device_map": ".utils.device_map",
+    "prepare_pippy": ".inference",  # refused: raises on use (hasten.utils.compat.REFUSED)
+    "rich": ".utils.refused",  # refused likewise
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

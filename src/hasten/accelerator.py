@@ -53,6 +53,7 @@ from .utils.dataclasses import (
 )
 from .utils.deepspeed import check_not_dummy
 from .utils.environment import parse_flag
+from .utils.parallel_configs import parallelism_from_tp_plugin
 
 
 class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
@@ -83,7 +84,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         deepspeed_plugin(s) / fsdp_plugin: sharded training.
         parallelism_config: the N-D layout (``hasten.utils.ParallelismConfig``: data, tensor parallel
             sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
-        torch_tp_plugin, megatron_lm_plugin: not supported (an error if given).
+        torch_tp_plugin: Accelerate's older tensor-parallel switch, turned into ``ParallelismConfig(tp_size=...)``.
+        megatron_lm_plugin: not supported (an error if given).
         resume: ``None``, ``"auto"`` or a checkpoint folder to resume from (see ``hasten.checkpointing``).
     """
 
@@ -114,7 +116,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         resume: Any = None,
         **legacy: Any,
     ) -> None:
-        unsupported_parallelism(torch_tp_plugin=torch_tp_plugin, megatron_lm_plugin=megatron_lm_plugin)
+        unsupported_parallelism(megatron_lm_plugin=megatron_lm_plugin)
+        parallelism_config = parallelism_from_tp_plugin(torch_tp_plugin, parallelism_config)
         if split_batches is not UNSET:
             legacy["split_batches"] = split_batches
         if deepspeed_plugins is not None:

@@ -45,8 +45,8 @@ def dynamo_from_env() -> Optional[TorchDynamoPlugin]:
 
 
 def unsupported_parallelism(**plugins: Any) -> None:
-    """Accelerate's torch_tp_plugin and Megatron-LM are not implemented (``parallelism_config`` is how hasten
-    does tensor parallelism): refuse them instead of ignoring them."""
+    """Megatron-LM is not implemented (``parallelism_config`` is how hasten does tensor parallelism):
+    refuse it instead of ignoring it."""
     for name, value in plugins.items():
         if value is not None:
             raise NotImplementedError(

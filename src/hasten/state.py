@@ -124,9 +124,10 @@ class SharedDict:
         """Reading ``name`` from a state that was reset (``_reset_state()``) after it was created."""
         kind = type(self).__name__
         return AttributeError(
-            f"{kind}.{name} is gone: the process state was reset ({kind}._reset_state()) after this object (or the "
-            f"Accelerator holding it) was created. Create a new Accelerator after the reset and prepare your "
-            f"objects with it"
+            # Accelerate's wording first: scripts written for it look for it.
+            f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called "
+            f"after this object (or the Accelerator holding it) was created: {kind}.{name} is gone with the "
+            f"process state. Create a new Accelerator after the reset and prepare your objects with it"
         )
 
 
@@ -476,6 +477,11 @@ class AcceleratorState(SharedDict):
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """``PartialState().destroy_process_group(group)``: works after ``AcceleratorState._reset_state()``
+        too, since the process state outlives it (as in Accelerate)."""
+        PartialState().destroy_process_group(group)
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:

@@ -45,6 +45,22 @@ def add_parser(subparsers: Any) -> None:
                     "with from_pretrained or load_checkpoint_in_model. Optimizer state is left out. Needs enough "
                     "memory for one copy of the weights.",
     )
+    _add_arguments(p)
+
+
+def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The ``merge-weights`` argument parser (Accelerate's name): added to ``subparsers`` when given, else a
+    parser of its own. ``merge_command(parser.parse_args([...]))`` then runs the merge."""
+    if subparsers is not None:
+        add_parser(subparsers)
+        return subparsers.choices["merge-weights"]
+    parser = argparse.ArgumentParser(prog="hasten merge-weights",
+                                     description="Write consolidated safetensors weights from a sharded checkpoint.")
+    _add_arguments(parser)
+    return parser
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint_directory", metavar="CHECKPOINT",
                    help="A DCP folder (with .metadata), a folder holding one, a DeepSpeed checkpoint folder (or one "
                         "tag of it), or a hasten checkpoint folder.")
@@ -311,7 +327,7 @@ def _unwrapped(state: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _check_output(output: str, checkpoint: str, remove: bool) -> None:
+def _check_output(output: str, checkpoint: str, remove: bool, overwrite: bool = False) -> None:
     from ..saving import _WEIGHT_FILE
 
     out_real, ck_real = os.path.realpath(output), os.path.realpath(checkpoint)
@@ -322,7 +338,7 @@ def _check_output(output: str, checkpoint: str, remove: bool) -> None:
                              "pick another OUTPUT")
     if os.path.lexists(output) and not os.path.isdir(output):
         raise HastenCLIError(f"OUTPUT {output!r} exists and is a file; pass a folder path (it is created)")
-    if os.path.isdir(output):
+    if os.path.isdir(output) and not overwrite:
         present = sorted(n for n in os.listdir(output)
                          if _WEIGHT_FILE.fullmatch(n) or n.startswith("model_") and os.path.isdir(os.path.join(output, n)))
         if present:
@@ -334,8 +350,11 @@ def _check_output(output: str, checkpoint: str, remove: bool) -> None:
 
 
 def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True, remove_checkpoint_dir: bool = False,
-                  max_shard_size: Any = "10GB") -> list[tuple[str, int, int]]:
-    """Write the model weights of ``checkpoint`` to ``output``; ``[(folder, tensors, bytes)]`` per model."""
+                  max_shard_size: Any = "10GB", *, overwrite: bool = False) -> list[tuple[str, int, int]]:
+    """Write the model weights of ``checkpoint`` to ``output``; ``[(folder, tensors, bytes)]`` per model.
+
+    ``overwrite`` replaces weight files already in ``output`` (the CLI refuses them; ``merge_fsdp_weights``
+    replaces them, as Accelerate's does)."""
     from ..saving import parse_size
 
     try:
@@ -343,7 +362,7 @@ def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True,
     except (TypeError, ValueError) as e:
         raise HastenCLIError(str(e).replace("max_shard_size=", "--max_shard_size ")) from None
     sources, is_hasten = find_sources(checkpoint)
-    _check_output(output, checkpoint, remove_checkpoint_dir)
+    _check_output(output, checkpoint, remove_checkpoint_dir, overwrite)
     metadata = {s.path: read_metadata(s.path) for s in sources if s.kind == "dcp"}
     sources = [part for s in sources for part in _expand(s, metadata.get(s.path))]
     plans = [plan_dcp(s.path, metadata[s.path], s.key) if s.kind == "dcp" else None for s in sources]

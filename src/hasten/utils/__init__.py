@@ -1,6 +1,7 @@
 """Public helpers (``hasten.utils.*``), loaded on first use."""
 
 from .._lazy import lazy_module
+from .compat import REFUSED as _REFUSED, TOP_LEVEL_ONLY as _TOP_LEVEL_ONLY
 
 _EXPORTS = {
     # configuration objects
@@ -55,8 +56,51 @@ _EXPORTS = {
     "save": "..saving",
     "load_checkpoint_in_model": "..model_loading",
     # big-model inference
-    **{name: ".modeling" for name in ("compute_module_sizes", "set_module_tensor_to_device", "find_tied_parameters")},
-    **{name: ".device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map")},
+    **{name: ".modeling" for name in ("compute_module_sizes", "set_module_tensor_to_device", "find_tied_parameters",
+                                      "check_device_map", "named_module_tensors", "retie_parameters")},
+    **{name: ".device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
+                                        "convert_file_size_to_int", "get_max_layer_size")},
+    **{name: ".offload" for name in ("OffloadedWeightsLoader", "PrefixedDataset", "offload_state_dict")},
+    # the rest of accelerate.utils (issue 19); hasten.utils.compat says where each differs
+    **{name: ".versions" for name in ("compare_versions", "is_torch_version")},
+    **{name: ".constants" for name in (
+        "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "MODEL_NAME", "OPTIMIZER_NAME", "PROFILE_PATTERN_NAME",
+        "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_PATTERN_NAME",
+        "SAMPLER_NAME", "SCALER_NAME", "SCHEDULER_NAME", "TORCH_DISTRIBUTED_OPERATION_TYPES", "TORCH_LAUNCH_PARAMS",
+        "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_PATTERN_NAME", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION",
+    )},
+    **{name: ".other" for name in (
+        "is_compiled_module", "has_compiled_regions", "compile_regions", "compile_regions_deepspeed",
+        "compile_regions_fsdp2", "model_has_dtensor", "get_model_tp_size", "extract_model_from_parallel",
+        "wait_for_everyone", "clean_state_dict_for_safetensors", "load", "get_pretty_name", "merge_dicts",
+        "is_port_in_use", "convert_bytes", "check_os_kernel", "recursive_getattr", "get_module_children_bottom_up",
+        "is_peft_model", "get_grad_scaler", "get_mixed_precision_context_manager",
+    )},
+    **{name: ".env_compat" for name in (
+        "str_to_bool", "get_int_from_env", "parse_flag_from_env", "parse_choice_from_env", "are_libraries_initialized",
+        "convert_dict_to_env_variables", "get_current_device_type", "get_gpu_info", "check_cuda_p2p_ib_support",
+        "check_cuda_fp8_capability", "get_cpu_distributed_information", "purge_accelerate_environment",
+        "deepspeed_required", "torchao_required", "is_habana_gaudi1",
+    )},
+    **{name: ".fsdp_utils" for name in (
+        "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer", "merge_fsdp_weights",
+        "enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading", "ensure_weights_retied",
+    )},
+    **{name: ".parallel_configs" for name in (
+        "TorchTensorParallelPlugin", "TorchTensorParallelConfig", "TorchContextParallelConfig",
+    )},
+    **{name: ".tensor_info" for name in (
+        "TensorInformation", "get_data_structure", "initialize_tensors", "is_tensor_information", "pad_input_tensors",
+    )},
+    **{name: ".kinds" for name in ("ComputeEnvironment", "SageMakerDistributedType", "CustomDtype")},
+    **{name: ".quantization_compat" for name in (
+        "filter_first_and_last_linear_layers", "has_ao_layers", "convert_model_to_fp8_ao",
+        "has_transformer_engine_layers", "has_4bit_bnb_layers",
+    )},
+    **{name: ".deepspeed_compat" for name in ("get_active_deepspeed_plugin", "GatheredParameters", "HfDeepSpeedConfig")},
+    # names whose feature hasten lacks: they import, and raise on use (hasten.utils.compat.REFUSED)
+    **{name: ".refused" for name in _REFUSED if name not in _TOP_LEVEL_ONLY},
+    "FeatureNotAvailableError": ".compat",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

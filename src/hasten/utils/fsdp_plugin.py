@@ -16,6 +16,15 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 _WRAPS = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 _STATE_DICTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+# torch's StateDictType numbers them 1 (full), 2 (local), 3 (sharded); Accelerate accepts the number too.
+_STATE_DICT_NUMBERS = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}
+
+
+def _state_dict_kind(value: Any) -> str:
+    """A name, a number or torch's ``StateDictType`` member as the upper-case name."""
+    name = getattr(value, "name", None)  # an enum member (torch.distributed.fsdp.StateDictType)
+    text = str(name if isinstance(name, str) else value).strip().upper()
+    return _STATE_DICT_NUMBERS.get(text, text)
 
 
 def _flag(name: str, value: Any, default: bool = False) -> bool:
@@ -122,7 +131,7 @@ class FullyShardedDataParallelPlugin:
             self.min_num_params = int(size) if size is not None else 0
         except (TypeError, ValueError):
             raise ValueError(f"FullyShardedDataParallelPlugin: min_num_params={size!r} must be an integer") from None
-        kind = str(_env("state_dict_type", self.state_dict_type) or "FULL_STATE_DICT").upper()
+        kind = _state_dict_kind(_env("state_dict_type", self.state_dict_type) or "FULL_STATE_DICT")
         if kind not in _STATE_DICTS:
             raise ValueError(f"FullyShardedDataParallelPlugin: state_dict_type={kind!r}; FSDP2 offers {list(_STATE_DICTS)}")
         self.state_dict_type = kind
@@ -141,6 +150,20 @@ class FullyShardedDataParallelPlugin:
         if self.notes:
             warnings.warn("FullyShardedDataParallelPlugin: fsdp_version=1 settings translated to FSDP2: "
                           + "; ".join(self.notes), stacklevel=3)
+
+    def set_auto_wrap_policy(self, model: Any) -> None:
+        """Check the wrap policy against ``model`` before ``prepare`` (Accelerate's method): with
+        ``TRANSFORMER_BASED_WRAP`` the block classes default to the model's ``_no_split_modules`` and each
+        must occur in the model. The policy stays a name; ``prepare`` applies it."""
+        if self.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+            return
+        if self.transformer_cls_names_to_wrap is None:
+            self.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
+        present = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+        absent = [name for name in self.transformer_cls_names_to_wrap if name not in present]
+        if absent:
+            raise ValueError(f"FullyShardedDataParallelPlugin: transformer_cls_names_to_wrap names {absent[0]!r}, "
+                             f"which is not a class of any module of the model; use a class name of its blocks")
 
     def _translate_fsdp1(self) -> None:
         """FSDP1 settings with an FSDP2 meaning become that meaning; the others are refused."""

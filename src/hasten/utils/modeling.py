@@ -23,7 +23,7 @@ DeviceLike = Union[int, str, "torch.device"]
 
 # Accelerate keeps the planner in this module; here it has its own module, imported on first use.
 __getattr__, __dir__ = lazy_module(__name__, {
-    name: ".device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
+    name: "hasten.utils.device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
                                      "clean_device_map", "get_max_layer_size", "convert_file_size_to_int")
 })
 

@@ -35,8 +35,8 @@ class DistributedOperationException(RuntimeError):
 
 
 # -- walking nested structures --------------------------------------------------------------------
-def is_torch_tensor(data: Any) -> bool:
-    return isinstance(data, torch.Tensor)
+def is_torch_tensor(tensor: Any) -> bool:  # Accelerate's parameter name
+    return isinstance(tensor, torch.Tensor)
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -44,11 +44,12 @@ def is_namedtuple(data: Any) -> bool:
     return isinstance(data, tuple) and hasattr(data, "_fields") and hasattr(data, "_asdict")
 
 
-def honor_type(obj: Union[list, tuple], items: Any) -> Union[list, tuple]:
-    """Build a container of ``obj``'s type (list, tuple, namedtuple, subclasses) from ``items``."""
+def honor_type(obj: Union[list, tuple], generator: Any) -> Union[list, tuple]:
+    """Build a container of ``obj``'s type (list, tuple, namedtuple, subclasses) from the items of
+    ``generator`` (Accelerate's parameter name)."""
     if is_namedtuple(obj):
-        return type(obj)(*items)  # namedtuples take their fields positionally
-    return type(obj)(items)
+        return type(obj)(*generator)  # namedtuples take their fields positionally
+    return type(obj)(generator)
 
 
 def _rebuild_mapping(data: Mapping, items: dict) -> Mapping:

@@ -1,0 +1,33 @@
+"""File names and lists that Accelerate exposes as constants, with Accelerate's values.
+
+Scripts use them to find the files that ``save_model``/``save_pretrained`` write (``SAFE_WEIGHTS_NAME``
+and the rest of the weights names are exactly what hasten writes too). hasten's ``save_state`` folders
+have their own layout (docs/checkpoints.md): the optimizer, scheduler, sampler, scaler and RNG names
+below are Accelerate's and only tell a script where Accelerate would have put those files.
+"""
+
+from ..saving import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME  # noqa: F401
+
+SAFE_MODEL_NAME = "model"
+MODEL_NAME = "pytorch_model"
+SAFE_WEIGHTS_PATTERN_NAME = "model{suffix}.safetensors"
+WEIGHTS_PATTERN_NAME = "pytorch_model{suffix}.bin"
+OPTIMIZER_NAME = "optimizer"
+SCHEDULER_NAME = "scheduler"
+SAMPLER_NAME = "sampler"
+SCALER_NAME = "scaler.pt"
+RNG_STATE_NAME = "random_states"
+PROFILE_PATTERN_NAME = "profile_{suffix}.json"
+
+# Oldest torch whose profiler handles these devices (Accelerate's gates; hasten needs a newer torch anyway).
+MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
+XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
+
+# DistributedType names whose processes talk through torch.distributed.
+TORCH_DISTRIBUTED_OPERATION_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP", "MULTI_NPU", "MULTI_MLU",
+                                     "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_CPU", "MULTI_HPU", "MULTI_NEURON"]
+# Options of torchrun (torch.distributed.run) that a launcher passes through unchanged.
+TORCH_LAUNCH_PARAMS = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+                       "standalone", "max_restarts", "monitor_interval", "start_method", "role", "module", "m",
+                       "no_python", "run_path", "log_dir", "r", "redirects", "t", "tee", "node_rank", "master_addr",
+                       "master_port"]

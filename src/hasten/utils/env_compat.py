@@ -1,0 +1,221 @@
+"""Accelerate's environment and hardware helpers (``str_to_bool``, ``get_int_from_env``, ...).
+
+hasten's own settings readers are in ``hasten.utils.environment`` (``parse_flag`` reads ``HASTEN_*`` then
+``ACCELERATE_*``); these keep Accelerate's names and read exactly the variable they are given.
+None of them imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from .environment import PREFIXES
+
+logger = logging.getLogger(__name__)
+
+_TRUE = ("y", "yes", "t", "true", "on", "1")
+_FALSE = ("n", "no", "f", "false", "off", "0")
+
+
+def str_to_bool(value: str, to_bool: bool = False) -> Union[int, bool]:
+    """1 (``True`` with ``to_bool``) for y/yes/t/true/on/1, 0 (``False``) for n/no/f/false/off/0, any case."""
+    text = value.lower()
+    if text in _TRUE:
+        return True if to_bool else 1
+    if text in _FALSE:
+        return False if to_bool else 0
+    raise ValueError(f"invalid truth value {value!r}; use one of {_TRUE + _FALSE}")
+
+
+def get_int_from_env(env_keys: Any, default: Any) -> Any:
+    """The first value >= 0 among the variables ``env_keys`` (in that order), else ``default``."""
+    for key in env_keys:
+        value = int(os.environ.get(key, -1))
+        if value >= 0:
+            return value
+    return default
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    """Whether the variable ``key`` (``default`` when unset) is a true value in ``str_to_bool``'s sense."""
+    return str_to_bool(os.environ.get(key, str(default))) == 1
+
+
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    """The variable ``key``, or ``default`` when unset."""
+    return os.environ.get(key, str(default))
+
+
+def are_libraries_initialized(*library_names: str) -> list[str]:
+    """Those of ``library_names`` that are already imported in this process."""
+    return [name for name in library_names if name in sys.modules]
+
+
+def convert_dict_to_env_variables(current_env: dict) -> list[str]:
+    """``KEY=value\\n`` lines for the items of ``current_env`` that are safe to write to an env file (no
+    ``; < >``, space or newline, neither side empty); the others are left out with a warning."""
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(c in key + value for c in ";\n<> "):
+            lines.append(f"{key}={value}\n")
+        else:
+            logger.warning("Skipping %s=%s: it is empty or holds a character an env file cannot take", key, value)
+    return lines
+
+
+def get_current_device_type() -> tuple[str, str]:
+    """(device type, distributed type name) of this machine's accelerator, without initialising it;
+    ``("cuda", "MULTI_GPU")`` when there is none, as in Accelerate."""
+    from . import imports
+
+    for check, device, kind in ((imports.is_mlu_available, "mlu", "MULTI_MLU"),
+                                (imports.is_sdaa_available, "sdaa", "MULTI_SDAA"),
+                                (imports.is_musa_available, "musa", "MULTI_MUSA"),
+                                (imports.is_npu_available, "npu", "MULTI_NPU"),
+                                (imports.is_hpu_available, "hpu", "MULTI_HPU"),
+                                (imports.is_neuron_available, "neuron", "MULTI_NEURON"),
+                                (imports.is_cuda_available, "cuda", "MULTI_GPU"),
+                                (imports.is_xpu_available, "xpu", "MULTI_XPU")):
+        if check():
+            return device, kind
+    return "cuda", "MULTI_GPU"
+
+
+def _nvidia_smi() -> str:
+    return shutil.which("nvidia-smi") or "nvidia-smi"
+
+
+def get_gpu_info() -> tuple[list[str], int]:
+    """(names, count) of the NVIDIA GPUs, read with ``nvidia-smi`` so CUDA is not initialised."""
+    output = subprocess.check_output([_nvidia_smi(), "--query-gpu=count,name", "--format=csv,noheader"],
+                                     universal_newlines=True).strip()
+    rows = output.split(os.linesep)
+    return [row.split(",")[1].strip() for row in rows], len(rows)
+
+
+def get_driver_version() -> str:
+    """The NVIDIA driver version, read with ``nvidia-smi``."""
+    return subprocess.check_output([_nvidia_smi(), "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   universal_newlines=True).strip().split(os.linesep)[0]
+
+
+def check_cuda_p2p_ib_support() -> bool:
+    """False when several RTX 40xx GPUs run a driver older than 550.40.07 (their P2P/IB transfers hang
+    NCCL: set ``NCCL_P2P_DISABLE=1`` and ``NCCL_IB_DISABLE=1``); True otherwise, and when unknown."""
+    from packaging.version import parse
+
+    try:
+        names, count = get_gpu_info()
+        if count > 1 and any("RTX 40" in name for name in names):
+            return parse(get_driver_version()) >= parse("550.40.07")
+    except Exception:  # no nvidia-smi: nothing known against it
+        pass
+    return True
+
+
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first CUDA GPU computes in fp8 (compute capability 8.9 or newer); False without one."""
+    try:
+        output = subprocess.check_output([_nvidia_smi(), "--query-gpu=compute_capability", "--format=csv,noheader"],
+                                         universal_newlines=True)
+        capability = tuple(int(part) for part in output.strip().split(os.linesep)[0].split("."))
+    except Exception:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        capability = torch.cuda.get_device_capability()
+    return capability >= (8, 9)
+
+
+@dataclass
+class CPUInformation:
+    """Where this process sits among CPU processes (from torchrun's or an MPI launcher's variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def get_cpu_distributed_information() -> CPUInformation:
+    """This process's rank, world size, local rank and local world size from the launcher's variables
+    (torchrun, Intel MPI, Open MPI or MVAPICH)."""
+    return CPUInformation(
+        rank=get_int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0),
+        world_size=get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1),
+        local_rank=get_int_from_env(["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                     "MV2_COMM_WORLD_LOCAL_RANK"], 0),
+        local_world_size=get_int_from_env(["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                           "MV2_COMM_WORLD_LOCAL_SIZE"], 1),
+    )
+
+
+def _ours(key: str) -> bool:
+    return key.startswith(PREFIXES)
+
+
+def purge_accelerate_environment(func_or_cls: Any) -> Any:
+    """Decorator: the ``HASTEN_*``/``ACCELERATE_*`` variables a function (or each ``test*`` method of a
+    class) sets or changes are put back as they were when it returns, so one test cannot leak settings
+    into the next."""
+    if isinstance(func_or_cls, type):
+        for name in list(vars(func_or_cls)):
+            method = getattr(func_or_cls, name)
+            if name.startswith("test") and callable(method):
+                setattr(func_or_cls, name, purge_accelerate_environment(method))
+        return func_or_cls
+
+    @functools.wraps(func_or_cls)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = {k: v for k, v in os.environ.items() if _ours(k)}
+        try:
+            return func_or_cls(*args, **kwargs)
+        finally:
+            for key in [k for k in os.environ if _ours(k) and k not in before]:
+                del os.environ[key]
+            os.environ.update(before)
+
+    return run
+
+
+def _requires(check: Callable[[], bool], package: str, decorated: Callable) -> Callable:
+    @functools.wraps(decorated)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not check():
+            raise ImportError(f"{decorated.__name__} needs {package}; install it (pip install {package})")
+        return decorated(*args, **kwargs)
+
+    return run
+
+
+def deepspeed_required(func: Callable) -> Callable:
+    """Decorator: calling ``func`` without DeepSpeed installed raises an ImportError saying so."""
+    from .imports import is_deepspeed_available
+
+    return _requires(is_deepspeed_available, "deepspeed", func)
+
+
+def torchao_required(func: Callable) -> Callable:
+    """Decorator: calling ``func`` without torchao installed raises an ImportError saying so."""
+    from .imports import is_torchao_available
+
+    return _requires(is_torchao_available, "torchao", func)
+
+
+def is_habana_gaudi1() -> bool:
+    """Whether this machine's Habana device is a first-generation Gaudi (False without one)."""
+    from .imports import is_hpu_available
+
+    if not is_hpu_available():
+        return False
+    import habana_frameworks.torch.utils.experimental as hthpu  # noqa: PLC0415 - only on Gaudi machines
+
+    return hthpu._get_device_type() == hthpu.synDeviceType.synDeviceGaudi
