@@ -364,3 +364,192 @@ def test_planner_names_reachable_from_the_modeling_module_as_in_accelerate():
 
     assert get_max_memory is device_map.get_max_memory and get_balanced_memory is device_map.get_balanced_memory
     assert convert_file_size_to_int("1KB") == 1000
+
+
+# -- the rest of accelerate.utils' big-model names, against Accelerate on the same inputs --------------
+import accelerate.utils as acc  # noqa: E402
+
+import hasten.utils as hu  # noqa: E402
+
+LAST_NAMES = ("align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
+              "check_tied_parameters_on_same_device", "dtype_byte_size", "extract_submodules_state_dict",
+              "has_offloaded_params", "id_tensor_storage", "load_offloaded_weight", "load_offloaded_weights",
+              "load_state_dict", "offload_weight", "save_offload_index")
+
+
+@pytest.mark.parametrize("name", LAST_NAMES)
+def test_last_big_model_names_have_accelerates_signature(name):
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert shape(getattr(hu, name)) == shape(getattr(acc, name)), name
+
+
+def test_dtype_sizes_and_storage_ids_match_accelerate():
+    from hasten.utils.kinds import CustomDtype
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8,
+                  torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2):
+        assert hu.dtype_byte_size(dtype) == acc.dtype_byte_size(dtype), dtype
+    for custom in CustomDtype:
+        assert hu.dtype_byte_size(custom) == acc.dtype_byte_size(getattr(acc.CustomDtype, custom.name))
+    base = torch.arange(12.0, device=DEVICE)
+    for tensor in (base, base[3:], base.view(3, 4).t(), base.clone(), torch.empty(3, 4, device="meta"),
+                   torch.empty(5, dtype=torch.bfloat16, device="meta")[1:]):
+        assert hu.id_tensor_storage(tensor) == acc.id_tensor_storage(tensor)
+    assert hu.id_tensor_storage(base[3:]) == hu.id_tensor_storage(base) != hu.id_tensor_storage(base.clone())
+
+
+def test_calculate_maximum_sizes_matches_accelerate():
+    model = make_net()
+    assert hu.calculate_maximum_sizes(model) == acc.calculate_maximum_sizes(model)
+    model._no_split_modules = ["Sequential"]  # the body counts as one layer now
+    ours = hu.calculate_maximum_sizes(model)
+    assert ours == acc.calculate_maximum_sizes(model) and ours[1][1] == ["body"]
+    assert ours[0] == sum(t.numel() * 4 for t in model.state_dict().values()) - model.head.weight.numel() * 4
+
+
+def test_tie_checks_match_accelerate():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    for tie in (True, False):
+        config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8, tie_word_embeddings=tie)
+        with init_empty_weights():
+            model = GPT2LMHeadModel(config)
+        assert hu.check_tied_parameters_in_config(model) is acc.check_tied_parameters_in_config(model) is tie
+    assert hu.check_tied_parameters_in_config(make_net()) is acc.check_tied_parameters_in_config(make_net()) is False
+
+    ties = [["embed.weight", "head.weight"]]
+    with pytest.warns(UserWarning, match="different devices"):
+        hu.check_tied_parameters_on_same_device(ties, {"embed": "cpu", "": "disk"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hu.check_tied_parameters_on_same_device(ties, {"": "cpu", "body": "disk"})
+    for fn in (hu.check_tied_parameters_on_same_device, acc.check_tied_parameters_on_same_device):
+        with pytest.raises(ValueError):
+            fn(ties, {"embed": "cpu"})
+
+
+def test_extract_submodules_state_dict_matches_accelerate():
+    state = {f"h.{i}.{p}": torch.tensor(float(i)) for i in (1, 10, 2) for p in ("w", "b")} | {"h.1": torch.tensor(0.)}
+    for names in (["h.1"], ["h.10", "h.1"], [""], ["h"], ["h.2.w", "h.1"]):
+        ours, theirs = hu.extract_submodules_state_dict(state, names), acc.extract_submodules_state_dict(state, names)
+        assert list(ours) == list(theirs) and all(ours[k] is theirs[k] for k in ours), names
+
+
+def test_load_state_dict_matches_accelerate(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {"embed.weight": torch.randn(4, 3), "body.0.weight": torch.randn(2, 2), "body.10.bias": torch.arange(3),
+             "norm.weight": torch.ones(2, dtype=torch.bfloat16)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(state, path, metadata={"format": "pt"})
+    device = str(DEVICE)  # Accelerate's load_state_dict takes strings (safetensors refuses torch.device)
+    maps = (None, {"": device}, {"embed": device, "body.0": "cpu", "body.1": "disk", "": "cpu"},
+            {"body": "disk", "norm": device})
+    for device_map in maps:
+        ours, theirs = hu.load_state_dict(path, device_map), acc.load_state_dict(path, device_map)
+        assert set(ours) == set(theirs) == set(state), device_map
+        for key, value in ours.items():
+            assert value.device == theirs[key].device and torch.equal(value.cpu(), state[key]), (device_map, key)
+    assert hu.load_state_dict(path, {"embed": DEVICE, "": "cpu"})["embed.weight"].device.type == DEVICE.type
+
+    save_file(state, str(tmp_path / "bare.safetensors"))  # no metadata: read as PyTorch, with a warning
+    with pytest.warns(UserWarning, match="no safetensors metadata"):
+        assert torch.equal(hu.load_state_dict(str(tmp_path / "bare.safetensors"))["body.10.bias"], state["body.10.bias"])
+    save_file(state, str(tmp_path / "tf.safetensors"), metadata={"format": "tf"})
+    with pytest.raises(ValueError, match="tf"):
+        hu.load_state_dict(str(tmp_path / "tf.safetensors"))
+
+    torch.save(state, tmp_path / "model.bin")
+    ours, theirs = hu.load_state_dict(str(tmp_path / "model.bin")), acc.load_state_dict(str(tmp_path / "model.bin"))
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in state)
+    torch.save({"w": torch.ones(1), "evil": Recorder([], "x")}, tmp_path / "pickled.bin")
+    with pytest.raises(Exception, match="Weights only load failed"):  # never unpickles arbitrary objects
+        hu.load_state_dict(str(tmp_path / "pickled.bin"))
+
+
+OFFLOAD_CASES = {"a.weight": torch.randn(3, 4), "b.half": torch.randn(5).half(), "c.bf": torch.randn(2, 3).bfloat16(),
+                 "d.f8": torch.randn(4).to(torch.float8_e4m3fn), "e.long": torch.arange(6).view(2, 3),
+                 "f.mask": torch.tensor([True, False, True]), "g.scalar": torch.tensor(2.5)}
+
+
+def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
+    ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
+    ours_dir.mkdir(), theirs_dir.mkdir()
+    ours_index, theirs_index = {}, {}
+    for name, tensor in OFFLOAD_CASES.items():
+        assert hu.offload_weight(tensor, name, str(ours_dir), index=ours_index) is ours_index
+        acc.offload_weight(tensor, name, str(theirs_dir), index=theirs_index)
+        # byte for byte the same file, and the same index entry
+        assert (ours_dir / f"{name}.dat").read_bytes() == (theirs_dir / f"{name}.dat").read_bytes(), name
+    assert ours_index == theirs_index
+    assert hu.offload_weight(torch.ones(2), "x", str(ours_dir)) is None and (ours_dir / "x.dat").exists()
+    with pytest.raises(ValueError, match="outside the offload folder"):
+        hu.offload_weight(torch.ones(2), "../escape", str(ours_dir))
+
+    hu.save_offload_index({"x": {"dtype": "float32", "shape": [2]}}, str(ours_dir))
+    hu.save_offload_index(ours_index, str(ours_dir))  # merged into what is there
+    hu.save_offload_index(None, str(ours_dir))
+    acc.save_offload_index(theirs_index, str(theirs_dir))
+    on_disk = json.loads((ours_dir / "index.json").read_text())
+    assert on_disk == {**ours_index, "x": {"dtype": "float32", "shape": [2]}}
+
+    for name, tensor in OFFLOAD_CASES.items():  # each library reads the other's files
+        for reader, folder in ((hu.load_offloaded_weight, theirs_dir), (acc.load_offloaded_weight, ours_dir)):
+            got = reader(str(folder / f"{name}.dat"), on_disk[name])
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(got.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else got,
+                               tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor), name
+    loader = acc.OffloadedWeightsLoader(save_folder=str(ours_dir))  # Accelerate's loader reads hasten's folder
+    assert torch.equal(loader["c.bf"], OFFLOAD_CASES["c.bf"])
+
+
+def test_load_offloaded_weights_from_either_librarys_folder(tmp_path):
+    source = make_net(1).cpu()
+    state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
+    acc.offload_state_dict(str(tmp_path / "acc"), state)
+    hu.offload_state_dict(str(tmp_path / "hasten"), state)  # hasten's own (safetensors) folder
+    for folder in (tmp_path / "acc", tmp_path / "hasten"):
+        with init_empty_weights():
+            model, reference = Net(), Net()
+        index = json.loads((folder / "index.json").read_text())
+        hu.load_offloaded_weights(model, index, str(folder))
+        for key, value in model.state_dict().items():
+            if key in state:
+                assert value.device.type == "cpu" and torch.equal(value, state[key]), (folder, key)
+        if folder.name == "acc":  # the tie is left as Accelerate leaves it (head.weight not in the index)
+            acc.load_offloaded_weights(reference, index, str(folder))
+            assert {k: v.device for k, v in model.state_dict().items()} == \
+                {k: v.device for k, v in reference.state_dict().items()}
+    hu.load_offloaded_weights(model, {}, str(tmp_path))  # nothing to do
+    with pytest.raises(NotImplementedError, match="bitsandbytes"):
+        hu.load_offloaded_weights(model, {"body.0.weight": {}, "body.0.SCB": {}}, str(tmp_path))
+
+
+def test_align_module_device_on_offloaded_and_plain_modules():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).to(DEVICE)
+    want = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert not hu.has_offloaded_params(layer)
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=DEVICE, offload=True, io_same_device=True))
+    assert hu.has_offloaded_params(layer) and layer.weight.device.type == "meta"
+    for device in (None, "cpu"):
+        with hu.align_module_device(layer, device):
+            assert layer.weight.device.type == (device or DEVICE.type)
+            assert torch.equal(layer.weight.cpu(), want["weight"].cpu())
+        assert layer.weight.device.type == "meta" and layer._hf_hook.execution_device == DEVICE
+    remove_hook_from_module(layer)
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=DEVICE))
+    assert not hu.has_offloaded_params(layer)  # a hook that does not offload
+
+    plain = nn.Linear(4, 3).to(DEVICE)
+    before = plain.weight.detach().clone()
+    with hu.align_module_device(plain, "cpu"):
+        assert plain.weight.device.type == "cpu"
+        plain.weight.data.add_(1)  # changes made inside go back with the weight, as in Accelerate
+    assert plain.weight.device == before.device and torch.equal(plain.weight.detach(), before + 1)
+    with hu.align_module_device(plain):  # no device, no offload: nothing moves
+        assert plain.weight.device == want["weight"].device

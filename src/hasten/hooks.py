@@ -15,10 +15,11 @@ wrapped forward is the original one (transformers inspects it to route ``generat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -313,6 +314,44 @@ class AlignDevicesHook(ModelHook):
                 if device.type != "meta" and name in self.weights_map:
                     set_module_tensor_to_device(module, name, device, value=self.weights_map[name], clear_cache=False)
         return module
+
+
+def has_offloaded_params(module: nn.Module) -> bool:
+    """Whether ``module`` itself carries an ``AlignDevicesHook`` that offloads its weights."""
+    hook = getattr(module, "_hf_hook", None)
+    return isinstance(hook, AlignDevicesHook) and bool(hook.offload)
+
+
+@contextlib.contextmanager
+def align_module_device(module: nn.Module, execution_device: Optional[DeviceLike] = None) -> Iterator[None]:
+    """Inside the block, ``module``'s own weights are real tensors on a device, then go back.
+
+    An offloaded module (``has_offloaded_params``) has its weights loaded as for a forward, on
+    ``execution_device`` if given, else on its hook's execution device. Otherwise, with
+    ``execution_device``, the module's direct parameters move there and back; without it nothing changes.
+    """
+    if has_offloaded_params(module):
+        hook = module._hf_hook
+        saved = hook.execution_device
+        if execution_device is not None:
+            hook.execution_device = execution_device
+        try:
+            hook.pre_forward(module)
+            yield
+        finally:
+            hook.post_forward(module, None)
+            hook.execution_device = saved
+    elif execution_device is not None:
+        devices = {name: param.device for name, param in module.named_parameters(recurse=False)}
+        try:
+            for name in devices:
+                set_module_tensor_to_device(module, name, execution_device)
+            yield
+        finally:
+            for name, device in devices.items():
+                set_module_tensor_to_device(module, name, device)
+    else:
+        yield
 
 
 def attach_execution_device_hook(module: nn.Module, execution_device: DeviceLike,

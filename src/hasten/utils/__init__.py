@@ -57,10 +57,16 @@ _EXPORTS = {
     "load_checkpoint_in_model": "..model_loading",
     # big-model inference
     **{name: ".modeling" for name in ("compute_module_sizes", "set_module_tensor_to_device", "find_tied_parameters",
-                                      "check_device_map", "named_module_tensors", "retie_parameters")},
+                                      "check_device_map", "named_module_tensors", "retie_parameters",
+                                      "calculate_maximum_sizes", "check_tied_parameters_in_config",
+                                      "check_tied_parameters_on_same_device", "dtype_byte_size",
+                                      "extract_submodules_state_dict", "id_tensor_storage", "load_state_dict")},
     **{name: ".device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
                                         "convert_file_size_to_int", "get_max_layer_size")},
-    **{name: ".offload" for name in ("OffloadedWeightsLoader", "PrefixedDataset", "offload_state_dict")},
+    **{name: ".offload" for name in ("OffloadedWeightsLoader", "PrefixedDataset", "offload_state_dict",
+                                     "offload_weight", "save_offload_index", "load_offloaded_weight",
+                                     "load_offloaded_weights")},
+    **{name: "..hooks" for name in ("align_module_device", "has_offloaded_params")},
     # the rest of accelerate.utils (issue 19); hasten.utils.compat says where each differs
     **{name: ".versions" for name in ("compare_versions", "is_torch_version")},
     **{name: ".constants" for name in (

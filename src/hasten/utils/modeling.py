@@ -51,6 +51,25 @@ def dtype_bytes(dtype: "torch.dtype") -> float:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def dtype_byte_size(dtype: Union["torch.dtype", Any]) -> float:
+    """Bytes one element of ``dtype`` (a torch dtype or a ``CustomDtype``) takes; sub-byte types give fractions."""
+    from .kinds import CustomDtype
+
+    custom = {CustomDtype.INT2: 1 / 4, CustomDtype.INT4: 1 / 2, CustomDtype.FP8: 1}
+    if isinstance(dtype, CustomDtype):
+        return custom[dtype]
+    return dtype_bytes(dtype)
+
+
+def id_tensor_storage(tensor: "torch.Tensor") -> tuple["torch.device", int, int]:
+    """``(device, data pointer, bytes)`` of the storage under ``tensor``: equal for views of one storage.
+
+    Unique only while the storage lives; every ``meta`` storage has pointer 0.
+    """
+    storage = tensor.untyped_storage()
+    return tensor.device, storage.data_ptr(), storage.nbytes()
+
+
 def is_cast_exempt(tensor: "torch.Tensor") -> bool:
     """Integer and bool tensors keep their dtype when a model is loaded in another dtype."""
     return not (tensor.is_floating_point() or tensor.is_complex())
@@ -217,6 +236,41 @@ def find_tied_parameters(model: "nn.Module", **kwargs: Any) -> list[list[str]]:
     return [sorted(group) for group in names.values() if len(group) > 1]
 
 
+def check_tied_parameters_in_config(model: "nn.Module") -> bool:
+    """Whether a transformers model's config or modules say that some of its weights should be tied
+    (tied word embeddings with an output embedding, a tied encoder/decoder, or a module with
+    ``_tie_weights``). Always False for models that are not a ``PreTrainedModel``."""
+    if "PreTrainedModel" not in {cls.__name__ for cls in type(model).__mro__}:
+        return False
+    config = getattr(model, "config", None)
+    text_config = config
+    if config is not None and hasattr(config, "get_text_config"):
+        text_config = config.get_text_config(decoder=True)
+    ties_embeddings = bool(text_config is not None and getattr(text_config, "tie_word_embeddings", False)
+                           and model.get_output_embeddings() is not None)
+    ties_encoder = bool(config is not None and getattr(config, "is_encoder_decoder", False)
+                        and getattr(config, "tie_encoder_decoder", False))
+    return ties_embeddings or ties_encoder or any(hasattr(m, "_tie_weights") for m in model.modules())
+
+
+def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: Mapping[str, Any]) -> None:
+    """Warn about each group of tied parameters that ``device_map`` spreads over several devices
+    (ValueError when a name has no device in the map)."""
+    import warnings
+
+    for group in tied_params:
+        devices = {}
+        for name in group:
+            try:
+                devices[name] = device_for(name, device_map)
+            except KeyError:
+                raise ValueError(f"device_map gives no device for tied parameter {name!r}; add its module "
+                                 "(or \"\" for everything not listed)") from None
+        if len(set(devices.values())) > 1:
+            warnings.warn(f"Tied parameters are on different devices: {devices}; put their modules on one device in "
+                          "the device_map, or use device_map='auto'", UserWarning, stacklevel=2)
+
+
 def _get_tensor(model: "nn.Module", name: str) -> "torch.Tensor":
     owner, leaf = _owner(model, name)
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
@@ -274,6 +328,18 @@ def compute_module_sizes(
     return sizes
 
 
+def calculate_maximum_sizes(model: "nn.Module") -> tuple[int, tuple[int, list[str]]]:
+    """The model's total size in bytes, and ``(size, names)`` of its largest layers (a layer is a leaf
+    module, a tensor, or a module of a class in ``model._no_split_modules``)."""
+    from .device_map import get_max_layer_size
+
+    sizes = compute_module_sizes(model)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    top = (list(model.named_parameters(recurse=False)) + list(model.named_children())
+           + list(model.named_buffers(recurse=False)))
+    return sizes[""], get_max_layer_size(top, sizes, no_split)
+
+
 def compute_module_total_buffer_size(model: "nn.Module", dtype: Union[str, "torch.dtype", None] = None,
                                      special_dtypes: Optional[Mapping[str, Union[str, "torch.dtype"]]] = None) -> int:
     """Bytes held by all buffers of ``model``."""
@@ -322,3 +388,60 @@ def submodule_tensors(state_dict: Mapping[str, Any], module_names: list[str]) ->
                 out[key] = value
     return out
 
+
+
+def extract_submodules_state_dict(state_dict: Mapping[str, Any], submodule_names: list[str]) -> dict[str, Any]:
+    """The entries of ``state_dict`` under the named submodules (an empty name selects nothing)."""
+    return submodule_tensors(state_dict, [name for name in submodule_names if name])
+
+
+# -- checkpoint files ---------------------------------------------------------------------------------
+def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, DeviceLike]] = None) -> dict[str, Any]:
+    """The tensors of one checkpoint file: safetensors, or a torch ``.bin`` read with ``weights_only=True``.
+
+    With ``device_map`` (module name -> device), safetensors weights are read straight onto their
+    device; weights mapped to ``"disk"`` or to no module land on the CPU. ``.bin`` files always load
+    on the CPU. A safetensors file must have been saved from PyTorch (metadata format ``pt``).
+    """
+    import torch
+
+    checkpoint_file = str(checkpoint_file)
+    if not checkpoint_file.endswith(".safetensors"):
+        return torch.load(checkpoint_file, map_location="cpu", weights_only=True)
+    import warnings
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(checkpoint_file, framework="pt") as f:
+        metadata = f.metadata()
+        names = list(f.keys())
+    if metadata is None:
+        warnings.warn(f"{checkpoint_file} has no safetensors metadata; reading it as a PyTorch checkpoint",
+                      UserWarning, stacklevel=2)
+        metadata = {"format": "pt"}
+    if metadata.get("format") not in ("pt", "tf", "flax"):
+        raise OSError(f"{checkpoint_file} has safetensors metadata format={metadata.get('format')!r}, not 'pt', 'tf' "
+                      "or 'flax'; save it with save_pretrained or safetensors.torch.save_file")
+    if metadata["format"] != "pt":
+        raise ValueError(f"{checkpoint_file} was saved from {metadata['format']}; convert it to a PyTorch checkpoint "
+                         "(metadata format 'pt') first")
+    if device_map is None:
+        return load_file(checkpoint_file)
+    devices = set(device_map.values())
+    if len(devices) == 1 and "disk" not in devices:
+        return load_file(checkpoint_file, device=str(_as_device(next(iter(devices)))))
+    placement: dict[str, Any] = {}
+    for name in names:
+        try:
+            device = device_for(name, device_map)
+        except KeyError:
+            device = "cpu"
+        placement[name] = "cpu" if device == "disk" else device
+    tensors: dict[str, Any] = {}
+    for device in dict.fromkeys(placement.values()):
+        with safe_open(checkpoint_file, framework="pt", device=str(_as_device(device))) as f:
+            for name in names:
+                if placement[name] == device:
+                    tensors[name] = f.get_tensor(name)
+    return tensors

@@ -4,7 +4,8 @@ A folder holds ``offload-NNNNN.safetensors`` files and ``index.json``, which map
 tensor name to ``{"safetensors_file", "weight_name", "dtype", "shape"}`` (file names relative to the
 folder, so the folder can be moved). Tied names point at one stored tensor. Accelerate reads these
 entries too (it understands ``safetensors_file`` entries); hasten in turn reads folders written by
-Accelerate (``<name>.dat`` raw arrays), through ``numpy.memmap``. Nothing here unpickles.
+Accelerate (``<name>.dat`` raw arrays), through ``numpy.memmap``, and Accelerate's own functions for that
+format (``offload_weight``, ``save_offload_index``, ``load_offloaded_weight``) write and read it. Nothing here unpickles.
 Every file is written atomically; the index is rewritten (atomically) after the weights it names.
 """
 
@@ -95,23 +96,69 @@ def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tenso
     add_to_index(save_dir, write_offload_file(save_dir, state_dict))
 
 
+def _inside(folder: str, name: str, what: str) -> str:
+    """The path of ``<name>.dat`` in ``folder``, refusing names that climb out of it."""
+    path = os.path.realpath(os.path.join(folder, f"{name}.dat"))
+    if not path.startswith(os.path.realpath(folder) + os.sep):
+        raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
+    return path
+
+
 def _read_raw_array(folder: str, name: str, entry: Mapping[str, Any]) -> "torch.Tensor":
     """A tensor from Accelerate's ``<name>.dat`` format (a raw array; dtype and shape in the index)."""
+    return load_offloaded_weight(_inside(folder, name, "offload index entry"), entry)
+
+
+def _numpy_stand_in(dtype_name: str) -> str:
+    # numpy has no bfloat16 / float8: Accelerate's format stores them as integers of the same width
+    return "int16" if dtype_name == "bfloat16" else "int8" if dtype_name.startswith("float8") else dtype_name
+
+
+def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any]) -> "torch.Tensor":
+    """Read one ``.dat`` file of Accelerate's offload format into a CPU tensor (a copy, not a map).
+
+    weight_info: its index entry, ``{"dtype": "float16", "shape": [4, 8]}``.
+    """
     import numpy as np
     import torch
 
-    path = os.path.realpath(os.path.join(folder, f"{name}.dat"))
-    if not path.startswith(os.path.realpath(folder) + os.sep):
-        raise ValueError(f"offload index entry {name!r} points outside the offload folder {folder!r}")
-    dtype_name = entry["dtype"]
-    # numpy has no bfloat16 / float8: those were stored as same-width integers
-    stored = "int16" if dtype_name == "bfloat16" else "int8" if dtype_name.startswith("float8") else dtype_name
-    shape = tuple(entry["shape"]) or (1,)
-    array = np.array(np.memmap(path, dtype=stored, mode="r", shape=shape))
+    dtype_name = weight_info["dtype"]
+    stored = _numpy_stand_in(dtype_name)
+    shape = tuple(weight_info["shape"])
+    array = np.array(np.memmap(os.fspath(weight_file), dtype=stored, mode="r", shape=shape or (1,)))
     tensor = torch.from_numpy(array)
     if stored != dtype_name:
         tensor = tensor.view(getattr(torch, dtype_name))
-    return tensor.reshape(tuple(entry["shape"]))
+    return tensor.reshape(shape)
+
+
+def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: PathLike,
+                   index: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """Write ``weight`` to ``<offload_folder>/<weight_name>.dat`` in Accelerate's raw format (atomically).
+
+    index: a dict that gets the weight's entry (``{"dtype", "shape"}``); it is returned. The file is
+    not in the folder's ``index.json`` until ``save_offload_index`` writes the entries there.
+    """
+    import torch
+
+    folder = os.fspath(offload_folder)
+    path = _inside(folder, weight_name, "offload_weight: weight_name")
+    dtype_name = str(weight.dtype).replace("torch.", "")
+    data = weight.detach().to("cpu").contiguous()
+    stored = _numpy_stand_in(dtype_name)
+    if stored != dtype_name:
+        data = data.view(getattr(torch, stored))
+    array = data.numpy()
+    if index is not None:
+        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape)}
+    with atomic_write(path, "wb") as f:
+        f.write(array.tobytes())
+    return index
+
+
+def save_offload_index(index: Optional[Mapping[str, Any]], offload_folder: PathLike) -> None:
+    """Merge ``index`` (entries from ``offload_weight``) into ``offload_folder``'s ``index.json``."""
+    add_to_index(offload_folder, index or {})
 
 
 def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, Any],
@@ -132,6 +179,23 @@ def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, 
         if "dtype" in entry and str(tensor.dtype).replace("torch.", "") != entry["dtype"]:
             tensor = tensor.to(getattr(torch, entry["dtype"]))
     return tensor if device is None else tensor.to(device)
+
+
+def load_offloaded_weights(model: "torch.nn.Module", index: Optional[Mapping[str, Any]], offload_folder: PathLike) -> None:
+    """Put every weight of ``index`` (tensor name -> entry) from ``offload_folder`` into ``model``, on the CPU.
+
+    Reads Accelerate's ``.dat`` entries and hasten's safetensors entries alike.
+    """
+    from .modeling import set_module_tensor_to_device
+
+    if not index:
+        return
+    if any("SCB" in name for name in index):
+        raise NotImplementedError("load_offloaded_weights: the index holds bitsandbytes int8 statistics (SCB); hasten "
+                                  "does not load 8-bit bitsandbytes weights, load the model without 8-bit quantization")
+    folder = os.fspath(offload_folder)
+    for name, entry in index.items():
+        set_module_tensor_to_device(model, name, "cpu", value=load_offloaded_tensor(folder, name, entry))
 
 
 class PrefixedDataset(Mapping):
