@@ -169,10 +169,12 @@ def test_extract_model_from_parallel():
 
 def test_extract_model_from_parallel_removes_the_mixed_precision_forward(fresh_state):
     acc = hasten.Accelerator(cpu=True, mixed_precision="bf16")
+    from hasten.precision import AutocastRegion
+
     model = acc.prepare(nn.Linear(2, 2))
-    assert "forward" in model.__dict__  # the autocast forward prepare installed
+    assert AutocastRegion.of(model) is not None  # the autocast region prepare attached
     plain = hasten.utils.extract_model_from_parallel(model, keep_fp32_wrapper=False)
-    assert "forward" not in plain.__dict__
+    assert AutocastRegion.of(plain) is None and "forward" not in plain.__dict__
     x = torch.randn(3, 2, device=acc.device)
     torch.testing.assert_close(plain(x), nn.functional.linear(x, plain.weight, plain.bias), rtol=0, atol=0)
 

@@ -8,7 +8,7 @@ Also importable from ``hasten.utils`` and ``hasten.utils.dataclasses``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from .dataclasses import KwargsHandler
@@ -69,7 +69,8 @@ class AORecipeKwargs(KwargsHandler):
     module_filter_func: Optional[Callable] = None
     pad_inner_dim: Optional[bool] = None
     enable_fsdp_float8_all_gather: Optional[bool] = None
-    auto_compile: Optional[bool] = None
+    # hasten only; keyword-only, so a call written for Accelerate cannot shift onto it
+    auto_compile: Optional[bool] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.auto_compile is not None and not isinstance(self.auto_compile, bool):

@@ -99,10 +99,11 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
         model = model.module
     if recursive:
         model = _unwrap_children(model)
-    if not keep_fp32_wrapper:
+    if not keep_fp32_wrapper:  # the model and its compiled form both stop autocasting, as in unwrap_model
         from ..precision import Precision
 
-        Precision.unwrap_forward(model)
+        for wrapped in (model, compiled) if compiled is not None else (model,):
+            Precision.unwrap_forward(wrapped)
     if compiled is None or not keep_torch_compile:
         return model
     if is_compiled_module(compiled):
