@@ -469,7 +469,7 @@ def check_replicate_holds_full_parameters():
         assert str(p.placements) == "(Replicate(), Shard(dim=0))", p.placements
         assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard"), p.device_mesh
     norms, _ = _train(acc, model, opt, loader, 4, clip=0.05)
-    ref, ref_norms = _reference(4, 1, 0.05, 2, 2)
+    ref, ref_norms = _reference(4, 1, 0.05, 2, 2, acc.device)
     got = _full(acc, model)
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst < 1e-5, worst

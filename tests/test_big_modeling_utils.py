@@ -518,8 +518,8 @@ def test_load_offloaded_weights_from_either_librarys_folder(tmp_path):
         index = json.loads((folder / "index.json").read_text())
         hu.load_offloaded_weights(model, index, str(folder))
         for key, value in model.state_dict().items():
-            if key in state:
-                assert value.device.type == "cpu" and torch.equal(value, state[key]), (folder, key)
+            if key in state:  # load_offloaded_weights loads onto the CPU, as Accelerate
+                assert value.device.type == "cpu" and torch.equal(value, state[key]), (folder, key)  # cpu-on-purpose
         if folder.name == "acc":  # the tie is left as Accelerate leaves it (head.weight not in the index)
             acc.load_offloaded_weights(reference, index, str(folder))
             assert {k: v.device for k, v in model.state_dict().items()} == \
@@ -548,7 +548,7 @@ def test_align_module_device_on_offloaded_and_plain_modules():
     plain = nn.Linear(4, 3).to(DEVICE)
     before = plain.weight.detach().clone()
     with hu.align_module_device(plain, "cpu"):
-        assert plain.weight.device.type == "cpu"
+        assert plain.weight.device.type == "cpu"  # cpu-on-purpose: aligned to "cpu"
         plain.weight.data.add_(1)  # changes made inside go back with the weight, as in Accelerate
     assert plain.weight.device == before.device and torch.equal(plain.weight.detach(), before + 1)
     with hu.align_module_device(plain):  # no device, no offload: nothing moves

@@ -191,7 +191,7 @@ def test_load_keeps_the_live_tensors_and_matches_the_saved_state(fresh_state, tm
     for param in model2.parameters():  # moments where their parameter lives, the step counter on the host
         state = getattr(opt2, "optimizer", opt2).state[param]
         assert state["exp_avg"].device == param.device and state["exp_avg_sq"].device == param.device
-        assert state["step"].device.type == "cpu"
+        assert state["step"].device.type == "cpu"  # cpu-on-purpose: the step counter stays on the host
     _step(acc2, *pairs2[0])  # the loaded state is ordinary, writable memory
     assert not _bitwise_equal(_snapshot(pairs2), expected)
 
