@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Optional
 
 from . import failures as failure_report
 from . import hangs
-from .launch import BOOTSTRAP
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .launch import Plan
+    from .plan import Plan
 
+# The wrapper each python child runs in, so that a failure can be traced to the rank that failed first.
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
 # Seconds between SIGTERM and SIGKILL when the agent stops the other processes after a failure.
 SHUTDOWN_GRACE_S = 5
 

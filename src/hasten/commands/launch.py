@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ..topology import DEFAULT_PORT
@@ -22,8 +21,8 @@ from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
 from .launch_settings import CONFIG, DEFAULT, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
+from .plan import Plan
 
-BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
 _TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
 _UNSUPPORTED_TYPES = ("XLA", "MEGATRON_LM")
 _OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu", "MULTI_MUSA": "musa",
@@ -39,33 +38,6 @@ def add_parser(subparsers: Any) -> None:
     )
     add_launch_arguments(p)
     p.set_defaults(func=launch_command)
-
-
-@dataclass
-class Plan:
-    """Everything needed to start the job, decided before torch is imported."""
-
-    res: Resolved
-    device: str
-    distributed_type: str
-    num_processes: int
-    nproc_per_node: int
-    num_machines: int
-    machine_rank: int
-    main_ip: str
-    main_port: int
-    rdzv_backend: str
-    rdzv_configs: dict[str, Any]
-    run_id: str
-    entrypoint: str
-    args: list[str]
-    child_env: dict[str, str]
-    direct: bool
-    notes: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def quiet(self) -> bool:
-        return bool(self.res.values.get("quiet") and self.res["quiet"])
 
 
 def _config(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Optional[str], dict, str]:

@@ -8,7 +8,6 @@ file, else the default; ``resolve`` returns each value with where it came from, 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -226,45 +225,6 @@ class Resolved:
 
     def set(self, name: str, value: Any, source: str, rank: int) -> None:
         self.values[name] = Value(value, source, rank)
-
-
-# ---------------------------------------------------------------------------------------------
-# argparse
-# ---------------------------------------------------------------------------------------------
-class ArgParser(argparse.ArgumentParser):
-    """argparse that raises ``HastenCLIError`` (one line, exit 2) instead of printing usage."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        from .cli import explain_parse_error
-
-        raise HastenCLIError(explain_parse_error(self, message))
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Shows ``--num_processes N`` once, not each spelling (``--num-processes`` works too)."""
-
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=36, width=min(110, max(80, _terminal_width())))
-
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        strings = [o for o in action.option_strings if not (o.startswith("--") and "-" in o[2:])]
-        if not action.option_strings or not strings:
-            return super()._format_action_invocation(action)
-        if action.nargs == 0:
-            return ", ".join(strings)
-        return ", ".join(strings) + " " + self._format_args(action, action.dest.upper())
-
-
-def _terminal_width() -> int:
-    try:
-        return os.get_terminal_size().columns
-    except OSError:
-        return 100
 
 
 def _flag_type(setting: Setting):
