@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import layout, restorer, rng
-from .mixin import _HOOKS_LOAD
+from . import layout, prehooks, restorer, rng
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -248,8 +247,7 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
     loaded: dict[str, Any] = {}
     models = list(acc._models)
     try:
-        for hook in list(acc._hooks(_HOOKS_LOAD).values()):
-            hook(models, folder)
+        prehooks.run(acc, prehooks.LOAD, models, folder)
         loaded = _read(acc, folder, set(os.listdir(folder)), allow_pickle, custom_later, problems)
     except Exception as e:  # noqa: BLE001 - one process failing must stop every process
         problems.append((kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))

@@ -19,31 +19,8 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from . import layout, saver
+from .collectives import ProcessGroupGone, gather
 from .staging import Stager
-
-
-class ProcessGroupGone(RuntimeError):
-    """A save that needs every process found the process group destroyed; nothing was committed."""
-
-
-def gather(value: Any, group: Any = None, world_size: int = 0) -> list:
-    """Every process's ``value`` (a list of one value without a process group).
-
-    ``world_size``: how many processes must take part; a save started on several processes whose
-    process group is gone by now must not go on as if it were alone (it would commit its own files
-    only).
-    """
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise ProcessGroupGone(
-            f"the process group was destroyed while a save of {world_size} processes still needed it; nothing "
-            "was committed. Wait for the save before tearing the group down: accelerator.wait_for_checkpoint() "
-            "or accelerator.end_training() before torch.distributed.destroy_process_group()"
-        )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, value, group=group)
-        return out
-    return [value]
 
 
 def raise_if_any(results: list, kind: type, head: str) -> None:

@@ -37,13 +37,28 @@ SUBDIR = "deepspeed"
 KEY = "deepspeed"
 
 
+def trains_engines(strategy: Any) -> bool:
+    """Whether ``strategy`` trains DeepSpeed engines: it finds the engine of a model (``engine_of``)
+    and its plugin names the ZeRO stage (``plugin.zero_stage_value``).
+
+    A check of what the strategy offers rather than of its class: the DeepSpeed strategy builds this
+    backend, so this module does not import it back.
+    """
+    plugin = getattr(strategy, "plugin", None)
+    return callable(getattr(strategy, "engine_of", None)) and hasattr(plugin, "zero_stage_value")
+
+
 def _shapes(module: nn.Module) -> dict[str, list[int]]:
     """Full shapes of the parameters (ZeRO-3 keeps them in ``ds_shape``)."""
     return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
 
 
 class DeepSpeedCheckpoint:
-    """The checkpoint backend of a ``DeepSpeedStrategy`` (same interface as ``checkpointing.sharded``)."""
+    """The checkpoint backend of a ``DeepSpeedStrategy`` (same interface as ``checkpointing.sharded``).
+
+    ``strategy`` is the live one: the DeepSpeed strategy when it saves, any strategy when it reads
+    (``trains_engines`` tells which restores through the engines).
+    """
 
     KEY = KEY
     NAME = "DeepSpeed"
@@ -117,9 +132,7 @@ class DeepSpeedCheckpoint:
 
     def _native(self, contents: dict[str, Any]) -> bool:
         """Whether DeepSpeed itself can load it: a DeepSpeed run with the stage and process count that wrote it."""
-        from ..strategies.deepspeed import DeepSpeedStrategy
-
-        if not isinstance(self.strategy, DeepSpeedStrategy):
+        if not trains_engines(self.strategy):
             return False
         world, stage = self.strategy.state.num_processes, self.strategy.plugin.zero_stage_value
         return all(e.get("world_size") == world and e.get("zero_stage") == stage for e in contents["models"])
@@ -132,9 +145,7 @@ class DeepSpeedCheckpoint:
     def check(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
         """Differences between the stored engines and the live models; reads the consolidated weights
         when DeepSpeed cannot load the partitions itself (reads only, changes nothing)."""
-        from ..strategies.deepspeed import DeepSpeedStrategy
-
-        if isinstance(self.strategy, DeepSpeedStrategy):
+        if trains_engines(self.strategy):
             try:
                 self._engines(inner)
             except ValueError as e:

@@ -12,9 +12,9 @@ import torch
 
 from ..saving import CheckpointMismatchError
 from ..state import warn_once
-from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
+from . import accelerate_folder, backends, layout, prehooks, restorer, resume, rng, saver
+from .collectives import broadcast_from_main, gather
 from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
-from .mixin import _HOOKS_LOAD, _gather, broadcast_from_main
 
 _KINDS = {
     "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
@@ -49,7 +49,7 @@ def _agree(problems: list[tuple[str, str]], folder: str) -> None:
         dist.all_reduce(flag)
         if not int(flag.item()):
             return
-    everyone = _gather(problems)
+    everyone = gather(problems)
     found = list(dict.fromkeys(p for rank in everyone for p in rank))
     if not found:
         return
@@ -144,8 +144,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     models = list(acc._models)
     loaded: dict[str, Any] = {}
     try:
-        for hook in list(acc._hooks(_HOOKS_LOAD).values()):
-            hook(models, folder)
+        prehooks.run(acc, prehooks.LOAD, models, folder)
         loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems)
     except Exception as e:  # noqa: BLE001
         problems.append((_kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))

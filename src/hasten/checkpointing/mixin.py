@@ -18,33 +18,19 @@ from __future__ import annotations
 import os
 import signal
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from . import commit, layout, resume, rng, saver
-from .commit import gather as _gather  # noqa: F401 - loading imports it from here
-
-_HOOKS_SAVE = "_hasten_save_state_pre_hooks"
-_HOOKS_LOAD = "_hasten_load_state_pre_hooks"
-
-
-def broadcast_from_main(values: list) -> list:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(values, src=0)
-    return values
+from . import commit, layout, prehooks, resume, rng, saver
+from .collectives import broadcast_from_main
+from .loading import load_checkpoint
 
 
 class CheckpointMixin:
     """``save_state``, ``load_state``, their pre-hooks and the ``resume`` switch."""
 
     # -- hooks --------------------------------------------------------------------------------------
-    def _hooks(self, key: str) -> dict:
-        # An OrderedDict: torch's RemovableHandle keeps a weak reference to it (plain dicts have none).
-        return self.__dict__.setdefault(key, OrderedDict())
-
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Call ``hook(models, weights, output_dir)`` in ``save_state`` before anything is written.
 
@@ -53,24 +39,14 @@ class CheckpointMixin:
         hook writes there become part of the checkpoint and are committed with it.
         Returns a handle whose ``remove()`` unregisters the hook.
         """
-        from torch.utils.hooks import RemovableHandle
-
-        hooks = self._hooks(_HOOKS_SAVE)
-        handle = RemovableHandle(hooks)
-        hooks[handle.id] = hook
-        return handle
+        return prehooks.register(self, prehooks.SAVE, hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Call ``hook(models, input_dir)`` in ``load_state`` once the checkpoint has been verified.
 
         A hook that loads a model itself removes it from ``models``. Returns a removable handle.
         """
-        from torch.utils.hooks import RemovableHandle
-
-        hooks = self._hooks(_HOOKS_LOAD)
-        handle = RemovableHandle(hooks)
-        hooks[handle.id] = hook
-        return handle
+        return prehooks.register(self, prehooks.LOAD, hook)
 
     # -- resume switch ------------------------------------------------------------------------------
     # The plan lives in ``self._auto_resume`` (an ``AutoResume`` or None, declared by
@@ -177,8 +153,7 @@ class CheckpointMixin:
             weights = [] if dcp_format else [self.get_state_dict(model) for model in self._models]
             models = list(self._models)
             contents = self._contents(writes_shared)
-            for hook in list(self._hooks(_HOOKS_SAVE).values()):
-                hook(models, weights, folder)
+            prehooks.run(self, prehooks.SAVE, models, weights, folder)
             if dcp_format:
                 inner = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
                 contents["models"], with_state = backend.entries(inner, self._optimizers)
@@ -300,8 +275,6 @@ class CheckpointMixin:
         default relies on the commit protocol (every file is fsynced before the manifest exists).
         Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
         """
-        from .loading import load_checkpoint
-
         self.wait_for_checkpoint()
         if verify not in ("checksum", "size"):
             raise ValueError(f"load_state(verify={verify!r}): use 'size' (the default) or 'checksum'")

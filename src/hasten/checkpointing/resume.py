@@ -16,6 +16,9 @@ import os
 import warnings
 from typing import Any, Optional
 
+from . import layout
+from .collectives import broadcast_from_main
+
 RESUME_CHOICES = ("auto", "never")
 
 
@@ -97,8 +100,6 @@ class AutoResume:
     def locate(self) -> tuple[Optional[str], Any]:
         """(folder, its contents) to resume from, decided by process 0; (None, None): fresh start.
         Any problem reading it is returned as a string so that every process raises it."""
-        from . import layout
-        from .mixin import broadcast_from_main
 
         acc = self.accelerator
         found: list[Any] = [(None, None)]
