@@ -11,7 +11,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ..state import PartialState, data_parallel
 from ..utils.operations import broadcast_object_list
 from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
-from .samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
+from .order import SeedableRandomSampler
+from .samplers import BatchSamplerShard, IterableDatasetShard, SkipBatchSampler
 
 
 # -- prepare ----------------------------------------------------------------------------------------
