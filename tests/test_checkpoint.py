@@ -553,7 +553,7 @@ def test_resume_auto_keeps_the_instance_plain(fresh_state, tmp_path):
 def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fresh_state):
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    import hasten.data.position as position
+    import hasten.data.samplers as samplers
     from hasten.data_loader import (
         BatchSamplerShard,
         SeedableRandomSampler,
@@ -571,14 +571,14 @@ def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fre
                 fast = make()
                 for s in fast:
                     s._skip_next = skip
-                original, position.seek_batches = position.seek_batches, lambda *a: None
+                original, samplers.seek_batches = samplers.seek_batches, lambda *a: None
                 try:
                     slow = make()
                     for s in slow:
                         s._skip_next = skip
                     walked = [list(s) for s in slow]
                 finally:
-                    position.seek_batches = original
+                    samplers.seek_batches = original
                 assert [list(s) for s in fast] == walked
 
     class Counting(torch.utils.data.Dataset):

@@ -184,7 +184,7 @@ def test_parallelism_config_bad_values_are_named(kwargs, named):
 def test_unknown_tp_plan_key_and_style_are_named():
     from torch import nn
 
-    from hasten.strategies.tensor_parallel import resolve_plan
+    from hasten.strategies.tp_plan import resolve_plan
 
     model = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="tp_plan key 'layers.\\*.q' matches no module of Sequential"):

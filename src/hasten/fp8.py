@@ -17,11 +17,8 @@ torchao is imported only when fp8 is used.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import logging
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -34,93 +31,21 @@ from .utils.fp8_recipes import (
     MSAMPRecipeKwargs,
     TERecipeKwargs,
 )
-from .utils.environment import env_names, get_env
+from .utils.environment import env_names, get_env, parse_flag
+from .utils.fp8_backends import (
+    PACKAGES,
+    backend_installed,
+    import_torchao_float8,
+    quiet_torchao_import,
+    recipe_label,
+    require_backend,
+)
 
 logger = get_logger(__name__)
 
 RECIPE_CLASSES = (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs)
-PACKAGES = {  # backend -> (import name, what to tell the user)
-    "AO": ("torchao", "torchao: pip install torchao (or pip install 'hasten[fp8]')"),
-    "TE": ("transformer_engine", "NVIDIA Transformer Engine: pip install 'transformer_engine[pytorch]' (needs CUDA)"),
-    "MSAMP": ("msamp", "MS-AMP: see https://azure.github.io/MS-AMP/docs/getting-started/installation (needs CUDA)"),
-}
 # torch._scaled_mm with float8 inputs needs Ada (8.9) or Hopper (9.0) tensor cores and newer.
 MIN_CUDA_CAPABILITY = (8, 9)
-
-
-def backend_installed(backend: str) -> bool:
-    return importlib.util.find_spec(PACKAGES[backend][0]) is not None
-
-
-def require_backend(backend: str, who: str) -> None:
-    """Raise one ImportError naming the missing package and how to install it."""
-    if not backend_installed(backend):
-        raise ImportError(f"{who} needs {PACKAGES[backend][1]}; it is not installed. Install it, or use "
-                          "AORecipeKwargs (torchao), or mixed_precision='bf16'")
-
-
-@contextlib.contextmanager
-def _quiet_torchao_import() -> Iterator[None]:
-    """torchao warns, on import, about each CUDA-only kernel library it cannot load and about a
-    missing triton; neither matters to float8 training, and CPU users would see them every run."""
-    class DropImportNoise(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            text = str(record.msg)
-            return not (text.startswith("Failed to load") or "Detected no triton" in text
-                        or "is an Enum subclass and is now natively supported" in text)
-
-    quiet = DropImportNoise()
-    # Filters on a logger do not apply to records of its children: put it on each one that warns.
-    targets = [logging.getLogger(name) for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")]
-    for target in targets:
-        target.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for target in targets:
-            target.removeFilter(quiet)
-
-
-def import_torchao_float8() -> Any:
-    """``torchao.float8``, imported on first use."""
-    require_backend("AO", "mixed_precision='fp8' with the torchao backend")
-    with _quiet_torchao_import():
-        import torchao.float8 as float8
-    return float8
-
-
-def build_ao_config(config: Any, pad_inner_dim: Optional[bool], fsdp_all_gather: Optional[bool]) -> Any:
-    """A ``Float8LinearConfig`` from ``AORecipeKwargs``' fields (a recipe name is accepted too)."""
-    float8 = import_torchao_float8()
-    if isinstance(config, str):
-        names = [r.value for r in float8.Float8LinearRecipeName]
-        if config.lower() not in names:
-            raise ValueError(f"AORecipeKwargs(config={config!r}) is not a torchao recipe; use one of {names} "
-                             "or a torchao.float8.Float8LinearConfig")
-        config = float8.Float8LinearConfig.from_recipe_name(config.lower())
-    if config is None:
-        pad = _env_flag("FP8_PAD_INNER_DIM", True) if pad_inner_dim is None else pad_inner_dim
-        gather = _env_flag("FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", True) if fsdp_all_gather is None else fsdp_all_gather
-        return float8.Float8LinearConfig(pad_inner_dim=bool(pad), enable_fsdp_float8_all_gather=bool(gather))
-    if not isinstance(config, float8.Float8LinearConfig):
-        raise TypeError(f"AORecipeKwargs(config=...) got a {type(config).__name__}; pass a "
-                        "torchao.float8.Float8LinearConfig, a recipe name ('tensorwise', 'rowwise') or None")
-    # Accelerate ignores these two next to a config; silently dropping a setting is worse.
-    if fsdp_all_gather and not config.enable_fsdp_float8_all_gather and _recipe_label(config) == "rowwise":
-        raise ValueError("AORecipeKwargs(enable_fsdp_float8_all_gather=True) cannot go with a rowwise recipe: torchao "
-                         "all-gathers only tensorwise-scaled weights in float8. Use config='tensorwise', or leave "
-                         "enable_fsdp_float8_all_gather unset (FSDP2 then all-gathers rowwise weights in bf16)")
-    for field_name, value in (("pad_inner_dim", pad_inner_dim), ("enable_fsdp_float8_all_gather", fsdp_all_gather)):
-        if value is not None and value != getattr(config, field_name):
-            raise ValueError(f"AORecipeKwargs({field_name}={value}) contradicts config.{field_name}="
-                             f"{getattr(config, field_name)}; set it in the Float8LinearConfig only")
-    return config
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    from .utils.environment import parse_flag
-
-    return parse_flag(name, default)
 
 
 # -- choosing the recipe ---------------------------------------------------------------------------
@@ -238,7 +163,7 @@ class Float8Plan:
         self.device = device
         self._warned: set[str] = set()  # each speed warning once per Accelerator, however many models
         auto = getattr(recipe, "auto_compile", None)
-        self.auto_compile = _env_flag("FP8_AUTO_COMPILE", device.type == "cuda") if auto is None else auto
+        self.auto_compile = parse_flag("FP8_AUTO_COMPILE", device.type == "cuda") if auto is None else auto
         if not sharded and self.config.enable_fsdp_float8_all_gather:
             # The all-gather wrapper replaces each weight Parameter, so an optimizer built before
             # prepare() would keep updating the old ones (Accelerate 1.15 trains nothing in the
@@ -276,7 +201,7 @@ class Float8Plan:
                                "before prepare() would not train them; report this as a hasten bug")
         converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
         kept = [n for n in linear if n not in converted]
-        recipe_name = _recipe_label(self.config)
+        recipe_name = recipe_label(self.config)
         logger.info(f"fp8 (torchao, {recipe_name}): {len(converted)} of {len(linear)} Linear layer(s) converted "
                     f"to float8: {', '.join(converted) or 'none'}; kept in high precision: {', '.join(kept) or 'none'}")
         if not converted:
@@ -304,7 +229,7 @@ class Float8Plan:
             self._warn_once(f"mixed_precision='fp8' on {self.device.type}: no float8 matrix units there, so torch emulates "
                       "the float8 matmuls and a step is several times slower than with bf16. Use it to check fp8 "
                       "numerics; train with mixed_precision='bf16' (or on a GPU with compute capability 8.9+)")
-        small = [name for name, m in layers if too_small_for_float8(m, _recipe_label(self.config))]
+        small = [name for name, m in layers if too_small_for_float8(m, recipe_label(self.config))]
         if small and self.device.type == "cuda":
             self._warn_once(f"fp8: {len(small)} of {len(layers)} float8 layer(s) are below the sizes where a float8 matmul "
                       f"beats bf16 on an H100 (torchao's tables), e.g. {small[0]}; they likely run slower than in "
@@ -341,11 +266,6 @@ def too_small_for_float8(layer: nn.Module, recipe: str) -> bool:
     return in_features <= 4096 and out_features <= 1024
 
 
-def _recipe_label(config: Any) -> str:
-    granularity = str(getattr(config.cast_config_weight, "scaling_granularity", "")).lower()
-    return "rowwise" if "axiswise" in granularity else "tensorwise"
-
-
 def plan_for(handlers: dict[type, Any], mixed_precision: str, device: torch.device,
              sharded: bool = False) -> Optional[Float8Plan]:
     """The fp8 plan for an Accelerator's settings, or None when fp8 is not used."""
@@ -373,7 +293,7 @@ def precompute_float8_scales(model: nn.Module) -> None:
     values, in one all-reduce. Run after each real optimizer step and after loading weights: the
     next all-gather uses them (a stale scale would clip or waste float8's range). Every process
     must call it (collective)."""
-    with _quiet_torchao_import():
+    with quiet_torchao_import():
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
-from .topology import Topology, detect_topology
+from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
 from .utils.environment import parse_choice, parse_flag
 
@@ -292,8 +292,6 @@ class PartialState(SharedDict):
         With ``apply_padding`` every share has the same length, padded with the last element, so
         that the results can be gathered (drop the padding afterwards).
         """
-        from .strategies.mesh import data_parallel
-
         dp = data_parallel()  # tensor-parallel peers share one replica's inputs
         if dp.size == 1:
             yield inputs
@@ -489,6 +487,15 @@ class AcceleratorState(SharedDict):
         if reset_partial_state:
             PartialState._reset_state()
 
+
+def data_parallel() -> DataParallel:
+    """This process's data-parallel view: the running strategy's mesh (which the Accelerator keeps in
+    ``AcceleratorState.parallel_mesh``) when there is one, else every process its own replica."""
+    mesh = AcceleratorState._shared_state.get("parallel_mesh")
+    if mesh is not None:
+        return mesh.data_parallel()
+    state = PartialState()
+    return DataParallel(state.process_index, state.num_processes)
 
 def resolve_mixed_precision(value: Optional[str]) -> str:
     """The argument, else ``HASTEN_MIXED_PRECISION``/``ACCELERATE_MIXED_PRECISION``, else "no"."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 DEFAULT_PORT = 29500
 
@@ -32,6 +32,20 @@ class Topology:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the data-parallel replicas.
+
+    ``group`` is None when every process is its own replica (the default group serves);
+    ``members`` lists, by data-parallel rank, one global rank per replica (its first process).
+    """
+
+    rank: int
+    size: int
+    group: Any = None
+    members: Optional[tuple[int, ...]] = None
 
 
 def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:

@@ -4,14 +4,8 @@ from .dispatch import DataLoaderDispatcher
 from .loaders import DataLoaderShard, SkipDataLoader, get_sampler
 from .prepare import prepare_data_loader, skip_first_batches
 from .metrics import gather_for_metrics
-from .samplers import (
-    BatchSamplerShard,
-    EpochPlan,
-    IterableDatasetShard,
-    SeedableRandomSampler,
-    SkipBatchSampler,
-    StepRecord,
-)
+from .order import SeedableRandomSampler
+from .samplers import BatchSamplerShard, EpochPlan, IterableDatasetShard, SkipBatchSampler, StepRecord
 
 __all__ = [
     "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "EpochPlan", "IterableDatasetShard",

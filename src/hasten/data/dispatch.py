@@ -17,8 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from ..state import PartialState
-from ..strategies.mesh import data_parallel
+from ..state import PartialState, data_parallel
 from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin

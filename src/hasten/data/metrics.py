@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..state import GradientState, PartialState
+from ..state import GradientState, PartialState, data_parallel
 from ..utils.operations import concatenate, gather, gather_object, honor_type, recursively_apply
 from .samplers import StepRecord
 
@@ -183,8 +183,6 @@ class _Replicas:
 
     @classmethod
     def current(cls) -> "_Replicas":
-        from ..strategies.mesh import data_parallel
-
         dp = data_parallel()
         return cls(dp.rank, dp.size, dp.group, PartialState().device)
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.utils.data import IterableDataset
+
+from .samplers import IterableDatasetShard
 
 _NOTHING = object()
 
@@ -105,65 +108,6 @@ def set_sampler_seed(loader: Any, seed: Optional[int]) -> None:
         sampler.initial_seed = int(seed)
 
 
-# -- seeking without walking the skipped indices ----------------------------------------------------
-def fast_order(sampler: Any) -> Optional[Callable[[], Any]]:
-    """For samplers whose whole order can be computed at once: a function returning it (a list or
-    range) with the same side effects as iterating the sampler; None for other samplers.
-
-    Covers ``SequentialSampler`` and ``SeedableRandomSampler`` without replacement; resuming with
-    them costs one permutation, wherever in the epoch the resume lands.
-    """
-    from torch.utils.data import SequentialSampler
-
-    from .samplers import SeedableRandomSampler
-
-    if type(sampler) is SequentialSampler:
-        return lambda: range(len(sampler.data_source))
-    if type(sampler) is SeedableRandomSampler and not sampler.replacement:
-        n = len(sampler.data_source)
-        if sampler.num_samples != n:
-            return None
-
-        def order() -> list:
-            # What RandomSampler.__iter__ yields for num_samples == len(data_source): one permutation
-            # drawn from the epoch's generator (checked against the sampler itself in the tests).
-            epoch = sampler.epoch
-            generator = torch.Generator()
-            generator.manual_seed(sampler.initial_seed + epoch)
-            sampler.generator = generator
-            indices = torch.randperm(n, generator=generator).tolist()
-            sampler.epoch = epoch + 1
-            return indices
-
-        return order
-    return None
-
-
-def seek_batches(batch_sampler: Any, first: int, head_count: int) -> Optional[tuple[list, Iterator[list]]]:
-    """``(first head_count batches, batches from number first on)`` of a plain ``BatchSampler``
-    computed from its sampler's order in one go; None when that is not possible."""
-    from torch.utils.data import BatchSampler
-
-    if type(batch_sampler) is not BatchSampler:
-        return None
-    order_fn = fast_order(batch_sampler.sampler)
-    if order_fn is None:
-        return None
-    order = order_fn()
-    size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
-    head = [list(order[i * size:(i + 1) * size]) for i in range(head_count)]
-    head = [b for b in head if b and (len(b) == size or not drop_last)]
-
-    def rest() -> Iterator[list]:
-        for start in range(first * size, len(order), size):
-            batch = list(order[start:start + size])
-            if len(batch) < size and drop_last:
-                return
-            yield batch
-
-    return head, rest()
-
-
 # -- iterable datasets that can say where they are ------------------------------------------------
 def stateful_stream(loader: Any) -> Optional[Any]:
     """The user's iterable dataset behind ``loader`` when it resumes through its own
@@ -174,10 +118,6 @@ def stateful_stream(loader: Any) -> Optional[Any]:
     Protocol: ``state_dict()`` taken between two samples describes the position after the last
     sample read; after ``load_state_dict(state)`` the next ``iter()`` continues from there.
     """
-    from torch.utils.data import IterableDataset
-
-    from .samplers import IterableDatasetShard
-
     dataset = getattr(loader, "dataset", None)
     if getattr(loader, "num_workers", 0) or not isinstance(dataset, IterableDataset):
         return None

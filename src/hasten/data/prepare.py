@@ -8,11 +8,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from ..state import PartialState
-from ..strategies.mesh import data_parallel
+from ..state import PartialState, data_parallel
 from ..utils.operations import broadcast_object_list
 from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
-from .samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
+from .order import SeedableRandomSampler
+from .samplers import BatchSamplerShard, IterableDatasetShard, SkipBatchSampler
 
 
 # -- prepare ----------------------------------------------------------------------------------------

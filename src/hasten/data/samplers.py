@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, IterableDataset
+
+from .order import seek_batches
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -83,43 +85,6 @@ class EpochPlan:
     def first_last_step(self) -> int:
         """The earliest step at which some process runs out of batches."""
         return min(self.last_present)
-
-
-# -- shuffling ------------------------------------------------------------------------------------
-class SeedableRandomSampler(RandomSampler):
-    """A ``RandomSampler`` whose order is a function of ``initial_seed + epoch`` only.
-
-    Every process that builds it with the same seed walks the same permutation, and a new epoch
-    (``set_epoch``, or each completed pass) gives a new one, reproducibly.
-
-    Args:
-        data_source, replacement, num_samples, generator: as ``torch.utils.data.RandomSampler``.
-        data_seed: the seed; default: ``generator.initial_seed()`` when a generator is given, else
-            ``torch.initial_seed()`` (``prepare_data_loader`` makes it agree across processes).
-    """
-
-    def __init__(self, data_source: Any, replacement: bool = False, num_samples: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, data_seed: Optional[int] = None) -> None:
-        super().__init__(data_source, replacement=replacement, num_samples=num_samples, generator=generator)
-        if data_seed is not None:
-            self.initial_seed = int(data_seed)
-        elif generator is not None:
-            self.initial_seed = int(generator.initial_seed())
-        else:
-            self.initial_seed = int(torch.initial_seed())
-        self.epoch = 0
-
-    def __iter__(self) -> Iterator[int]:
-        epoch = self.epoch
-        generator = torch.Generator()
-        generator.manual_seed(self.initial_seed + epoch)
-        self.generator = generator  # RandomSampler's own algorithm then draws from it
-        yield from super().__iter__()
-        self.epoch = epoch + 1
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use the permutation of ``epoch`` from the next iteration on."""
-        self.epoch = int(epoch)
 
 
 # -- batch-sampler sharding -------------------------------------------------------------------------
@@ -299,8 +264,6 @@ class BatchSamplerShard(BatchSampler):
         return self._iterate(plan, skip)
 
     def _iterate(self, plan: EpochPlan, skip: int) -> Iterator[list]:
-        from .position import seek_batches
-
         n = self.num_processes
         if n == 1 and not skip:  # one process: nothing to share out or pad (and no plan is consulted)
             yield from self.batch_sampler

@@ -27,6 +27,7 @@ from .base import Params, Strategy
 from .mesh import ParallelMesh
 from .scaler import agreeing_scaler
 from .sharded_state import full_state_dict, load_full_state_dict
+from .tp_plan import apply_tensor_parallel
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,8 +142,6 @@ class FSDP2Strategy(Strategy):
 
             prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
         if self.mesh.sizes["tp"] > 1:
-            from .tensor_parallel import apply_tensor_parallel
-
             apply_tensor_parallel(model, self.mesh["tp"], getattr(self.parallelism_config, "tp_plan", None))
         if self.shards_data_parallel():
             self._fully_shard(model)

@@ -3,33 +3,20 @@
 Processes are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)``: the ranks of one
 tensor-parallel (and context-parallel) group are consecutive, so they sit on one machine. Every
 process of one data-parallel replica (same ``dp_replicate`` and ``dp_shard`` coordinates) must
-see the same batch; the data layer reads ``data_parallel()`` instead of the global rank and
+see the same batch; the data layer reads ``hasten.state.data_parallel()`` instead of the global rank and
 world size, and gathers metrics over the data-parallel group only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
+
+from ..topology import DataParallel
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This process's place among the data-parallel replicas.
-
-    ``group`` is None when every process is its own replica (the default group serves);
-    ``members`` lists, by data-parallel rank, one global rank per replica (its first process).
-    """
-
-    rank: int
-    size: int
-    group: Any = None
-    members: Optional[tuple[int, ...]] = None
 
 
 def check_layout(sizes: dict[str, int], world_size: int) -> None:
@@ -146,13 +133,3 @@ class ParallelMesh:
     def __repr__(self) -> str:
         return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
 
-
-def data_parallel() -> DataParallel:
-    """The data-parallel view of the running strategy's mesh, else every process its own replica."""
-    from ..state import AcceleratorState, PartialState
-
-    mesh = AcceleratorState._shared_state.get("parallel_mesh")
-    if mesh is not None:
-        return mesh.data_parallel()
-    state = PartialState()
-    return DataParallel(state.process_index, state.num_processes)

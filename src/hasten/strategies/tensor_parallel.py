@@ -1,121 +1,16 @@
-"""Tensor parallelism with DTensor (``torch.distributed.tensor.parallel.parallelize_module``).
+"""Tensor parallelism alone: ``ParallelismConfig(tp_size=N)`` with every data-parallel size 1.
 
-The plan says how each linear layer's weight is split over the ``tp`` dimension of the mesh: the
-user's (``ParallelismConfig(tp_plan=...)``, ``parallelize_module`` style), else the model's own
-(transformers' ``config.base_model_tp_plan`` under the base model, plus the head's ``_tp_plan``).
-Plan keys may use ``*`` for one name part (``layers.*.mlp.up_proj``); they are expanded to the
-module names they match, and a key that matches nothing is an error. Sizes that ``tp`` does not
-divide (attention heads, split dimensions) are named before any communication.
-
-``TensorParallelStrategy`` is tensor parallelism without FSDP (every data-parallel size 1); with
-FSDP2 (``dp_shard`` x ``tp``) the ``FSDP2Strategy`` applies the same plan before sharding.
+How layers are split (the plan) lives in ``tp_plan``; with FSDP2 (``dp_shard`` x ``tp``) the
+``FSDP2Strategy`` applies the same plan before sharding.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from typing import Any, Optional
-
-from torch import nn
+from typing import Any
 
 from ..precision import Precision
 from .fsdp2 import FSDP2Strategy
 from .scaler import agreeing_scaler
-
-# transformers' style names -> how to build torch's ParallelStyle.
-_STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel")
-
-
-def _style(name: Any, where: str) -> Any:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-
-    if isinstance(name, ParallelStyle):
-        return name
-    key = str(name).lower()
-    if key == "colwise":
-        return ColwiseParallel()
-    if key == "rowwise":
-        return RowwiseParallel()
-    if key in ("colwise_rep", "colwise_gather_output"):
-        return ColwiseParallel(output_layouts=Replicate())
-    if key == "rowwise_rep":
-        return RowwiseParallel(input_layouts=Replicate())
-    if key == "sequence_parallel":
-        return SequenceParallel()
-    raise ValueError(f"tp_plan[{where!r}] = {name!r}: unknown style; use a torch ParallelStyle "
-                     f"(ColwiseParallel(), RowwiseParallel(), ...) or one of {list(_STYLE_NAMES)}")
-
-
-def model_plan(model: nn.Module) -> dict[str, Any]:
-    """The model's own plan (transformers): ``base_model_tp_plan`` under the base model, then ``_tp_plan``."""
-    plan: dict[str, Any] = {}
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    for key, style in base.items():
-        plan[inner + key] = style
-    own = getattr(type(model), "_tp_plan", None)
-    if isinstance(own, dict):
-        plan.update(own)
-    return plan
-
-
-def _matches(pattern: str, name: str) -> bool:
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
-
-
-def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """``{module name: ParallelStyle}`` for ``model``: the user's plan, else the model's own."""
-    plan = user_plan if user_plan is not None else model_plan(model)
-    if not plan:
-        raise ValueError(f"tp_size > 1 but {type(model).__name__} has no tensor-parallel plan; pass "
-                         "ParallelismConfig(tp_plan={'layer.name': 'colwise', 'next.layer': 'rowwise'}) (torch "
-                         "ParallelStyle objects work too), or apply parallelize_module yourself before prepare()")
-    modules = dict(model.named_modules())
-    out: dict[str, Any] = {}
-    for pattern, style in plan.items():
-        names = [n for n in modules if n and _matches(pattern, n)]
-        if not names:
-            raise ValueError(f"tp_plan key {pattern!r} matches no module of {type(model).__name__}; module names "
-                             f"look like {[n for n in modules if n][:6]}")
-        for name in names:
-            out[name] = _style(style, pattern)
-    return out
-
-
-def check_divisible(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
-    """Name the heads / split sizes that ``tp`` does not divide (before any communication)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    config = getattr(model, "config", None)
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ValueError(f"tp_size={tp} does not divide {attr}={heads} of {type(model).__name__}; pick a tp_size "
-                             f"that divides it (e.g. {max(d for d in range(1, heads + 1) if heads % d == 0 and d <= tp)})")
-    modules = dict(model.named_modules())
-    for name, style in plan.items():
-        module = modules[name]
-        if isinstance(module, nn.Linear):
-            dim, size = ("out_features", module.out_features) if isinstance(style, ColwiseParallel) else \
-                ("in_features", module.in_features) if isinstance(style, RowwiseParallel) else (None, 0)
-            if dim and size % tp:
-                raise ValueError(f"tp_size={tp} does not divide {name}.{dim}={size}; tensor parallelism splits it "
-                                 "evenly, so pick a tp_size that divides it or leave the layer out of tp_plan")
-        elif isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel) and module.num_embeddings % tp:
-            raise ValueError(f"tp_size={tp} does not divide {name}.num_embeddings={module.num_embeddings}")
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, user_plan: Optional[dict[str, Any]]) -> None:
-    """Split ``model``'s planned layers over ``tp_mesh`` in place."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    plan = resolve_plan(model, user_plan)
-    check_divisible(model, plan, tp_mesh.size())
-    parallelize_module(model, tp_mesh, plan)
 
 
 class TensorParallelStrategy(FSDP2Strategy):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import KW_ONLY, dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
+
+from .kwargs_handler import KwargsHandler
 
 
 class DistributedType(str, enum.Enum):
@@ -89,18 +91,6 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
-
-
-class KwargsHandler:
-    """Base of the ``kwargs_handlers`` given to ``Accelerator``: only non-default fields count."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-
-    def to_kwargs(self) -> dict[str, Any]:
-        """The fields whose value differs from the default."""
-        default = self.__class__()
-        return {k: v for k, v in self.to_dict().items() if getattr(default, k) != v}
 
 
 @dataclass

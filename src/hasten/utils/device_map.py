@@ -17,7 +17,7 @@ import re
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from .modeling import compute_module_sizes, compute_module_total_buffer_size, find_tied_parameters
+from .modeling import compute_module_sizes, compute_module_total_buffer_size, find_tied_parameters, get_max_layer_size
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -156,28 +156,6 @@ def get_balanced_memory(
         rest = sum(budgets[i] for i in gpus[1:])
         budgets[gpus[0]] = min(max(0, sizes[""] - rest), budgets[gpus[0]])
     return budgets
-
-
-def get_max_layer_size(modules: list[tuple[str, Any]], module_sizes: dict[str, int],
-                       no_split_module_classes: list[str]) -> tuple[int, list[str]]:
-    """Size and names of the largest layers among ``modules``: a layer is a module without children,
-    a tensor, or a module of a class in ``no_split_module_classes``."""
-    from torch import nn
-
-    best, names = 0, []
-    stack = list(modules)
-    while stack:
-        name, node = stack.pop(0)
-        children = list(node.named_children()) if isinstance(node, nn.Module) else []
-        if children and type(node).__name__ not in no_split_module_classes:
-            stack = [(f"{name}.{n}", c) for n, c in children] + stack
-            continue
-        size = module_sizes[name]
-        if size > best:
-            best, names = size, [name]
-        elif size == best:
-            names.append(name)
-    return best, names
 
 
 def _parts(name: str, node: Any, with_buffers: bool = True) -> list[tuple[str, Any]]:

@@ -1,6 +1,7 @@
 """The fp8 recipe objects (``kwargs_handlers``) of the three fp8 backends: torchao, Transformer
 Engine and MS-AMP, with Accelerate's fields and defaults (each default can come from
-``HASTEN_FP8_<FIELD>``). Torch-free at import; ``hasten.fp8`` does the work.
+``HASTEN_FP8_<FIELD>``). Torch-free at import; ``fp8_backends`` checks, when a recipe is
+constructed, that its backend is installed; ``hasten.fp8`` does the work.
 
 Also importable from ``hasten.utils`` and ``hasten.utils.dataclasses``.
 """
@@ -11,7 +12,8 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from .dataclasses import KwargsHandler
+from .fp8_backends import backend_installed, build_ao_config, require_backend
+from .kwargs_handler import KwargsHandler
 
 
 class FP8BackendType(str, enum.Enum):
@@ -79,8 +81,6 @@ class AORecipeKwargs(KwargsHandler):
         if self.module_filter_func is not None and not callable(self.module_filter_func):
             raise TypeError(f"AORecipeKwargs(module_filter_func={self.module_filter_func!r}) is not callable; pass "
                             "a function (module, fqn) -> bool, or None for the default filter")
-        from ..fp8 import build_ao_config
-
         self.config = build_ao_config(self.config, self.pad_inner_dim, self.enable_fsdp_float8_all_gather)
         self.pad_inner_dim = self.config.pad_inner_dim
         self.enable_fsdp_float8_all_gather = self.config.enable_fsdp_float8_all_gather
@@ -102,8 +102,6 @@ class TERecipeKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         self._check_te_fields("TERecipeKwargs")
-        from ..fp8 import require_backend
-
         require_backend("TE", "TERecipeKwargs")
 
     def _check_te_fields(self, owner: str) -> None:
@@ -147,8 +145,6 @@ class MSAMPRecipeKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         self._check_msamp_fields("MSAMPRecipeKwargs")
-        from ..fp8 import require_backend
-
         require_backend("MSAMP", "MSAMPRecipeKwargs")
 
     def _check_msamp_fields(self, owner: str) -> None:
@@ -170,8 +166,6 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
 
         warnings.warn("FP8RecipeKwargs is deprecated; use AORecipeKwargs (torchao), TERecipeKwargs or "
                       "MSAMPRecipeKwargs", FutureWarning, stacklevel=3)
-        from ..fp8 import backend_installed, require_backend
-
         default = "MSAMP" if backend_installed("MSAMP") else "TE"
         self.backend = _fp8_choice("FP8RecipeKwargs", "backend", self.backend, "FP8_BACKEND", default,
                                    ("AO", "TE", "MSAMP"))

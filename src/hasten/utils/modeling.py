@@ -24,7 +24,7 @@ DeviceLike = Union[int, str, "torch.device"]
 # Accelerate keeps the planner in this module; here it has its own module, imported on first use.
 __getattr__, __dir__ = lazy_module(__name__, {
     name: "hasten.utils.device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
-                                     "clean_device_map", "get_max_layer_size", "convert_file_size_to_int")
+                                     "clean_device_map", "convert_file_size_to_int")
 })
 
 
@@ -331,13 +331,33 @@ def compute_module_sizes(
 def calculate_maximum_sizes(model: "nn.Module") -> tuple[int, tuple[int, list[str]]]:
     """The model's total size in bytes, and ``(size, names)`` of its largest layers (a layer is a leaf
     module, a tensor, or a module of a class in ``model._no_split_modules``)."""
-    from .device_map import get_max_layer_size
-
     sizes = compute_module_sizes(model)
     no_split = getattr(model, "_no_split_modules", None) or []
     top = (list(model.named_parameters(recurse=False)) + list(model.named_children())
            + list(model.named_buffers(recurse=False)))
     return sizes[""], get_max_layer_size(top, sizes, no_split)
+
+
+def get_max_layer_size(modules: list[tuple[str, Any]], module_sizes: dict[str, int],
+                       no_split_module_classes: list[str]) -> tuple[int, list[str]]:
+    """Size and names of the largest layers among ``modules``: a layer is a module without children,
+    a tensor, or a module of a class in ``no_split_module_classes``."""
+    from torch import nn
+
+    best, names = 0, []
+    stack = list(modules)
+    while stack:
+        name, node = stack.pop(0)
+        children = list(node.named_children()) if isinstance(node, nn.Module) else []
+        if children and type(node).__name__ not in no_split_module_classes:
+            stack = [(f"{name}.{n}", c) for n, c in children] + stack
+            continue
+        size = module_sizes[name]
+        if size > best:
+            best, names = size, [name]
+        elif size == best:
+            names.append(name)
+    return best, names
 
 
 def compute_module_total_buffer_size(model: "nn.Module", dtype: Union[str, "torch.dtype", None] = None,
