@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import layout, prehooks, restorer, rng
+from . import layout, prehooks, restorer, rng, unpickling
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -71,14 +71,12 @@ def _model_files(names: set[str]) -> list[str]:
     return out
 
 
-def _torch_load(path: str, allow_pickle: bool = False, extra_globals: Optional[list] = None,
-                advice: str = _ADVICE) -> Any:
+def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
     name = os.path.basename(path)
     try:
         if allow_pickle:
             return torch.load(path, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(extra_globals or []):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         # torch's message is long; the line naming the refused global is the useful one
@@ -87,21 +85,17 @@ def _torch_load(path: str, allow_pickle: bool = False, extra_globals: Optional[l
         raise pickle.UnpicklingError(f"{name}: refused by the weights-only unpickler ({reason}); {advice}") from None
 
 
-def _rng_globals() -> list:
-    """What ``random_states_*.pkl`` holds beyond tensors: NumPy's legacy MT19937 state tuple."""
-    try:
-        import numpy as np
-    except ImportError:
-        return []
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+# What ``random_states_*.pkl`` holds beyond tensors: NumPy's MT19937 state (an array rebuilt by NumPy's
+# reconstructor, under either NumPy's 1.x or 2.x module name) and the bytes torch's pickler encodes.
+_RNG_RECORDS = frozenset({("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+                          ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
 
 
 def read_rng(path: str) -> Optional[dict[str, Any]]:
     """The RNG file as hasten's ``rng.restore`` state plus ``step``; None (and a warning) when refused."""
     try:
-        saved = _torch_load(path, extra_globals=_rng_globals(),
-                            advice="a file written by Accelerate holds only RNG states and NumPy arrays")
+        # a per-call allow-list (no process-wide torch.serialization.safe_globals switch)
+        saved = unpickling.torch_file(path, "Accelerate RNG state", _RNG_RECORDS)
     except pickle.UnpicklingError as e:
         warnings.warn(f"load_state: random states skipped (the run continues with the current ones): {e}",
                       stacklevel=6)
