@@ -149,3 +149,25 @@ def check_resume_from_a_damaged_manifest_raises_on_every_process():
     except ValueError as e:
         return str(e)
     return None
+
+
+def check_background_saves_share_one_group_released_at_the_end():
+    """Accelerators built in a loop reuse one gloo group for their background saves (no threads and
+    sockets leaked per Accelerator), and what ends the script destroys it while the interpreter still
+    runs: gloo's worker threads that outlive a collective abort the process if they are still there
+    when it finalizes."""
+    import torch.distributed as dist
+    from hasten.checkpointing import commit
+
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    used = []
+    for i in range(3):
+        acc, model, opt = _setup(f"loop{i}")
+        acc.save_state(blocking=False)
+        used.append(acc._background().group)
+        acc.wait_for_checkpoint()
+    shared = len({id(g) for g in used}) == 1 and used[0] is not None
+    grown = len(dist.distributed_c10d._world.pg_map) - groups_before
+    commit.wait_all()
+    return {"shared": shared, "grown": grown, "left": len(dist.distributed_c10d._world.pg_map) - groups_before,
+            "saved": sorted(os.listdir(os.path.join(_project(f"loop{i}"), "checkpoints")))}

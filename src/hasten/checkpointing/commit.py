@@ -167,9 +167,8 @@ class Background:
         _ALL.add(self)
 
     def process_group(self) -> Any:
-        """A gloo group of every process for the save's exchanges (created once, by all processes)."""
-        if self.group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")
+        """A gloo group of every process for the save's exchanges (see ``save_group``)."""
+        self.group = save_group()
         return self.group
 
     def start(self, target: str, work: Callable[[], None]) -> None:
@@ -201,16 +200,52 @@ class Background:
 
 _ALL: "weakref.WeakSet[Background]" = weakref.WeakSet()
 _AT_EXIT: list = []
+_SAVE_GROUP: list = []  # [(default group, its save group)]
+
+
+def save_group() -> Any:
+    """The gloo group that background saves exchange on, apart from the training's collectives.
+
+    One per process group, shared by every ``Accelerator`` of the process (a script that builds
+    them in a loop must not leak a group with its threads and sockets each time); every process
+    creates it at its first background save, which they reach together. None alone.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if not (_SAVE_GROUP and _SAVE_GROUP[0][0] is world):
+        _SAVE_GROUP[:] = [(world, dist.new_group(backend="gloo"))]
+    return _SAVE_GROUP[0][1]
+
+
+def release_save_group() -> None:
+    """Destroy the save group at the end of the script, while the interpreter still runs.
+
+    Gloo's worker threads drop their reference to a finished collective (and so to its tensors)
+    a moment after the caller has the result. If that happens once the interpreter is finalizing,
+    the thread cannot take the GIL and the process aborts ("terminate called without an active
+    exception"). Destroying the group now joins those threads first.
+    """
+    if not _SAVE_GROUP:
+        return
+    world, group = _SAVE_GROUP.pop()
+    if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group(group)
+    for background in list(_ALL):
+        if background.group is group:
+            background.group = None
 
 
 def wait_all() -> None:
-    """Wait for every background save of this process; raise the first failure not reported yet."""
+    """Wait for every background save of this process and release their group (whatever calls
+    this ends the script); raise the first failure not reported yet."""
     first: Optional[BaseException] = None
     for background in list(_ALL):
         try:
             background.wait()
         except RuntimeError as e:
             first = first or e
+    release_save_group()
     if first is not None:
         raise first
 
