@@ -7,6 +7,7 @@ shared by every instance, as in Accelerate: creating one anywhere gives the same
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -192,6 +193,7 @@ class PartialState(SharedDict):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
+        atexit.register(_tear_down_at_exit, dist.group.WORLD)
 
     def open_one_process_group(self, backend: Optional[str] = None, **kwargs: Any) -> None:
         """A process group of this one process (FSDP2 and DTensor need one even then), in memory: no
@@ -207,6 +209,7 @@ class PartialState(SharedDict):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend=backend, rank=0, world_size=1, **kwargs)
+            atexit.register(_tear_down_at_exit, dist.group.WORLD)
             self.owns_group = True
         self.backend = dist.get_backend()
 
@@ -364,6 +367,18 @@ class PartialState(SharedDict):
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
+
+
+def _tear_down_at_exit(world: Any) -> None:
+    """The script ended with the group hasten opened still up (``torchrun``, plain ``python``): tear
+    it down while the interpreter still runs. Left to finalization, a gloo worker thread that drops
+    the last collective's tensors then cannot take the GIL and aborts the process, and NCCL warns
+    of a leaked communicator."""
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the script's work is done either way
+        pass
 
 
 def _check_timeout(kwargs: dict) -> None:
