@@ -17,43 +17,28 @@ from torch import nn
 
 from . import progress
 from .checkpointing import CheckpointMixin
-from .fp8 import plan_for as fp8_plan
 from .compilation import compile_regions, has_repeated_blocks
 from .optimizer import AcceleratedOptimizer
-from .options import (
-    UNSET,
-    accumulation_plugin,
-    check_parallelism,
-    collect_handlers,
-    dynamo_from_env,
-    deepspeed_plugin_from,
-    merge_legacy_data_kwargs,
-    unsupported_parallelism,
-)
+from .options import UNSET
 from .parallelism import ParallelLayoutMixin
+from .planning import make_plan
 from .precision import Precision
 from .prepared import PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
-from .state import AcceleratorState, GradientState, warn_once
-from .strategies import foreign_wrapper, select_strategy, user_sharded
+from .state import warn_once
+from .strategies import build_strategy, foreign_wrapper, user_sharded
 from .tracking.mixin import TrackingMixin
 from .views import SettingsViewsMixin
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    DistributedType,
     GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
     ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from .utils.deepspeed import check_not_dummy
-from .utils.environment import parse_flag
-from .utils.parallel_configs import parallelism_from_tp_plugin
 
 
 class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
@@ -116,67 +101,29 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         resume: Any = None,
         **legacy: Any,
     ) -> None:
-        unsupported_parallelism(megatron_lm_plugin=megatron_lm_plugin)
-        parallelism_config = parallelism_from_tp_plugin(torch_tp_plugin, parallelism_config)
-        if split_batches is not UNSET:
-            legacy["split_batches"] = split_batches
-        if deepspeed_plugins is not None:
-            if deepspeed_plugin is not None:
-                raise ValueError("pass deepspeed_plugin or deepspeed_plugins, not both")
-            deepspeed_plugin = deepspeed_plugins
-        if dynamo_backend is not None and dynamo_plugin is not None:
-            raise ValueError("pass dynamo_backend or dynamo_plugin, not both (set the backend in the plugin)")
-        handlers = collect_handlers(kwargs_handlers)
-        dataloader_config = merge_legacy_data_kwargs(dataloader_config, legacy)
-        plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
-        if dynamo_plugin is None:
-            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend) if dynamo_backend else dynamo_from_env()
-        if dynamo_plugin is not None and dynamo_plugin.backend == "no":
-            dynamo_plugin = None
-        if fsdp_plugin is None and parse_flag("USE_FSDP"):
-            fsdp_plugin = "from-environment"  # FSDP_* variables, resolved once the state is known
-        if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
-            deepspeed_plugin = "from-environment"
-
-        pg_handler = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
-        if pg_handler.hang_timeout is not None:
-            progress.set_hang_timeout(pg_handler.hang_timeout)
-        parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
-        pg_kwargs = pg_handler.to_kwargs()
-        self.state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
-                                      fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_kwargs)
-        self.gradient_state = GradientState(plugin)
-        if fsdp_plugin == "from-environment":
-            from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
-
-            fsdp_plugin = FullyShardedDataParallelPlugin()
-        self.fp8 = fp8_plan(handlers, self.state.mixed_precision, self.state.device,
-                            sharded=self.state.distributed_type == DistributedType.FSDP)
-        if deepspeed_plugin is not None:
-            deepspeed_plugin = deepspeed_plugin_from(deepspeed_plugin)
-            self.state.deepspeed_plugin = deepspeed_plugin
+        # Every decision the configuration implies, made once (hasten.planning); the rest reads it.
+        self.plan = make_plan(
+            mixed_precision, cpu, gradient_accumulation_steps, gradient_accumulation_plugin, deepspeed_plugin,
+            fsdp_plugin, torch_tp_plugin, megatron_lm_plugin, parallelism_config, dynamo_backend, dynamo_plugin,
+            kwargs_handlers, dataloader_config, split_batches=split_batches, deepspeed_plugins=deepspeed_plugins,
+            legacy=legacy,
+        )
+        self.state = self.plan.state
+        self.gradient_state = self.plan.gradient_state
+        self.fp8 = self.plan.fp8
+        self._parallelism_config = self.plan.parallelism_config
         # The strategy owns the process layout and the precision machinery (autocast + scaler, or FSDP2's policy).
-        self.strategy = select_strategy(self.state, mixed_precision=self.state.mixed_precision,
-                                        scaler_kwargs=handlers.get(GradScalerKwargs),
-                                        autocast_kwargs=handlers.get(AutocastKwargs),
-                                        ddp_kwargs=handlers.get(DistributedDataParallelKwargs), fsdp_plugin=fsdp_plugin,
-                                        parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin)
-        self._parallelism_config = parallelism_config
-        if self.strategy.joint_prepare:  # DeepSpeed: the config and the Accelerator agree on accumulation
-            explicit = gradient_accumulation_steps != 1 or gradient_accumulation_plugin is not None
-            self.gradient_accumulation_steps = self.strategy.agree_accumulation(self.gradient_state.num_steps, explicit)
+        self.strategy = build_strategy(self.plan)
         self.precision = self.strategy.precision
         self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
-        if parallelism_config is not None and self.state.use_distributed:
-            self.strategy.mesh.device_mesh()  # collective: built here by every process, as Accelerate does
         self.device_placement = device_placement
-        self.dataloader_config = dataloader_config
+        self.dataloader_config = self.plan.dataloader_config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        self.profile_handler: Optional[ProfileKwargs] = handlers.get(ProfileKwargs)
+        self.profile_handler: Optional[ProfileKwargs] = self.plan.handler(ProfileKwargs)
         self._select_trackers(log_with)
         self.step = 0  # micro-steps inside the current accumulation window
         # What prepare() handed out; a checkpoint saves exactly these (in order).

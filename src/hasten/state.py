@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
+from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
 from .utils.environment import parse_choice, parse_flag
@@ -464,11 +465,8 @@ class AcceleratorState(SharedDict):
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugin = deepspeed_plugin
         self.fsdp_plugin = fsdp_plugin
-        self.distributed_type = partial.distributed_type
-        if deepspeed_plugin is not None:
-            self.distributed_type = DistributedType.DEEPSPEED
-        elif fsdp_plugin is not None:  # on one process too (a group of one), as Accelerate under its launcher
-            self.distributed_type = DistributedType.FSDP
+        # The same decision the Accelerator's plan reads (hasten.planning): one rule, two callers.
+        self.distributed_type = distributed_type_for(partial.distributed_type, deepspeed_plugin, fsdp_plugin)
 
     @property
     def initialized(self) -> bool:

@@ -1,42 +1,31 @@
-"""Parallel strategies behind one interface (``Strategy``), chosen from the process state."""
+"""Parallel strategies behind one interface (``Strategy``), built from the run's plan.
+
+The plan (``hasten.planning.Plan``) names the strategy; ``hasten.strategy_rules.RULES`` says where
+each named strategy lives, and its module is imported only when a run uses it.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from ..utils.dataclasses import DistributedType
+from ..strategy_rules import strategy_rule
 from .base import Strategy, foreign_wrapper, user_sharded
 
 
-def select_strategy(state: Any, **options: Any) -> Strategy:
-    """The strategy for ``state.distributed_type``; ``options`` are the strategy's settings."""
-    kind = state.distributed_type
-    if kind == DistributedType.NO:
-        from .single import SingleDeviceStrategy
-
-        options.pop("fsdp_plugin", None)
-        options.pop("parallelism_config", None)
-        options.pop("deepspeed_plugin", None)
-        return SingleDeviceStrategy(state, **options)
-    if kind == DistributedType.FSDP:
-        from .fsdp2 import FSDP2Strategy
-
-        options.pop("deepspeed_plugin", None)
-        return FSDP2Strategy(state, **options)
-    options.pop("fsdp_plugin", None)
-    config = options.pop("parallelism_config", None)
-    if config is not None and config.tp_size > 1 and kind != DistributedType.DEEPSPEED:
-        from .tensor_parallel import TensorParallelStrategy
-
-        return TensorParallelStrategy(state, parallelism_config=config, **options)
-    if kind == DistributedType.DEEPSPEED:
-        from .deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(state, **options)
-    options.pop("deepspeed_plugin", None)
-    from .ddp import DDPStrategy
-
-    return DDPStrategy(state, **options)
+def strategy_class(name: str) -> type[Strategy]:
+    """The class of the strategy named ``name`` (imported on first use)."""
+    module, _, cls = strategy_rule(name).where.partition(":")
+    return getattr(importlib.import_module(f".{module}", __name__), cls)
 
 
-__all__ = ["Strategy", "foreign_wrapper", "select_strategy", "user_sharded"]
+def build_strategy(plan: Any) -> Strategy:
+    """The strategy ``plan.strategy`` names, set up for ``plan`` (with its torch device mesh when the
+    plan has an N-D layout and several processes: built collectively, by every process, here)."""
+    strategy = strategy_class(plan.strategy)(plan)
+    if plan.parallelism_config is not None and plan.state.use_distributed:
+        strategy.mesh.device_mesh()  # collective: built here by every process, as Accelerate does
+    return strategy
+
+
+__all__ = ["Strategy", "build_strategy", "foreign_wrapper", "strategy_class", "user_sharded"]

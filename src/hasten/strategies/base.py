@@ -47,9 +47,9 @@ class Strategy:
     """Single-process behaviour; subclasses override what differs.
 
     Args:
-        state: the process state (device, ranks).
-        mixed_precision: "no", "fp16", "bf16" (the strategy builds the matching machinery).
-        scaler_kwargs / autocast_kwargs: handlers for the fp16 scaler and autocast.
+        plan: the run's ``hasten.planning.Plan``: the process state (device, ranks), the precision
+            ("no", "fp16", "bf16", "fp8"), the kwargs handlers (fp16 scaler, autocast, DDP) and the
+            engine settings each strategy reads.
     """
 
     distributed_type = DistributedType.NO
@@ -61,13 +61,11 @@ class Strategy:
     #: ``backward`` divides the loss by the accumulation steps itself (DeepSpeed's engine does).
     scales_loss = False
 
-    def __init__(self, state: PartialState, mixed_precision: str = "no",
-                 scaler_kwargs: Optional[GradScalerKwargs] = None, autocast_kwargs: Optional[AutocastKwargs] = None,
-                 **options: Any) -> None:
-        self.state = state
-        self.options = options
+    def __init__(self, plan: Any) -> None:
+        self.state: PartialState = plan.state
         self.mesh = self.build_mesh()
-        self.precision = self.build_precision(mixed_precision, scaler_kwargs, autocast_kwargs)
+        self.precision = self.build_precision(plan.mixed_precision, plan.handler(GradScalerKwargs),
+                                              plan.handler(AutocastKwargs))
 
     def build_mesh(self) -> ParallelMesh:
         """The process layout; every process is a full replica unless a subclass says otherwise."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -16,13 +16,13 @@ from .base import Strategy
 class DDPStrategy(Strategy):
     """Replicate the model on every process and all-reduce gradients in backward.
 
-    Options: ``ddp_kwargs`` (a ``DistributedDataParallelKwargs``).
+    Reads the plan's ``DistributedDataParallelKwargs`` handler.
     """
 
-    def __init__(self, state: Any, ddp_kwargs: Optional[DistributedDataParallelKwargs] = None, **options: Any) -> None:
-        super().__init__(state, **options)
-        self.distributed_type = state.distributed_type
-        self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
+        self.distributed_type = plan.distributed_type
+        self.ddp_kwargs = plan.handler(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):

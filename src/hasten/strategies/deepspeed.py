@@ -22,7 +22,7 @@ from ..optimizer import AcceleratedOptimizer
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
 from ..utils.deepspeed import DummyOptim, DummyScheduler
-from ..utils.deepspeed_plugin import AUTO, DeepSpeedPlugin, fill, get_path
+from ..utils.deepspeed_plugin import AUTO, DeepSpeedPlugin
 from .base import Params, Strategy
 
 
@@ -90,23 +90,20 @@ class DeepSpeedSchedulerWrapper:
 
 
 class DeepSpeedStrategy(Strategy):
-    """ZeRO data parallelism over every process. Options: ``deepspeed_plugin``."""
+    """ZeRO data parallelism over every process. Reads ``plan.deepspeed_plugin``."""
 
     distributed_type = DistributedType.DEEPSPEED
     checkpoint_format = "deepspeed"
     joint_prepare = True
     scales_loss = True  # engine.backward divides by the accumulation steps itself
 
-    def __init__(self, state: Any, deepspeed_plugin: Any = None, mixed_precision: str = "no", **options: Any) -> None:
-        if not isinstance(deepspeed_plugin, DeepSpeedPlugin):
-            deepspeed_plugin = DeepSpeedPlugin()
-        self.plugin = deepspeed_plugin
-        self.mode = mixed_precision
+    def __init__(self, plan: Any) -> None:
+        plugin = plan.deepspeed_plugin
+        self.plugin = plugin if isinstance(plugin, DeepSpeedPlugin) else DeepSpeedPlugin()
+        self.mode = plan.mixed_precision
         self.engines: list[Any] = []
         self.config: Optional[dict] = None
-        options.pop("fsdp_plugin", None)
-        options.pop("ddp_kwargs", None)
-        super().__init__(state, mixed_precision=mixed_precision, **options)
+        super().__init__(plan)
         self.zero3_init_config = self._zero3_init()
 
     def _zero3_init(self) -> Any:
@@ -127,18 +124,6 @@ class DeepSpeedStrategy(Strategy):
 
     def describe(self) -> dict[str, Any]:
         return dict(super().describe(), zero_stage=self.plugin.zero_stage_value)
-
-    def agree_accumulation(self, steps: int, explicit: bool) -> int:
-        """The accumulation steps of the run: the Accelerator's, or the config's when only it sets them."""
-        config = self.plugin.deepspeed_config
-        current = get_path(config, "gradient_accumulation_steps")
-        if current not in (None, AUTO) and not explicit:
-            return int(current)
-        if explicit and "gradient_accumulation_steps" in self.plugin.soft_fields:
-            config["gradient_accumulation_steps"] = AUTO  # from the launcher: the script's value wins
-        fill(self.plugin.deepspeed_config, "gradient_accumulation_steps", steps,
-             "Accelerator(gradient_accumulation_steps=...)", _where(self.plugin))
-        return steps
 
     def release(self) -> None:
         self.engines.clear()
@@ -370,10 +355,6 @@ def _share_fp32_master(optimizer: Any) -> None:
 
 def _partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def _where(plugin: DeepSpeedPlugin) -> str:
-    return getattr(plugin, "config_source", "the DeepSpeed config")
 
 
 def _owner_of(opt: Any, models: list[nn.Module]) -> Optional[nn.Module]:

@@ -87,6 +87,21 @@ def _bucket_sizes(config: dict, model: nn.Module) -> None:
             set_path(config, key, rule(int(hidden)))
 
 
+def agree_accumulation(plugin: DeepSpeedPlugin, steps: int, explicit: bool) -> int:
+    """The run's accumulation steps, agreed between the Accelerator (``steps``; ``explicit`` when the
+    script set them) and the DeepSpeed config: the config's number when only it sets one; otherwise
+    the Accelerator's, written into the config where it says "auto" (or a launcher's default)."""
+    config = plugin.deepspeed_config
+    current = get_path(config, "gradient_accumulation_steps")
+    if current not in (None, AUTO) and not explicit:
+        return int(current)
+    if explicit and "gradient_accumulation_steps" in plugin.soft_fields:
+        config["gradient_accumulation_steps"] = AUTO  # from the launcher: the script's value wins
+    fill(config, "gradient_accumulation_steps", steps, "Accelerator(gradient_accumulation_steps=...)",
+         getattr(plugin, "config_source", "the DeepSpeed config"))
+    return steps
+
+
 def resolve_config(plugin: DeepSpeedPlugin, acc: Any, model: nn.Module, opt: Any,
                    sched: Any) -> tuple[dict, torch.optim.Optimizer, Optional[Callable]]:
     """(config for ``deepspeed.initialize``, the torch optimizer to pass, a scheduler builder or None)."""

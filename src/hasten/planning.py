@@ -1,0 +1,171 @@
+"""The run's plan: every decision the configuration implies, made once, in one place.
+
+``make_plan`` turns what an ``Accelerator`` is given (its arguments, plugins, kwargs handlers, the
+``HASTEN_*``/``ACCELERATE_*`` variables ``hasten launch`` sets) into a ``Plan``: the process state,
+the distributed type, which strategy runs the job and with which layout, precision, fp8, compile
+and gradient accumulation. The facade calls it once in ``Accelerator.__init__``; the strategy is
+built from the plan (``hasten.strategies.build_strategy``) and everything else reads it. The
+distributed type comes from ``hasten.strategy_rules.distributed_type_for``, the rule the process
+state applies too when a user builds ``AcceleratorState`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from . import progress
+from .fp8 import plan_for as fp8_plan
+from .options import (
+    UNSET,
+    accumulation_plugin,
+    check_parallelism,
+    collect_handlers,
+    deepspeed_plugin_from,
+    dynamo_from_env,
+    merge_legacy_data_kwargs,
+    unsupported_parallelism,
+)
+from .state import AcceleratorState, GradientState
+from .strategy_rules import strategy_for
+from .utils.dataclasses import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
+from .utils.environment import parse_flag
+from .utils.parallel_configs import parallelism_from_tp_plugin
+
+
+@dataclass
+class Plan:
+    """What the run does, decided from its configuration (see ``make_plan``).
+
+    Attributes:
+        state / gradient_state: the process state the plan was made for (device, ranks, group).
+        distributed_type: the run's ``DistributedType`` (the state's).
+        strategy: the name of the strategy that runs it (a rule of ``hasten.strategy_rules``).
+        mixed_precision: "no", "fp16", "bf16" or "fp8".
+        parallelism_config: the N-D layout (``ParallelismConfig``), or None for the strategy's default.
+        fsdp_plugin / deepspeed_plugin: the engine settings (None when that engine is not used).
+        fp8: the float8 conversion plan (``hasten.fp8.Float8Plan``), or None.
+        dynamo_plugin: how prepared models are compiled, or None.
+        gradient_accumulation_steps: micro-steps per optimizer step, agreed with a DeepSpeed config.
+        handlers: the kwargs handlers by class (``GradScalerKwargs``, ``DistributedDataParallelKwargs``, ...).
+        dataloader_config: how prepared dataloaders shard data.
+    """
+
+    state: AcceleratorState
+    gradient_state: GradientState
+    distributed_type: DistributedType
+    strategy: str
+    mixed_precision: str
+    parallelism_config: Optional[Any] = None
+    fsdp_plugin: Any = None
+    deepspeed_plugin: Any = None
+    fp8: Any = None
+    dynamo_plugin: Optional[TorchDynamoPlugin] = None
+    gradient_accumulation_steps: int = 1
+    handlers: dict[type, Any] = field(default_factory=dict)
+    dataloader_config: DataLoaderConfiguration = field(default_factory=DataLoaderConfiguration)
+
+    def handler(self, kind: type) -> Any:
+        """The kwargs handler of class ``kind`` the user passed, or None."""
+        return self.handlers.get(kind)
+
+
+def make_plan(
+    mixed_precision: Optional[str] = None,
+    cpu: bool = False,
+    gradient_accumulation_steps: int = 1,
+    gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+    deepspeed_plugin: Any = None,
+    fsdp_plugin: Any = None,
+    torch_tp_plugin: Any = None,
+    megatron_lm_plugin: Any = None,
+    parallelism_config: Any = None,
+    dynamo_backend: Optional[str] = None,
+    dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+    kwargs_handlers: Optional[Sequence[Any]] = None,
+    dataloader_config: Optional[DataLoaderConfiguration] = None,
+    split_batches: Any = UNSET,
+    deepspeed_plugins: Any = None,
+    legacy: Optional[dict[str, Any]] = None,
+) -> Plan:
+    """The plan for an ``Accelerator`` given these arguments (same names and meaning as its own).
+
+    Checks every argument first (the errors name the wrong value and the fix), then creates the
+    process state (and the process group, once per process), then decides the rest from it.
+    """
+    unsupported_parallelism(megatron_lm_plugin=megatron_lm_plugin)
+    parallelism_config = parallelism_from_tp_plugin(torch_tp_plugin, parallelism_config)
+    legacy = dict(legacy or {})
+    if split_batches is not UNSET:
+        legacy["split_batches"] = split_batches
+    if deepspeed_plugins is not None:
+        if deepspeed_plugin is not None:
+            raise ValueError("pass deepspeed_plugin or deepspeed_plugins, not both")
+        deepspeed_plugin = deepspeed_plugins
+    if dynamo_backend is not None and dynamo_plugin is not None:
+        raise ValueError("pass dynamo_backend or dynamo_plugin, not both (set the backend in the plugin)")
+    handlers = collect_handlers(kwargs_handlers)
+    dataloader_config = merge_legacy_data_kwargs(dataloader_config, legacy)
+    accumulation = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+    dynamo_plugin = _dynamo(dynamo_backend, dynamo_plugin)
+    if fsdp_plugin is None and parse_flag("USE_FSDP"):
+        fsdp_plugin = "from-environment"  # FSDP_* variables, resolved once the state is known
+    if deepspeed_plugin is None and parse_flag("USE_DEEPSPEED"):
+        deepspeed_plugin = "from-environment"
+
+    pg_handler = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
+    if pg_handler.hang_timeout is not None:
+        progress.set_hang_timeout(pg_handler.hang_timeout)
+    parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
+    state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
+                             fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_handler.to_kwargs())
+    gradient_state = GradientState(accumulation)
+    if fsdp_plugin == "from-environment":
+        from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = FullyShardedDataParallelPlugin()
+    fp8 = fp8_plan(handlers, state.mixed_precision, state.device,
+                   sharded=state.distributed_type == DistributedType.FSDP)
+    if deepspeed_plugin is not None:
+        deepspeed_plugin = deepspeed_plugin_from(deepspeed_plugin)
+        state.deepspeed_plugin = deepspeed_plugin
+    steps = gradient_state.num_steps
+    if state.distributed_type == DistributedType.DEEPSPEED:
+        steps = _agree_with_deepspeed(deepspeed_plugin, gradient_state, steps,
+                                      explicit=gradient_accumulation_steps != 1 or gradient_accumulation_plugin is not None)
+    return Plan(
+        state=state, gradient_state=gradient_state, distributed_type=state.distributed_type,
+        strategy=strategy_for(state.distributed_type, parallelism_config).name,
+        mixed_precision=state.mixed_precision, parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin,
+        deepspeed_plugin=deepspeed_plugin, fp8=fp8, dynamo_plugin=dynamo_plugin, gradient_accumulation_steps=steps,
+        handlers=handlers, dataloader_config=dataloader_config,
+    )
+
+
+def _dynamo(backend: Optional[str], plugin: Optional[TorchDynamoPlugin]) -> Optional[TorchDynamoPlugin]:
+    """The compile settings: the plugin, else one for ``backend``, else ``HASTEN_DYNAMO_*``; None for "no"."""
+    if plugin is None:
+        plugin = TorchDynamoPlugin(backend=backend) if backend else dynamo_from_env()
+    if plugin is not None and plugin.backend == "no":
+        return None
+    return plugin
+
+
+def _agree_with_deepspeed(plugin: Any, gradient_state: GradientState, steps: int, explicit: bool) -> int:
+    """DeepSpeed's config and the Accelerator agree on the accumulation steps (the config fills in
+    what the script left out, the script fills the config's "auto"); the gradient state follows."""
+    from .strategies.deepspeed_config import agree_accumulation
+
+    agreed = agree_accumulation(plugin, steps, explicit)
+    # As the Accelerator's gradient_accumulation_steps setter does (1 there means "the environment's").
+    gradient_state.plugin_kwargs["num_steps"] = accumulation_plugin(agreed, None).num_steps
+    return gradient_state.num_steps
+
+
+__all__ = ["Plan", "make_plan"]

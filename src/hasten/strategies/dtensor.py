@@ -1,0 +1,305 @@
+"""What FSDP2 and tensor parallelism share: a model laid out on a ``ParallelMesh`` with DTensor parameters.
+
+Both apply the context- and tensor-parallel plans over the mesh, replace parameters with DTensor
+ones (so optimizers built on the originals are re-pointed), can fill a model built on ``meta`` from
+process 0's weights, clip gradients by their norm over every shard, and store checkpoints as
+torch.distributed.checkpoint (DCP) shards. ``FSDP2Strategy`` adds ``fully_shard`` over the
+data-parallel dimensions; ``TensorParallelStrategy`` uses the mesh as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .base import Params, Strategy
+from .mesh import ParallelMesh
+from .sharded_state import full_state_dict, load_full_state_dict
+from .tp_plan import apply_tensor_parallel
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def strip_checkpoint_prefix(name: str) -> str:
+    """A parameter's name without the activation-checkpoint wrapper's part."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+class DTensorStrategy(Strategy):
+    """A model laid out on the mesh of ``plan.parallelism_config`` (default: every process one
+    ``dp_shard``); subclasses say how the data-parallel dimensions hold it (``shard``)."""
+
+    checkpoint_format = "dcp"
+
+    def __init__(self, plan: Any) -> None:
+        self.parallelism_config = plan.parallelism_config
+        self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> the parameter that replaced it
+        self._replacing_ids: set[int] = set()
+        self._fp8_replaced: dict[int, nn.Parameter] = {}  # id(float8 weight wrapper) -> the parameter it replaced
+        super().__init__(plan)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def build_mesh(self) -> ParallelMesh:
+        sizes = {"dp_shard": self.state.num_processes}
+        if self.parallelism_config is not None and self.parallelism_config.total_size > 1:
+            sizes = self.parallelism_config.sizes()
+        return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type,
+                            keep=self.mesh_keeps(sizes))
+
+    def mesh_keeps(self, sizes: dict[str, int]) -> tuple[str, ...]:
+        """Dimensions the torch mesh holds even at size 1 (``ParallelMesh(keep=...)``)."""
+        return ()
+
+    # -- hooks of the subclasses ----------------------------------------------------------------
+    def loads_from_rank0(self) -> bool:
+        """Whether process 0's weights fill models the others built on ``meta`` (cpu_ram_efficient_loading)."""
+        return False
+
+    def offloads_to_cpu(self) -> bool:
+        """Whether sharded parameters live in host memory."""
+        return False
+
+    def shard(self, model: nn.Module) -> None:
+        """Lay ``model`` out over the data-parallel dimensions (after the tensor-parallel plan)."""
+
+    def pending_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> gradient accumulated but not yet in ``.grad`` (see ``grad_norm``)."""
+        return {}
+
+    # -- the model ------------------------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        on_meta = any(p.is_meta for p in model.parameters())
+        efficient = self.loads_from_rank0()
+        if on_meta and not efficient:
+            raise ValueError("prepare() got a model with parameters on the meta device; set "
+                             "FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True) so that process 0's "
+                             "weights fill it, or build the model with real weights")
+        full = _rank0_weights(model, self.state) if efficient else None
+        before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+        if self.mesh.sizes["cp"] > 1:
+            from .context_parallel import prepare_model
+
+            prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
+        if self.mesh.sizes["tp"] > 1:
+            apply_tensor_parallel(model, self.mesh["tp"], getattr(self.parallelism_config, "tp_plan", None))
+        self.shard(model)
+        if efficient:
+            _fill_from_rank0(model, full, self.state, self.offloads_to_cpu())
+        return self._remember_params(model, before)
+
+    def _remember_params(self, model: nn.Module, before: dict[str, nn.Parameter]) -> nn.Module:
+        """Map the parameters optimizers were built on to the DTensor ones that replaced them."""
+        after = {strip_checkpoint_prefix(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+        for name, old in before.items():
+            new = after.get(strip_checkpoint_prefix(name))
+            if new is not None:
+                self._new_params[id(old)] = new
+                self._replacing_ids.add(id(new))
+                replaced = self._fp8_replaced.pop(id(old), None)
+                if replaced is not None:  # the optimizer may hold the weight from before fp8 conversion
+                    self._new_params[id(replaced)] = new
+        return model
+
+    def convert_fp8(self, model: nn.Module, plan: Any) -> None:
+        """Convert before the layout; remember which weights torchao's float8 all-gather wrapper
+        replaced, so that optimizers built on the original weights are re-pointed too."""
+        before = dict(model.named_parameters(remove_duplicate=False))
+        plan.convert(model)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            old = before.get(name)
+            if old is not None and old is not param:
+                self._fp8_replaced[id(param)] = old
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard and parallelize_module change the module in place
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point ``optimizer`` at the DTensor parameters that replaced the ones it was built on."""
+        swapped: dict[int, nn.Parameter] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            params = []
+            for p in group["params"]:
+                if id(p) in self._replacing_ids:
+                    params.append(p)
+                    continue
+                new = self._new_params.get(id(p))
+                if new is None:
+                    raise ValueError(
+                        f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "
+                        f"{list(p.shape)} belongs to no model prepared with FSDP; pass the model to prepare() "
+                        "together with its optimizer (accelerator.prepare(model, optimizer)), and build the "
+                        "optimizer from that model's parameters"
+                    )
+                swapped[id(p)] = new
+                params.append(new)
+            group["params"] = params
+        if optimizer.state:
+            state = {}
+            for p, s in list(optimizer.state.items()):
+                state[swapped.get(id(p), p)] = s
+            optimizer.state.clear()
+            optimizer.state.update(state)
+        return optimizer
+
+    # -- gradients ------------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_global_norm_(parameters, max_norm, norm_type)
+
+    def grad_norm(self, parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the gradients this process accumulated so far, not yet reduced: what DDP's
+        ``.grad`` hold on an accumulation micro-step (``pending_grads``: FSDP2's, kept beside each
+        parameter until the sync step); tensor-parallel shards are added up over their ``tp``
+        processes. Changes nothing."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        pending = self.pending_grads()
+        grads = [pending.get(id(p), p.grad) for p in params]
+        return local_norm([g for g in grads if g is not None], norm_type)
+
+    def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).clamp_(-clip_value, clip_value)
+
+    # -- state dict I/O -------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module, everyone: bool = False) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU, on process 0 (everywhere with ``everyone``); others get {}.
+        (Gathering a float8 all-gather weight gives the plain fp32 tensor: no fp8 subclass leaks out.)"""
+        return full_state_dict(model, everyone=everyone)
+
+    def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return load_full_state_dict(model, state_dict, strict=strict)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _replicas(tensor: torch.Tensor, world: int) -> int:
+    """How many processes hold each element of ``tensor`` (a plain tensor: every process)."""
+    spec = getattr(tensor, "_spec", None)
+    if spec is None:
+        return world
+    count = 1
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_replicate():
+            count *= spec.mesh.size(dim)
+    return count * (world // spec.mesh.size())
+
+
+def clip_global_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their norm over every shard and every process; returns that norm.
+
+    Each process adds up its local shards, counting elements it shares with other processes
+    (replicated placements) once over the job, so one all-reduce gives the true global norm.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    if not grads:
+        return torch.tensor(0.0, device=device)
+    if math.isinf(norm_type):
+        total = torch.stack([_local(g).detach().abs().max().float() if _local(g).numel() else
+                             torch.tensor(0.0, device=device) for g in grads]).max()
+        if world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            local = _local(g).detach()
+            if local.numel():
+                part = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
+                total += part / _replicas(g, world)
+        if world > 1:
+            dist.all_reduce(total)
+        total = (total ** (1.0 / norm_type)).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = _local(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def local_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of ``grads`` as this process holds them: plain tensors as they are, DTensors whole
+    over the mesh dimensions they are sharded on (one all-reduce per mesh and dimension; replicated
+    and partial dimensions are this process's own values)."""
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    parts: dict[tuple, torch.Tensor] = {}  # (mesh, sharded dims) -> this process's sum (or max)
+    for g in grads:
+        local = _local(g).detach()
+        spec = getattr(g, "_spec", None)
+        key = (None, ()) if spec is None else \
+            (spec.mesh, tuple(d for d, p in enumerate(spec.placements) if p.is_shard()))
+        if inf:
+            value = local.abs().max().double() if local.numel() else torch.zeros((), dtype=torch.float64, device=device)
+        else:
+            value = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
+        parts[key] = torch.maximum(parts[key], value) if inf and key in parts else parts.get(key, 0) + value
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (mesh, dims), value in parts.items():
+        value = value.to(device)
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, value) if inf else total + value
+    return (total if inf else total ** (1.0 / norm_type)).float()
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))
+
+
+def _rank0_weights(model: nn.Module, state: Any) -> Optional[dict[str, Any]]:
+    """Process 0's full weights (its state dict and non-persistent buffers), kept before sharding."""
+    if state.process_index != 0:
+        return None
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("cpu_ram_efficient_loading=True: process 0 must build the model with real weights (only the "
+                         "other processes use init_empty_weights())")
+    persistent = model.state_dict()
+    extra = {n: b for n, b in model.named_buffers() if n not in persistent}
+    return {"state": {k: v for k, v in persistent.items()}, "buffers": extra}
+
+
+def _fill_from_rank0(model: nn.Module, full: Optional[dict[str, Any]], state: Any, offload: bool) -> None:
+    """Give every process process 0's weights after sharding (the others built on ``meta``).
+
+    With CPU offload the shards live in host memory (FSDP2 refuses offloaded parameters on the
+    accelerator), buffers on the device. DCP's broadcast wants every tensor of the model on one
+    device, so buffers wait on CPU with the shards and move to the device once filled.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = state.device
+    home = torch.device("cpu") if offload else device
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=home)
+    if offload:
+        _move_buffers(model, home)
+    set_model_state_dict(model, full["state"] if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if offload:
+        _move_buffers(model, device)
+    persistent = set(model.state_dict().keys())
+    for name, buffer in model.named_buffers():
+        if strip_checkpoint_prefix(name) in persistent or name in persistent:
+            continue
+        if full is not None:
+            buffer.copy_(full["buffers"][strip_checkpoint_prefix(name)])
+        comm = buffer if device.type != "cpu" or buffer.device.type == "cpu" else buffer.cpu()
+        dist.broadcast(comm, src=0)
+        if comm is not buffer:
+            buffer.copy_(comm)
