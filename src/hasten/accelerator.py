@@ -115,7 +115,9 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         # The strategy owns the process layout and the precision machinery (autocast + scaler, or FSDP2's policy).
         self.strategy = build_strategy(self.plan)
         self.precision = self.strategy.precision
-        self.state.parallel_mesh = self.strategy.mesh  # the data layer reads its data-parallel view
+        # Readable as accelerator.state.parallel_mesh: the view the data layer's public functions fall
+        # back to when called without one (the facade passes the strategy's data-parallel view itself).
+        self.state.parallel_mesh = self.strategy.mesh
         self.device_placement = device_placement
         self.dataloader_config = self.plan.dataloader_config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
@@ -422,7 +424,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         """Gather for evaluation: exactly the dataset's samples, without the padding duplicates."""
         from .data_loader import gather_for_metrics
 
-        return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        return gather_for_metrics(input_data, use_gather_object=use_gather_object,
+                                  data_parallel=self.strategy.mesh.data_parallel())
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce (nested) tensors over processes: "sum", "mean", "max" or "min"."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
+from .state import split_among
+
 
 class ProcessControlMixin:
     """Process identity and control, read from ``self.state``."""
 
     state: Any
+    strategy: Any
 
     @property
     def num_processes(self) -> int:
@@ -61,7 +64,8 @@ class ProcessControlMixin:
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> AbstractContextManager:
         """Give each process its share of ``inputs`` (see ``PartialState.split_between_processes``)."""
-        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+        # The strategy's data-parallel view, passed explicitly: tensor-parallel peers get the same share.
+        return split_among(self.strategy.mesh.data_parallel(), inputs, apply_padding=apply_padding)
 
     def on_main_process(self, function: Optional[Callable] = None) -> Callable:
         """Decorator: run only on the main process (``@accelerator.on_main_process`` or with ``()``)."""

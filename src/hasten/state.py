@@ -296,11 +296,9 @@ class PartialState(SharedDict):
         With ``apply_padding`` every share has the same length, padded with the last element, so
         that the results can be gathered (drop the padding afterwards).
         """
-        dp = data_parallel()  # tensor-parallel peers share one replica's inputs
-        if dp.size == 1:
-            yield inputs
-            return
-        yield _split(inputs, dp.size, dp.rank, apply_padding)
+        # Tensor-parallel peers share one replica's inputs (the running Accelerator's view).
+        with split_among(data_parallel(), inputs, apply_padding) as share:
+            yield share
 
     # -- running on some processes only ---------------------------------------------------------
     # The process is checked when the function is called, not when it is decorated, so a function
@@ -393,6 +391,13 @@ def _check_timeout(kwargs: dict) -> None:
 def _check_index(decorator: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{decorator}: {name}={value!r} is not a process index; write @{decorator}({name}=1)")
+
+
+@contextmanager
+def split_among(dp: DataParallel, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+    """``split_between_processes`` over the data-parallel processes of ``dp`` (the Accelerator passes
+    its strategy's view)."""
+    yield inputs if dp.size == 1 else _split(inputs, dp.size, dp.rank, apply_padding)
 
 
 def _split(inputs: Any, n: int, index: int, pad: bool) -> Any:
@@ -502,8 +507,10 @@ class AcceleratorState(SharedDict):
 
 
 def data_parallel() -> DataParallel:
-    """This process's data-parallel view: the running strategy's mesh (which the Accelerator keeps in
-    ``AcceleratorState.parallel_mesh``) when there is one, else every process its own replica."""
+    """This process's data-parallel view for callers that were given none (``prepare_data_loader``,
+    ``gather_for_metrics``, ``PartialState.split_between_processes`` called directly): the running
+    Accelerator's mesh (``AcceleratorState.parallel_mesh``) when there is one, else every process its
+    own replica. The Accelerator passes its strategy's view to the data layer explicitly."""
     mesh = AcceleratorState._shared_state.get("parallel_mesh")
     if mesh is not None:
         return mesh.data_parallel()

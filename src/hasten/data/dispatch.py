@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from ..state import PartialState, data_parallel
+from ..state import PartialState, data_parallel as current_data_parallel
+from ..topology import DataParallel
 from ..utils.operations import broadcast, broadcast_object_list, honor_type
 from . import position
 from .loaders import PreparedLoaderMixin
@@ -178,7 +179,7 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
                  slice_fn: Optional[Callable] = None, even_batches: bool = True,
                  device: Optional[torch.device] = None, rng_types: Optional[list] = None,
                  synchronized_generator: Optional[torch.Generator] = None, iteration: int = 0,
-                 **kwargs: Any) -> None:
+                 data_parallel: Optional[DataParallel] = None, **kwargs: Any) -> None:
         self._init_kwargs = dict(kwargs)
         iterable = isinstance(dataset, IterableDataset)
         inner = None
@@ -188,7 +189,9 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             if not isinstance(inner, _HeadSkipBatchSampler):
                 kwargs[key] = _HeadSkipBatchSampler(inner)
         super().__init__(dataset, **kwargs)
-        dp = data_parallel()  # every process gets all pieces; tensor-parallel peers take the same one
+        # Every process gets all pieces; tensor-parallel peers take the same one.
+        dp = data_parallel if data_parallel is not None else current_data_parallel()
+        self._data_parallel = dp
         self.num_processes, self.process_index = dp.size, dp.rank
         self.split_batches, self.even_batches = split_batches, even_batches
         self.skip_batches = skip_batches
@@ -242,7 +245,7 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             use_stateful_dataloader=self.use_stateful_dataloader, _drop_last=self._drop_last,
             _non_blocking=self._non_blocking, slice_fn=self.slice_fn, even_batches=self.even_batches,
             device=self.device, rng_types=self.rng_types, synchronized_generator=self.synchronized_generator,
-            iteration=self.iteration, **kwargs)
+            iteration=self.iteration, data_parallel=self._data_parallel, **kwargs)
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

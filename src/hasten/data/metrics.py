@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..state import GradientState, PartialState, data_parallel
+from ..state import GradientState, PartialState, data_parallel as current_data_parallel
+from ..topology import DataParallel
 from ..utils.operations import concatenate, gather, gather_object, honor_type, recursively_apply
 from .samplers import StepRecord
 
@@ -78,7 +79,8 @@ def _rounds(loader: Any, state: "_Replicas") -> Optional[list]:
     return rounds
 
 
-def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+def gather_for_metrics(input_data: Any, use_gather_object: bool = False, *,
+                       data_parallel: Optional[DataParallel] = None) -> Any:
     """Gather ``input_data`` from every process, without the samples that padding duplicated.
 
     Inside a loop over a prepared dataloader (the active one in ``GradientState``), the result
@@ -95,13 +97,15 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
             padding), or picklable objects (a list holds one object per sample).
         use_gather_object: gather as Python objects (automatic when ``input_data`` holds anything
             other than tensors).
+        data_parallel: the processes to gather over (``ParallelMesh.data_parallel()``; the Accelerator
+            passes its strategy's); default: those of the running Accelerator.
 
     Outside a prepared dataloader it is ``gather`` (``gather_object`` for objects).
     """
     objects = use_gather_object or not _all_tensors(input_data)
     if not PartialState().use_distributed:
         return input_data
-    state = _Replicas.current()
+    state = _Replicas.of(data_parallel)
     loader = GradientState().active_dataloader if GradientState._shared_state else None
     rounds = _rounds(loader, state) if loader is not None else None
     if rounds is None:
@@ -182,8 +186,9 @@ class _Replicas:
         self.process_index, self.num_processes, self.group, self.device = rank, size, group, device
 
     @classmethod
-    def current(cls) -> "_Replicas":
-        dp = data_parallel()
+    def of(cls, dp: Optional[DataParallel] = None) -> "_Replicas":
+        """The replicas of the data-parallel view ``dp`` (default: the running Accelerator's)."""
+        dp = dp if dp is not None else current_data_parallel()
         return cls(dp.rank, dp.size, dp.group, PartialState().device)
 
     def gather(self, data: Any) -> Any:

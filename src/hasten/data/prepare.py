@@ -8,7 +8,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from ..state import PartialState, data_parallel
+from ..state import PartialState, data_parallel as current_data_parallel
+from ..topology import DataParallel
 from ..utils.operations import broadcast_object_list
 from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
 from .order import SeedableRandomSampler
@@ -77,6 +78,8 @@ def prepare_data_loader(
     data_seed: Optional[int] = None,
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
+    *,
+    data_parallel: Optional[DataParallel] = None,
 ) -> DataLoader:
     """Shard ``dataloader`` across processes; returns a ``DataLoaderShard`` or ``DataLoaderDispatcher``.
 
@@ -96,12 +99,15 @@ def prepare_data_loader(
     samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
     settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
     made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have
-    ``state_dict``/``load_state_dict``.
+    ``state_dict``/``load_state_dict``. ``data_parallel`` (hasten's): the data-parallel view to shard
+    over (the Accelerator passes its strategy's); default: the running Accelerator's.
     """
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}")
     state = PartialState()
-    dp = data_parallel()  # tensor-parallel ranks of one replica read the same batches
+    # Tensor-parallel ranks of one replica read the same batches: the Accelerator passes its
+    # strategy's data-parallel view; called directly, the view of the running Accelerator, if any.
+    dp = data_parallel if data_parallel is not None else current_data_parallel()
     num_processes = dp.size if num_processes is None else int(num_processes)
     process_index = dp.rank if process_index is None else int(process_index)
     if not 0 <= process_index < num_processes:
@@ -158,7 +164,7 @@ def prepare_data_loader(
             _non_blocking=non_blocking, slice_fn=slice_fn_for_dispatch,
             device=device if device is not None else state.device,
             use_stateful_dataloader=use_stateful_dataloader, rng_types=rng_types,
-            synchronized_generator=synchronized_generator, **kwargs)
+            synchronized_generator=synchronized_generator, data_parallel=dp, **kwargs)
 
     kwargs = dict(settings)
     if iterable:

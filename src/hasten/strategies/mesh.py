@@ -3,7 +3,7 @@
 Processes are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)``: the ranks of one
 tensor-parallel (and context-parallel) group are consecutive, so they sit on one machine. Every
 process of one data-parallel replica (same ``dp_replicate`` and ``dp_shard`` coordinates) must
-see the same batch; the data layer reads ``hasten.state.data_parallel()`` instead of the global rank and
+see the same batch; the data layer is given ``ParallelMesh.data_parallel()`` instead of the global rank and
 world size, and gathers metrics over the data-parallel group only.
 """
 
