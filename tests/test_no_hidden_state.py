@@ -72,3 +72,89 @@ def test_no_module_level_cache_between_checkpoint_calls():
     """A load's DCP metadata travels with the load (``sharded.Reader``), not in a module global."""
     text = (SRC / "checkpointing" / "sharded.py").read_text()
     assert "_LAST_METADATA" not in text
+
+
+# -- the declared replacements behave as the stashes did ----------------------------------------------
+def _seen_hook(models, weights, folder):  # module level: picklable with the Accelerator
+    pass
+
+
+def test_checkpoint_session_is_pickled_without_its_background_saver(fresh_state, tmp_path):
+    import pickle
+
+    from torch import nn
+
+    from hasten import Accelerator
+
+    acc = Accelerator(cpu=True)
+    acc.prepare(nn.Linear(2, 1))
+    handle = acc.register_save_state_pre_hook(_seen_hook)
+    acc.save_state(str(tmp_path / "ck"), blocking=False)
+    acc.wait_for_checkpoint()
+    assert acc._checkpoints.background is not None  # kept for the next save (its staging buffers)
+    copy = pickle.loads(pickle.dumps(acc))
+    assert copy._checkpoints.background is None and acc._checkpoints.background is not None
+    assert list(copy._checkpoints.save_pre_hooks.hooks.values()) == [_seen_hook]
+    handle.remove()  # the original's registry only
+    assert not acc._checkpoints.save_pre_hooks.hooks and copy._checkpoints.save_pre_hooks.hooks
+    acc.free_memory()
+    assert acc._checkpoints.background is None
+
+
+def test_prepared_loaders_call_their_boundary_callbacks(fresh_state):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hasten import Accelerator
+
+    acc = Accelerator(cpu=True)
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2))
+    positions = []
+
+    def callback(dl):
+        positions.append(dl._position)
+
+    loader.add_boundary_callback(callback)
+    assert len(list(loader)) == 3 and positions  # called at the boundaries of the pass
+    seen = len(positions)
+    loader.remove_boundary_callback(callback)
+    loader.remove_boundary_callback(callback)  # not there any more: nothing happens
+    list(loader)
+    assert len(positions) == seen
+
+
+def test_save_on_preemption_refuses_a_loader_that_was_not_prepared(fresh_state, tmp_path):
+    """A plain DataLoader never reaches a boundary, so the handler would never save: an error instead."""
+    import pytest
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hasten import Accelerator
+
+    acc = Accelerator(cpu=True)
+    plain = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2)
+    prepared = acc.prepare(DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2))
+    with pytest.raises(ValueError, match="item 1 is a DataLoader, not a prepared dataloader"):
+        acc.save_on_preemption(output_dir=str(tmp_path / "ck"), dataloaders=[prepared, plain])
+
+
+def test_a_sharded_load_reads_the_metadata_once_and_keeps_nothing_after(fresh_state, tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    from hasten.checkpointing import backends, sharded, unpickling
+
+    model = nn.Linear(3, 2)
+    sharded.save(str(tmp_path), [model], [], [])
+    contents = {"models": [{"dcp": "model_0"}], "optimizers": []}
+    reads = []
+    read = unpickling.dcp_metadata
+    monkeypatch.setattr(unpickling, "dcp_metadata", lambda path: reads.append(path) or read(path))
+    other = nn.Linear(3, 2)
+    reader = backends.reader_for(contents, strategy=None)
+    assert isinstance(reader, sharded.Reader) and reader is not backends.reader_for(contents, strategy=None)
+    assert reader.check(str(tmp_path), contents, [other], []) == []
+    reader.load(str(tmp_path), contents, [other], [])
+    assert len(reads) == 1  # the check's read served the load
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+    assert reader.check(str(tmp_path), contents, [other], []) == [] and len(reads) == 2  # the load let go of it
