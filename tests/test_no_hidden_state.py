@@ -158,3 +158,19 @@ def test_a_sharded_load_reads_the_metadata_once_and_keeps_nothing_after(fresh_st
     assert len(reads) == 1  # the check's read served the load
     assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
     assert reader.check(str(tmp_path), contents, [other], []) == [] and len(reads) == 2  # the load let go of it
+
+
+def test_ddp_marks_the_process_progress_through_its_function():
+    """``progress.STATE`` is written by ``progress``'s functions only (the heartbeat reads it)."""
+    from hasten import progress
+
+    before = progress.STATE.ddp
+    try:
+        progress.STATE.ddp = False
+        progress.ddp_wrapped()
+        assert progress.snapshot()["ddp"] is True
+    finally:
+        progress.STATE.ddp = before
+    writers = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")
+               if p.name != "progress.py" and re.search(r"progress\.STATE\.\w+\s*=[^=]", p.read_text())]
+    assert not writers, f"progress.STATE written outside hasten.progress: {writers}"
