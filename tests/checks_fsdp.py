@@ -420,7 +420,7 @@ def check_background_save_while_training_goes_on():
         acc.save_state(folder, blocking=False)
         saved.append(_full(acc, model))
         after.append(_run(acc, model, opt, batches, 3))  # while the save is written
-    buffers = acc._background().stager.tree_buffers
+    buffers = acc._checkpoints.background.stager.tree_buffers
     acc.wait_for_checkpoint()
     assert buffers and all(name.startswith("/model_0/") or name.startswith("/optimizer_0/") for name in buffers)
     for folder, weights, losses in zip(folders, saved, after):

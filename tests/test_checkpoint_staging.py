@@ -79,7 +79,7 @@ def test_two_background_saves_reuse_one_buffer_and_keep_the_state_of_their_call(
     for i in range(2):
         acc.save_state(str(tmp_path / f"c{i}"), blocking=False)
         snapshots.append(_snapshot(pairs))
-        buffers.append(acc._background().stager.buffers)
+        buffers.append(acc._checkpoints.background.stager.buffers)
         with torch.no_grad():
             next(model.parameters()).add_(1.0)  # changed while the save is written
         _step(acc, model, opt)
@@ -97,12 +97,12 @@ def test_a_layout_change_reallocates_and_both_checkpoints_stay_exact(fresh_state
     _step(acc, *pairs[0])  # the second optimizer has no state yet
     acc.save_state(str(tmp_path / "before"), blocking=False)
     first = _snapshot(pairs)
-    buffers = acc._background().stager.buffers
+    buffers = acc._checkpoints.background.stager.buffers
     _step(acc, *pairs[0])
     _step(acc, *pairs[1])  # its moments appear: the staged layout changes
     acc.save_state(str(tmp_path / "after"), blocking=False)
     second = _snapshot(pairs)
-    grown = acc._background().stager.buffers
+    grown = acc._checkpoints.background.stager.buffers
     _step(acc, *pairs[0])
     _step(acc, *pairs[1])
     acc.wait_for_checkpoint()

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import progress
 from .checkpointing import CheckpointMixin
+from .checkpointing.prehooks import CheckpointSession
 from .compilation import compile_regions, has_repeated_blocks
 from .optimizer import AcceleratedOptimizer
 from .options import UNSET
@@ -137,6 +138,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
         self.flag_tensor: Optional[torch.Tensor] = None
         self._auto_resume: Optional[Any] = None  # checkpointing.resume.AutoResume, set by the resume setter
+        self._checkpoints = CheckpointSession()  # save/load pre-hooks, the background saver (not pickled)
         self.resume = resume  # None, "auto" or a checkpoint folder (see hasten.checkpointing.resume)
 
     # -- prepare --------------------------------------------------------------------------------
@@ -535,7 +537,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
 
         self.wait_for_checkpoint()
         self._finish_trackers()
-        self.__dict__.pop("_hasten_background_save", None)  # its staging buffers
+        self._checkpoints.release()  # the background saver's staging buffers
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self.strategy.release()  # e.g. DeepSpeed engines
         self._prepared.clear()
@@ -551,12 +553,6 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         if (self.use_distributed or getattr(self.state, "owns_group", False)) and torch.distributed.is_initialized():
             self.wait_for_everyone()
             self.state.destroy_process_group()
-
-    # -- pickling: the state, not this process's running machinery --------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_hasten_background_save", None)  # a thread and staging buffers of this process
-        return state
 
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \

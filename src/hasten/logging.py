@@ -31,6 +31,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     In multi-process runs messages are prefixed with ``[RANK i]``.
     """
 
+    def __init__(self, logger: logging.Logger, extra: Any = None, **kwargs: Any) -> None:
+        super().__init__(logger, extra, **kwargs)
+        self._warned_messages: set = set()  # (msg, args) already given to warning_once
+
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         msg, kwargs = super().process(msg, kwargs)
         state = _state()
@@ -66,20 +70,13 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         """``warning`` that emits a given message (with its arguments) only once per logger."""
         key = (msg, args)
         try:
-            if key in self._warned:
+            if key in self._warned_messages:
                 return
-            self._warned.add(key)
+            self._warned_messages.add(key)
         except TypeError:  # unhashable arguments: cannot remember them, log every time
             pass
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
         self.log(logging.WARNING, msg, *args, **kwargs)
-
-    @property
-    def _warned(self) -> set:
-        seen = self.__dict__.get("_warned_messages")
-        if seen is None:
-            seen = self.__dict__["_warned_messages"] = set()
-        return seen
 
 
 def get_logger(name: str, log_level: Optional[str] = None) -> MultiProcessAdapter:

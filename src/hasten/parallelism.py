@@ -28,6 +28,7 @@ class ParallelLayoutMixin:
 
     state: Any
     strategy: Any
+    _parallelism_config: Optional[Any]  # set by Accelerator.__init__
 
     @property
     def multi_device(self) -> bool:
@@ -51,7 +52,7 @@ class ParallelLayoutMixin:
     @property
     def parallelism_config(self) -> Optional[Any]:
         """The ``ParallelismConfig`` in use, or ``None`` (plain data parallelism)."""
-        return self.__dict__.get("_parallelism_config")
+        return self._parallelism_config
 
     @property
     def torch_device_mesh(self) -> Optional[Any]:

@@ -38,7 +38,9 @@ class Progress:
         self.hang_timeout: Optional[float] = None  # set by the script; overrides the launcher's
 
 
-STATE = Progress()
+# One per process, on purpose: it describes the process, and the heartbeat thread (started before the
+# script imports hasten, so holding no reference) finds it through ``sys.modules`` and ``snapshot``.
+STATE: Progress = Progress()
 
 
 def enter(where: str) -> tuple[Optional[str], float]:
@@ -100,6 +102,11 @@ def stepped() -> None:
     """``optimizer.step()`` returned."""
     STATE.steps += 1
     STATE.ticks += 1
+
+
+def ddp_wrapped() -> None:
+    """A model was wrapped in DDP: a hang inside ``backward`` is then its gradient all-reduce."""
+    STATE.ddp = True
 
 
 def set_hang_timeout(seconds: Union[float, timedelta, None]) -> None:

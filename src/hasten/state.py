@@ -433,6 +433,10 @@ def _split(inputs: Any, n: int, index: int, pad: bool) -> Any:
 class AcceleratorState(SharedDict):
     """``PartialState`` plus the precision and parallel-strategy settings of the run."""
 
+    # The process state this one extends; None until ``__init__`` fills the shared dict, and again
+    # after ``_reset_state()`` (a class-level default: reading it never reaches ``__getattr__``).
+    _partial: Optional[PartialState] = None
+
     def __init__(
         self,
         mixed_precision: Optional[str] = None,
@@ -475,7 +479,7 @@ class AcceleratorState(SharedDict):
 
     @property
     def initialized(self) -> bool:
-        return "_partial" in self.__dict__
+        return self._partial is not None
 
     @property
     def mixed_precision(self) -> str:
@@ -485,11 +489,12 @@ class AcceleratorState(SharedDict):
         # Everything PartialState knows (device, process_index, ...) is readable here too.
         if name.startswith("__"):
             raise AttributeError(name)
-        if "_partial" not in self.__dict__:
+        partial = self._partial
+        if partial is None:
             if name in _PARTIAL_FIELDS or name == "_mixed_precision" or hasattr(PartialState, name):
                 raise self._reset_error(name)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self.__dict__["_partial"], name)
+        return getattr(partial, name)
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import layout, prehooks, restorer, rng, unpickling
+from . import layout, restorer, rng, unpickling
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -241,7 +241,7 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
     loaded: dict[str, Any] = {}
     models = list(acc._models)
     try:
-        prehooks.run(acc, prehooks.LOAD, models, folder)
+        acc._checkpoints.load_pre_hooks.run(models, folder)
         loaded = _read(acc, folder, set(os.listdir(folder)), allow_pickle, custom_later, problems)
     except Exception as e:  # noqa: BLE001 - one process failing must stop every process
         problems.append((kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))

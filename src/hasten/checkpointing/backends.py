@@ -6,7 +6,8 @@ model entries carry (``{"dcp": ...}``, ``{"deepspeed": ...}``) with a factory th
 live strategy, so a checkpoint is read by the backend that wrote it whatever strategy runs now.
 A backend has ``KEY``, ``refuse``, ``entries``, ``optimizer_entry``, ``writer``, ``listing``,
 ``check`` and ``load`` (see ``checkpointing.sharded``); ``EXCLUSIVE = True`` when a run that
-saves with it can load nothing else.
+saves with it can load nothing else. A factory is called once per load, so what ``check`` read the
+load can reuse (``sharded.Reader``).
 """
 
 from __future__ import annotations

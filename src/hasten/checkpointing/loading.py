@@ -12,7 +12,7 @@ import torch
 
 from ..saving import CheckpointMismatchError
 from ..state import warn_once
-from . import accelerate_folder, backends, layout, prehooks, restorer, resume, rng, saver
+from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .collectives import broadcast_from_main, gather
 from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
 
@@ -144,7 +144,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     models = list(acc._models)
     loaded: dict[str, Any] = {}
     try:
-        prehooks.run(acc, prehooks.LOAD, models, folder)
+        acc._checkpoints.load_pre_hooks.run(models, folder)
         loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems)
     except Exception as e:  # noqa: BLE001
         problems.append((_kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))

@@ -22,13 +22,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import commit, layout, prehooks, resume, rng, saver
+from . import commit, layout, resume, rng, saver
 from .collectives import broadcast_from_main
 from .loading import load_checkpoint
+from .prehooks import CheckpointSession
 
 
 class CheckpointMixin:
-    """``save_state``, ``load_state``, their pre-hooks and the ``resume`` switch."""
+    """``save_state``, ``load_state``, their pre-hooks and the ``resume`` switch.
+
+    Their state lives in ``self._checkpoints`` (a ``prehooks.CheckpointSession``: the pre-hooks and
+    the background saver) and ``self._auto_resume``, both declared by ``Accelerator.__init__``.
+    """
+
+    _checkpoints: CheckpointSession
 
     # -- hooks --------------------------------------------------------------------------------------
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
@@ -39,14 +46,14 @@ class CheckpointMixin:
         hook writes there become part of the checkpoint and are committed with it.
         Returns a handle whose ``remove()`` unregisters the hook.
         """
-        return prehooks.register(self, prehooks.SAVE, hook)
+        return self._checkpoints.save_pre_hooks.register(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """Call ``hook(models, input_dir)`` in ``load_state`` once the checkpoint has been verified.
 
         A hook that loads a model itself removes it from ``models``. Returns a removable handle.
         """
-        return prehooks.register(self, prehooks.LOAD, hook)
+        return self._checkpoints.load_pre_hooks.register(hook)
 
     # -- resume switch ------------------------------------------------------------------------------
     # The plan lives in ``self._auto_resume`` (an ``AutoResume`` or None, declared by
@@ -141,7 +148,7 @@ class CheckpointMixin:
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
         contents: dict[str, Any] = {}
         write_shards = listing = None
-        background = self._background() if not blocking else None
+        background = self._checkpoints.background_save() if not blocking else None
         group = background.process_group() if background is not None else None
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
@@ -153,7 +160,7 @@ class CheckpointMixin:
             weights = [] if dcp_format else [self.get_state_dict(model) for model in self._models]
             models = list(self._models)
             contents = self._contents(writes_shared)
-            prehooks.run(self, prehooks.SAVE, models, weights, folder)
+            self._checkpoints.save_pre_hooks.run(models, weights, folder)
             if dcp_format:
                 inner = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
                 contents["models"], with_state = backend.entries(inner, self._optimizers)
@@ -189,12 +196,7 @@ class CheckpointMixin:
 
     def wait_for_checkpoint(self) -> None:
         """Block until a ``save_state(blocking=False)`` in progress is committed; raise if it failed."""
-        background = self.__dict__.get("_hasten_background_save")
-        if background is not None:
-            background.wait()
-
-    def _background(self) -> commit.Background:
-        return self.__dict__.setdefault("_hasten_background_save", commit.Background())
+        self._checkpoints.wait()
 
     def _manifest_head(self, number: Optional[int], mid_window: bool, contents: dict) -> dict[str, Any]:
         """The manifest without its file list, as of the moment the save was asked for."""

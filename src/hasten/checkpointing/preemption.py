@@ -39,6 +39,10 @@ class PreemptionHandler:
                  output_dir: Optional[str]) -> None:
         self.accelerator = accelerator
         self.dataloaders = list(dataloaders)
+        for i, dl in enumerate(self.dataloaders):
+            if not callable(getattr(dl, "add_boundary_callback", None)):  # it would never reach a boundary
+                raise ValueError(f"save_on_preemption(dataloaders=...): item {i} is a {type(dl).__name__}, not a "
+                                 "prepared dataloader; pass the dataloaders accelerator.prepare(...) returned")
         self.signals = [signal.Signals(s) for s in signals]
         self.exit_code = exit_code
         self.output_dir = output_dir
@@ -59,16 +63,14 @@ class PreemptionHandler:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         for dl in self.dataloaders:
-            dl.__dict__.setdefault("_boundary_callbacks", []).append(self.at_boundary)
+            dl.add_boundary_callback(self.at_boundary)
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
         for dl in self.dataloaders:
-            callbacks = dl.__dict__.get("_boundary_callbacks", [])
-            if self.at_boundary in callbacks:
-                callbacks.remove(self.at_boundary)
+            dl.remove_boundary_callback(self.at_boundary)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # a second signal: stop waiting for a boundary

@@ -1,35 +1,67 @@
 """The ``save_state`` / ``load_state`` pre-hooks an Accelerator holds.
 
-``mixin`` registers them (``register_*_state_pre_hook``); ``mixin`` runs the save hooks and
-``loading`` / ``accelerate_folder`` run the load hooks, each through this module.
+``mixin`` registers them (``register_*_state_pre_hook``) into the Accelerator's
+``CheckpointSession``; ``mixin`` runs the save hooks and ``loading`` / ``accelerate_folder`` run the
+load hooks.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-SAVE = "_hasten_save_state_pre_hooks"
-LOAD = "_hasten_load_state_pre_hooks"
-
-
-def registered(owner: Any, key: str) -> OrderedDict:
-    """The hooks ``owner`` holds under ``key`` (``SAVE`` or ``LOAD``), in registration order."""
-    # An OrderedDict: torch's RemovableHandle keeps a weak reference to it (plain dicts have none).
-    return owner.__dict__.setdefault(key, OrderedDict())
+from . import commit
 
 
-def register(owner: Any, key: str, hook: Callable[..., None]) -> Any:
-    """Add ``hook`` under ``key``; returns a handle whose ``remove()`` unregisters it."""
-    from torch.utils.hooks import RemovableHandle
+class PreHooks:
+    """Hooks called in registration order; ``register`` returns a handle that removes one."""
 
-    hooks = registered(owner, key)
-    handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    return handle
+    def __init__(self) -> None:
+        # An OrderedDict: torch's RemovableHandle keeps a weak reference to it (plain dicts have none).
+        self.hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    def register(self, hook: Callable[..., None]) -> Any:
+        """Add ``hook``; returns a handle whose ``remove()`` unregisters it."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self.hooks)
+        self.hooks[handle.id] = hook
+        return handle
+
+    def run(self, *args: Any) -> None:
+        """Call every hook with ``args`` (a copy of the list: a hook may remove itself)."""
+        for hook in list(self.hooks.values()):
+            hook(*args)
 
 
-def run(owner: Any, key: str, *args: Any) -> None:
-    """Call every hook under ``key`` with ``args`` (a copy of the list: a hook may remove itself)."""
-    for hook in list(registered(owner, key).values()):
-        hook(*args)
+class CheckpointSession:
+    """What an Accelerator's checkpoint methods keep between calls (``Accelerator._checkpoints``).
+
+    ``background`` (the save running on a thread, with its staging buffers) belongs to this
+    process: it is not pickled, and ``release`` drops it (``free_memory``).
+    """
+
+    def __init__(self) -> None:
+        self.save_pre_hooks = PreHooks()
+        self.load_pre_hooks = PreHooks()
+        self.background: Optional[commit.Background] = None
+
+    def background_save(self) -> commit.Background:
+        """The background saver, made at the first ``save_state(blocking=False)``."""
+        if self.background is None:
+            self.background = commit.Background()
+        return self.background
+
+    def wait(self) -> None:
+        """Block until a background save in progress is committed; raise if it failed."""
+        if self.background is not None:
+            self.background.wait()
+
+    def release(self) -> None:
+        """Drop the background saver and its staging buffers (after ``wait``)."""
+        self.background = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["background"] = None  # a thread and staging buffers of this process
+        return state

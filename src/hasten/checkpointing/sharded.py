@@ -126,39 +126,52 @@ def files(folder: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-_LAST_METADATA: list = [None]  # (folder, file identity, Metadata) of the last read: ``check`` then ``load``
-
-
-def _metadata(folder: str) -> Any:
-    """DCP's ``.metadata`` of ``folder``, read once for ``check`` and ``load`` with the allow-list of
-    ``unpickling`` (never ``pickle.load``: a replaced file could run code); a file replaced in between
-    is read again."""
+def read_metadata(folder: str) -> Any:
+    """DCP's ``.metadata`` of ``folder``, read with the allow-list of ``unpickling`` (never
+    ``pickle.load``: a replaced file could run code)."""
     from . import unpickling
 
-    path = os.path.join(folder, SUBDIR, ".metadata")
-    info = os.stat(path)
-    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-    last = _LAST_METADATA[0]
-    if last is None or last[:2] != (folder, identity):
-        last = _LAST_METADATA[0] = (folder, identity, unpickling.dcp_metadata(path))
-    return last[2]
+    return unpickling.dcp_metadata(os.path.join(folder, SUBDIR, ".metadata"))
 
 
-def _dcp_reader(folder: str) -> Any:
-    """A storage reader that hands DCP the metadata ``check`` already read."""
-    from .dcp_reader import MetadataReader
+class Reader:
+    """Reads one checkpoint's shards for one ``load_state``: ``check``, then ``load``, from a single
+    read of ``.metadata`` (it can be large: one record per tensor shard).
 
-    metadata = _metadata(folder)
-    _LAST_METADATA[0] = None  # used: a later load reads the file again
-    return MetadataReader(os.path.join(folder, SUBDIR), metadata)
+    ``backends.reader_for`` makes one per load and the load holds it from the check to the load; a
+    file replaced in between is read again.
+    """
+
+    KEY = KEY
+
+    def __init__(self) -> None:
+        self._read: Optional[tuple[str, tuple, Any]] = None  # (folder, file identity, Metadata)
+
+    def metadata(self, folder: str) -> Any:
+        info = os.stat(os.path.join(folder, SUBDIR, ".metadata"))
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if self._read is None or self._read[:2] != (folder, identity):
+            self._read = (folder, identity, read_metadata(folder))
+        return self._read[2]
+
+    def check(self, folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
+        return check(folder, contents, models, optimizers, metadata=self.metadata(folder))
+
+    def load(self, folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
+             group: Any = None) -> None:
+        metadata = self.metadata(folder)
+        self._read = None  # used: nothing keeps the records once the shards are read
+        load(folder, contents, models, optimizers, group, metadata=metadata)
 
 
-def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
-    """Differences between the stored shards and the live models/optimizers (reads only)."""
+def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
+          metadata: Any = None) -> list[str]:
+    """Differences between the stored shards and the live models/optimizers (reads only);
+    ``metadata``: the folder's ``read_metadata`` when the caller has it already."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    saved = _metadata(folder).state_dict_metadata
+    saved = (metadata if metadata is not None else read_metadata(folder)).state_dict_metadata
     problems = []
     for i, model in enumerate(models):
         prefix = f"model_{i}."
@@ -200,15 +213,18 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
 
 
 def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
-         group: Any = None) -> None:
-    """Read the shards into the live models and optimizers (after ``check`` passed everywhere)."""
+         group: Any = None, metadata: Any = None) -> None:
+    """Read the shards into the live models and optimizers (after ``check`` passed everywhere);
+    ``metadata``: the folder's ``read_metadata`` when the caller has it already."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from .dcp_reader import WeightsOnlyPlanner
+    from .dcp_reader import MetadataReader, WeightsOnlyPlanner
 
-    saved = _metadata(folder).state_dict_metadata
+    if metadata is None:
+        metadata = read_metadata(folder)
+    saved = metadata.state_dict_metadata
     state = _targets(models, [], [])
     stateless = set()
     for entry, opt in zip(contents["optimizers"], optimizers):
@@ -222,7 +238,8 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
         else:  # only hyperparameters were stored: read them as they were saved
             state[name] = {"param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
             stateless.add(name)
-    dcp.load(state, storage_reader=_dcp_reader(folder), planner=WeightsOnlyPlanner(), process_group=group)
+    reader = MetadataReader(os.path.join(folder, SUBDIR), metadata)  # DCP gets the records read above
+    dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), process_group=group)
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
     for entry, opt in zip(contents["optimizers"], optimizers):
@@ -270,10 +287,8 @@ def optimizer_entry(index: int, with_state: bool) -> Optional[str]:
     return f"optimizer_{index}" if with_state else None
 
 
-def _backend(strategy: Any) -> Any:
-    import sys
-
-    return sys.modules[__name__]  # this module is the backend: it reads any layout
+def _backend(strategy: Any) -> Reader:
+    return Reader()  # one per load: it reads any layout
 
 
 from .backends import register  # noqa: E402

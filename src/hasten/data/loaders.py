@@ -102,6 +102,19 @@ class PreparedLoaderMixin:
         self._plan_rank = 0
         self._step: Optional[int] = None
         self._gfm_calls = 0
+        # Called with this loader at every step boundary (see ``add_boundary_callback``).
+        self._boundary_callbacks: list[Callable[[Any], None]] = []
+
+    def add_boundary_callback(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(self)`` at every step boundary: when the loop asks for the next batch, the
+        previous step being done and the next batch not yet handed out (``save_on_preemption`` saves
+        there)."""
+        self._boundary_callbacks.append(callback)
+
+    def remove_boundary_callback(self, callback: Callable[[Any], None]) -> None:
+        """Stop calling ``callback`` (added with ``add_boundary_callback``); no error if it is not there."""
+        if callback in self._boundary_callbacks:
+            self._boundary_callbacks.remove(callback)
 
     @property
     def gradient_state(self) -> GradientState:
@@ -164,7 +177,7 @@ class PreparedLoaderMixin:
 
     def _at_boundary(self) -> None:
         """A step boundary: the last batch is done, the next one not handed out (preemption saves here)."""
-        callbacks = self.__dict__.get("_boundary_callbacks")
+        callbacks = self._boundary_callbacks
         if callbacks:
             for callback in list(callbacks):
                 callback(self)

@@ -32,7 +32,7 @@ class DDPStrategy(Strategy):
         ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
                                       **self.ddp_kwargs.to_kwargs_for_ddp())
         self.ddp_kwargs.register_comm_hook(ddp)
-        progress.STATE.ddp = True  # a hang in backward is then DDP's gradient all-reduce
+        progress.ddp_wrapped()  # a hang in backward is then DDP's gradient all-reduce
         return ddp
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
