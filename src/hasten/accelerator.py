@@ -24,11 +24,11 @@ from .options import UNSET
 from .parallelism import ParallelLayoutMixin
 from .planning import make_plan
 from .precision import Precision
-from .prepared import PreparedObjects
+from .prepared import Built, PrepareCall, PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
 from .state import warn_once
-from .strategies import build_strategy, foreign_wrapper, user_sharded
+from .strategies import build_strategy, foreign_wrapper
 from .tracking.mixin import TrackingMixin
 from .views import SettingsViewsMixin
 from .utils.dataclasses import (
@@ -129,13 +129,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         self.profile_handler: Optional[ProfileKwargs] = self.plan.handler(ProfileKwargs)
         self._select_trackers(log_with)
         self.step = 0  # micro-steps inside the current accumulation window
-        # What prepare() handed out; a checkpoint saves exactly these (in order).
-        self._models: list[nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[Any] = []
-        self._custom_objects: list[Any] = []
-        self._prepared = PreparedObjects()  # input or output -> output, so prepare is idempotent
+        # What prepare() handed out (a checkpoint saves exactly these, in order), and input -> output.
+        self._prepared = PreparedObjects()
         self.flag_tensor: Optional[torch.Tensor] = None
         self._auto_resume: Optional[Any] = None  # checkpointing.resume.AutoResume, set by the resume setter
         self._checkpoints = CheckpointSession()  # save/load pre-hooks, the background saver (not pickled)
@@ -157,48 +152,37 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects; give one per object"
             )
         result = list(args)
-        prepare_all = self._prepare_jointly if self.strategy.joint_prepare else self._prepare_by_kind
-        prepared = prepare_all(args, result, device_placement)
-        self._resume_if_pending()  # resume=...: restores once everything the checkpoint holds is prepared
-        return prepared
-
-    def _prepare_by_kind(self, args: tuple, result: list, device_placement: Sequence[Optional[bool]]) -> Any:
-        """Models and dataloaders, then optimizers, then schedulers."""
-        passes = (
-            (nn.Module, self.prepare_model), (torch.utils.data.DataLoader, self.prepare_data_loader),
-            (torch.optim.Optimizer, self.prepare_optimizer), (_scheduler_types(), self.prepare_scheduler),
-        )
-        for kinds, prepare_one in passes:
-            for i, obj in enumerate(args):
-                if isinstance(obj, kinds):
-                    kw = {} if prepare_one == self.prepare_scheduler else {"device_placement": device_placement[i]}
-                    result[i] = prepare_one(obj, **kw)
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def _prepare_jointly(self, args: tuple, result: list, device_placement: Sequence[Optional[bool]]) -> Any:
-        """Dataloaders first (their batch size fills the engine's config), then models with their optimizers."""
-        for i, obj in enumerate(args):
-            if isinstance(obj, torch.utils.data.DataLoader):
-                result[i] = self.prepare_data_loader(obj, device_placement=device_placement[i])
-        pending = []
+        fresh = []
         for i, obj in enumerate(args):
             done = self._already(obj)
             if done is not None:
                 result[i] = done
-            elif not isinstance(obj, torch.utils.data.DataLoader):
-                pending.append((i, obj))
-        for i, prepared in self.strategy.prepare_jointly(self, pending).items():
-            result[i] = prepared
-        for i, obj in pending:  # torch schedulers of an engine's optimizer, or a scheduler prepared later
+            else:
+                fresh.append(i)
+        # Dataloaders first: a strategy may size itself from them (DeepSpeed's batch size fills its config).
+        for i in fresh:
+            if isinstance(args[i], torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(args[i], device_placement=device_placement[i])
+        items = [(i, args[i], device_placement[i]) for i in fresh if result[i] is args[i]]
+        call = PrepareCall(items, self._prepare_one, self._dataloaders, self.gradient_accumulation_steps)
+        for i, prepared in self.strategy.prepare(call).items():
+            result[i] = self._prepared.record(prepared) if isinstance(prepared, Built) else prepared
+        for i, obj, _ in items:  # schedulers last: they follow the optimizers prepared above
             if result[i] is obj and isinstance(obj, _scheduler_types()):
                 result[i] = self.prepare_scheduler(obj)
+        self._resume_if_pending()  # resume=...: restores once everything the checkpoint holds is prepared
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_one(self, obj: Any, device_placement: Optional[bool], evaluation_mode: bool = False) -> Any:
+        """A model or an optimizer prepared by itself (the default of ``Strategy.prepare``); else ``obj``."""
+        if isinstance(obj, nn.Module):
+            return self.prepare_model(obj, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=device_placement)
+        return obj
 
     def _already(self, obj: Any) -> Any:
         return self._prepared.get(obj)
-
-    def _remember(self, original: Any, prepared: Any) -> Any:
-        return self._prepared.add(original, prepared)
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -212,9 +196,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                 f"prepare() got a model already wrapped in {wrapper}; pass the plain nn.Module "
                 f"(e.g. model.module) and let hasten wrap it for {self.distributed_type}"
             )
-        by_user = user_sharded(model)  # fully_shard / parallelize_module applied by the user: kept as is
-        if by_user:
-            self.strategy.checkpoint_format = "dcp"
+        by_user = self.strategy.keeps_user_sharding(model)  # fully_shard / parallelize_module by the user
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
@@ -234,8 +216,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         if compiling and not regional:
             prepared = torch.compile(prepared, **dynamo.to_compile_kwargs())
             self.precision.wrap_compiled(prepared, model)
-        self._models.append(prepared)
-        return self._remember(model, prepared)
+        return self._prepared.add(model, prepared, "models")
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so it follows gradient-sync steps and the fp16 scaler."""
@@ -248,8 +229,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             device_placement = self.device_placement
         inner = self.strategy.prepare_optimizer(optimizer)
         prepared = AcceleratedOptimizer(inner, device_placement=device_placement, precision=self.precision)
-        self._optimizers.append(prepared)
-        return self._remember(optimizer, prepared)
+        return self._prepared.add(optimizer, prepared, "optimizers")
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap an LR scheduler so it steps with its optimizer (see ``hasten.scheduler``)."""
@@ -262,8 +242,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         owners = [o for o in self._optimizers if target is o or target is o.optimizer] or self._optimizers
         prepared = AcceleratedScheduler(scheduler, owners, step_with_optimizer=self.step_scheduler_with_optimizer,
                                         split_batches=self.split_batches)
-        self._schedulers.append(prepared)
-        return self._remember(scheduler, prepared)
+        return self._prepared.add(scheduler, prepared, "schedulers")
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: Optional[bool] = None,
                             slice_fn_for_dispatch: Optional[Callable] = None) -> Any:
@@ -285,8 +264,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
             data_seed=cfg.data_seed, non_blocking=cfg.non_blocking, use_stateful_dataloader=cfg.use_stateful_dataloader,
         )
-        self._dataloaders.append(prepared)
-        return self._remember(data_loader, prepared)
+        return self._prepared.add(data_loader, prepared, "dataloaders")
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """A loader that starts after ``num_batches`` batches of ``dataloader`` (for resuming)."""
@@ -297,11 +275,9 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
     # -- the training step ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` divided by the accumulation steps and scaled for fp16."""
-        if self.gradient_accumulation_steps > 1 and not self.strategy.scales_loss:
-            loss = loss / self.gradient_accumulation_steps
         token = progress.enter(progress.BACKWARD)  # DDP all-reduces the gradients in here
         try:
-            self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+            self.strategy.backward(loss, self.gradient_accumulation_steps, **kwargs)
         finally:
             progress.leave(token)
 
@@ -512,7 +488,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                     "state_dict()/load_state_dict(); wrap it in a class that provides both"
                 )
         first = len(self._custom_objects)
-        self._custom_objects.extend(objects)
+        self._prepared.custom_objects.extend(objects)
         self._restore_registered_since(first)  # resume=...: state saved for objects registered after the resume
 
     # -- profiling ------------------------------------------------------------------------------
@@ -538,9 +514,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         self.wait_for_checkpoint()
         self._finish_trackers()
         self._checkpoints.release()  # the background saver's staging buffers
-        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._prepared.clear()  # what prepare() handed out (registered objects stay)
         self.strategy.release()  # e.g. DeepSpeed engines
-        self._prepared.clear()
         self.step = 0
         return release_memory(*objects)
 

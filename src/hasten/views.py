@@ -22,7 +22,28 @@ class SettingsViewsMixin:
     gradient_state: Any
     dataloader_config: Any
     project_configuration: Any
-    _optimizers: list
+    _prepared: Any  # prepared.PreparedObjects
+
+    # What prepare() handed out, in order (read-only views of the registry; the Accelerator writes it).
+    @property
+    def _models(self) -> list:
+        return self._prepared.models
+
+    @property
+    def _optimizers(self) -> list:
+        return self._prepared.optimizers
+
+    @property
+    def _schedulers(self) -> list:
+        return self._prepared.schedulers
+
+    @property
+    def _dataloaders(self) -> list:
+        return self._prepared.dataloaders
+
+    @property
+    def _custom_objects(self) -> list:
+        return self._prepared.custom_objects
 
     @property
     def device(self) -> torch.device:

@@ -28,7 +28,7 @@ import glob
 import io
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -37,35 +37,43 @@ SUBDIR = "deepspeed"
 KEY = "deepspeed"
 
 
-def trains_engines(strategy: Any) -> bool:
-    """Whether ``strategy`` trains DeepSpeed engines: it finds the engine of a model (``engine_of``)
-    and its plugin names the ZeRO stage (``plugin.zero_stage_value``).
-
-    A check of what the strategy offers rather than of its class: the DeepSpeed strategy builds this
-    backend, so this module does not import it back.
-    """
-    plugin = getattr(strategy, "plugin", None)
-    return callable(getattr(strategy, "engine_of", None)) and hasattr(plugin, "zero_stage_value")
-
-
 def _shapes(module: nn.Module) -> dict[str, list[int]]:
     """Full shapes of the parameters (ZeRO-3 keeps them in ``ds_shape``)."""
     return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
 
 
 class DeepSpeedCheckpoint:
-    """The checkpoint backend of a ``DeepSpeedStrategy`` (same interface as ``checkpointing.sharded``).
+    """The checkpoint backend of engine checkpoints (same interface as ``checkpointing.sharded``).
 
-    ``strategy`` is the live one: the DeepSpeed strategy when it saves, any strategy when it reads
-    (``trains_engines`` tells which restores through the engines).
+    The DeepSpeed strategy builds it bound to its engines (``engine_of``: the engine of a prepared
+    model) and its ZeRO stage; any other run reads a DeepSpeed checkpoint through one built by
+    ``for_reading`` (no engines: it loads the consolidated weights). Either way this module needs
+    nothing of the strategy's class.
+
+    Args:
+        state: the live process state (number of processes, this process's index).
+        load_weights: ``(model, state_dict, strict)`` loading full weights into a prepared model.
+        engine_of: the engine of a model (None: this run trains no engines).
+        zero_stage: this run's ZeRO stage (None without DeepSpeed).
+        run: what this run is, for messages when it trains no engines (its strategy's name).
     """
 
     KEY = KEY
     NAME = "DeepSpeed"
     EXCLUSIVE = True  # engines restore only from engine checkpoints (their optimizer lives in them)
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, state: Any, load_weights: Callable[..., Any], engine_of: Optional[Callable[[nn.Module], Any]] = None,
+                 zero_stage: Optional[int] = None, run: str = "DeepSpeed") -> None:
+        self.state = state
+        self.load_weights = load_weights
+        self.engine_of = engine_of
+        self.zero_stage = zero_stage
+        self.run = run
+
+    @classmethod
+    def for_reading(cls, strategy: Any) -> "DeepSpeedCheckpoint":
+        """The reader of a DeepSpeed checkpoint for a live strategy that trains no engines."""
+        return cls(strategy.state, strategy.load_model_state_dict, run=type(strategy).__name__)
 
     def refuse(self, blocking: bool, mid_window: bool) -> None:
         if not blocking:
@@ -77,7 +85,7 @@ class DeepSpeedCheckpoint:
                              "accelerator.sync_gradients is True")
 
     def _engines(self, inner: list[nn.Module]) -> list[Any]:
-        engines = [self.strategy.engine_of(m) for m in inner]
+        engines = [self.engine_of(m) if self.engine_of is not None else None for m in inner]
         if any(e is None for e in engines):
             names = [type(m).__name__ for m, e in zip(inner, engines) if e is None]
             raise ValueError(f"save_state under DeepSpeed: models {names} have no DeepSpeed engine (prepared without "
@@ -86,8 +94,8 @@ class DeepSpeedCheckpoint:
 
     def entries(self, inner: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict], list[bool]]:
         self._engines(inner)
-        world = self.strategy.state.num_processes
-        stage = self.strategy.plugin.zero_stage_value
+        world = self.state.num_processes
+        stage = self.zero_stage
         models = [{KEY: f"model_{i}", "zero_stage": stage, "world_size": world, "shapes": _shapes(m)}
                   for i, m in enumerate(inner)]
         return models, [True] * len(optimizers)
@@ -108,7 +116,7 @@ class DeepSpeedCheckpoint:
         os.makedirs(path, exist_ok=True)
         for i, engine in enumerate(self._engines(inner)):
             engine.save_checkpoint(path, tag=f"model_{i}", save_latest=False)
-        rank = self.strategy.state.process_index
+        rank = self.state.process_index
         checksums = {}
         for root, _, names in os.walk(path):
             for name in names:
@@ -132,20 +140,19 @@ class DeepSpeedCheckpoint:
 
     def _native(self, contents: dict[str, Any]) -> bool:
         """Whether DeepSpeed itself can load it: a DeepSpeed run with the stage and process count that wrote it."""
-        if not trains_engines(self.strategy):
+        if self.engine_of is None:
             return False
-        world, stage = self.strategy.state.num_processes, self.strategy.plugin.zero_stage_value
+        world, stage = self.state.num_processes, self.zero_stage
         return all(e.get("world_size") == world and e.get("zero_stage") == stage for e in contents["models"])
 
     def _this_run(self) -> str:
-        stage = getattr(getattr(self.strategy, "plugin", None), "zero_stage_value", None)
-        kind = f"ZeRO stage {stage}" if stage is not None else type(self.strategy).__name__
-        return f"{kind} on {self.strategy.state.num_processes} process(es)"
+        kind = f"ZeRO stage {self.zero_stage}" if self.zero_stage is not None else self.run
+        return f"{kind} on {self.state.num_processes} process(es)"
 
     def check(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
         """Differences between the stored engines and the live models; reads the consolidated weights
         when DeepSpeed cannot load the partitions itself (reads only, changes nothing)."""
-        if trains_engines(self.strategy):
+        if self.engine_of is not None:
             try:
                 self._engines(inner)
             except ValueError as e:
@@ -195,8 +202,7 @@ class DeepSpeedCheckpoint:
         return out
 
     def _engine(self, module: nn.Module) -> Any:
-        engine_of = getattr(self.strategy, "engine_of", None)
-        return engine_of(module) if engine_of is not None else None
+        return self.engine_of(module) if self.engine_of is not None else None
 
     def _check_groups(self, inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
         problems = []
@@ -209,7 +215,7 @@ class DeepSpeedCheckpoint:
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
         if not self.native:
             for module, weights in zip(inner, self.weights):
-                self.strategy.load_model_state_dict(module, weights, strict=False)
+                self.load_weights(module, weights, strict=False)
             for opt, groups in self._owned(inner, optimizers):
                 for live, stored in zip(opt.param_groups, groups or []):
                     # The learning rate a scheduler set goes with the scheduler's state. Keys this run's
@@ -325,4 +331,4 @@ def _stage0_weights(path: str) -> dict[str, torch.Tensor]:
 
 from .backends import register  # noqa: E402
 
-register(KEY, DeepSpeedCheckpoint)
+register(KEY, DeepSpeedCheckpoint.for_reading)

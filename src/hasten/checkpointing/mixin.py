@@ -175,7 +175,7 @@ class CheckpointMixin:
                 contents["models"] = [{"file": saver.indexed("model", i)} for i in range(len(weights))]
             for i, entry in enumerate(contents["models"]):
                 entry.update({"class": classes[i]} if classes else {})
-            items = saver.shared_items(weights, self, contents) if writes_shared else []
+            items = saver.shared_items(weights, self, contents, backend) if writes_shared else []
             items.append(saver.state_item(saver.rank_file(self.process_index), saver.rank_state(self, rng_state)))
             if mid_window:
                 items.append(saver.Item(saver.grads_file(self.process_index), saver.gradients(self)))

@@ -118,15 +118,16 @@ def loader_info(dataloader: Any, num_processes: int) -> dict[str, Any]:
     return info
 
 
-def shared_items(weights: list[dict], accelerator: Any, contents: dict[str, Any]) -> list[Item]:
-    """Models, optimizers, schedulers, scaler and registered objects (one process per folder)."""
+def shared_items(weights: list[dict], accelerator: Any, contents: dict[str, Any], backend: Any = None) -> list[Item]:
+    """Models, optimizers, schedulers, scaler and registered objects (one process per folder);
+    ``backend``: the checkpoint backend that stores the models (None: full files here)."""
     items = []
     for i, state_dict in enumerate(weights):
         tensors, metadata = model_payload(state_dict)
         items.append(Item(contents["models"][i]["file"], tensors, metadata))
     for i, opt in enumerate(accelerator._optimizers):
-        if "dcp" in contents["optimizers"][i] or "deepspeed" in contents["optimizers"][i]:
-            continue  # in the sharded files / the engine checkpoint
+        if backend is not None and backend.KEY in contents["optimizers"][i]:
+            continue  # the backend stores it (sharded files, the engine checkpoint)
         items.append(state_item(contents["optimizers"][i]["file"], opt.state_dict(), contents["optimizers"][i]["class"]))
     for i, sched in enumerate(accelerator._schedulers):
         items.append(state_item(contents["schedulers"][i]["file"], sched.state_dict(), contents["schedulers"][i]["class"]))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..precision import Precision
+from ..prepared import PrepareCall
 from ..state import PartialState
 from ..utils.dataclasses import AutocastKwargs, DistributedType, GradScalerKwargs
 from .mesh import ParallelMesh
@@ -56,10 +57,6 @@ class Strategy:
     #: "full": each model/optimizer as one safetensors file written by one process (today's layout);
     #: "dcp": torch.distributed.checkpoint shards written by every process.
     checkpoint_format = "full"
-    #: models and optimizers are set up together (``prepare_jointly``) instead of one by one.
-    joint_prepare = False
-    #: ``backward`` divides the loss by the accumulation steps itself (DeepSpeed's engine does).
-    scales_loss = False
 
     def __init__(self, plan: Any) -> None:
         self.state: PartialState = plan.state
@@ -93,6 +90,19 @@ class Strategy:
     def release(self) -> None:
         """Drop what the strategy holds of prepared objects (``Accelerator.free_memory``)."""
 
+    # -- prepare --------------------------------------------------------------------------------
+    def prepare(self, call: PrepareCall) -> dict[int, Any]:
+        """Prepare the models and optimizers of one ``Accelerator.prepare`` call (its dataloaders
+        are prepared before, its schedulers after); returns ``{argument position: prepared}``, a
+        value ``call.one_by_one`` returned or a ``Built`` the Accelerator records. Default: each
+        model, then each optimizer (which may need the wrapped model), one by one."""
+        out: dict[int, Any] = {}
+        for kind in (nn.Module, torch.optim.Optimizer):
+            for position, obj, device_placement in call.items:
+                if isinstance(obj, kind):
+                    out[position] = call.one_by_one(obj, device_placement)
+        return out
+
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return the model as it should be trained (``model`` is already on the device)."""
@@ -101,6 +111,14 @@ class Strategy:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever ``wrap_model`` returned."""
         return model
+
+    def keeps_user_sharding(self, model: nn.Module) -> bool:
+        """Whether the user sharded ``model`` himself (``user_sharded``): it is then kept as it is,
+        and checkpoints store it as torch.distributed.checkpoint shards."""
+        if user_sharded(model) is None:
+            return False
+        self.checkpoint_format = "dcp"
+        return True
 
     def convert_fp8(self, model: nn.Module, plan: Any) -> None:
         """Swap ``model``'s chosen layers for float8 ones (``hasten.fp8.Float8Plan``), before ``wrap_model``."""
@@ -114,8 +132,12 @@ class Strategy:
         return optimizer
 
     # -- a training step ------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
+    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """Backward of one micro-step: the loss divided by the accumulation steps (its share of the
+        update) and scaled for fp16."""
+        if accumulation_steps > 1:
+            loss = loss / accumulation_steps
+        self.precision.scale_loss(loss).backward(**kwargs)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Context in which backward does not synchronise gradients across processes."""

@@ -20,6 +20,7 @@ from torch import nn
 from .. import progress
 from ..optimizer import AcceleratedOptimizer
 from ..precision import Precision
+from ..prepared import Built, PrepareCall
 from ..utils.dataclasses import DistributedType
 from ..utils.deepspeed import DummyOptim, DummyScheduler
 from ..utils.deepspeed_plugin import AUTO, DeepSpeedPlugin
@@ -94,8 +95,6 @@ class DeepSpeedStrategy(Strategy):
 
     distributed_type = DistributedType.DEEPSPEED
     checkpoint_format = "deepspeed"
-    joint_prepare = True
-    scales_loss = True  # engine.backward divides by the accumulation steps itself
 
     def __init__(self, plan: Any) -> None:
         plugin = plan.deepspeed_plugin
@@ -129,17 +128,20 @@ class DeepSpeedStrategy(Strategy):
         self.engines.clear()
 
     def checkpoint_backend(self) -> Any:
-        """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit."""
+        """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit, bound to these engines."""
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
 
-        return DeepSpeedCheckpoint(self)
+        return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.engine_of,
+                                   zero_stage=self.plugin.zero_stage_value)
 
     # -- joint preparation ----------------------------------------------------------------------
-    def prepare_jointly(self, acc: Any, items: list[tuple[int, Any]]) -> dict[int, Any]:
-        """Engines for the models of one ``prepare`` call; returns {argument position: prepared}."""
-        models = [(i, o) for i, o in items if isinstance(o, nn.Module)]
-        optims = [(i, o) for i, o in items if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
-        scheds = [(i, o) for i, o in items if isinstance(o, DummyScheduler) or hasattr(o, "get_last_lr")]
+    def prepare(self, call: PrepareCall) -> dict[int, Any]:
+        """One engine for the trained model of a ``prepare`` call, built with its optimizer (and
+        the config's scheduler); models without an optimizer are prepared for evaluation. A torch
+        scheduler is left to the Accelerator, which prepares it once the engine's optimizer is recorded."""
+        models = [(i, o) for i, o, _ in call.items if isinstance(o, nn.Module)]
+        optims = [(i, o) for i, o, _ in call.items if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
+        scheds = [(i, o) for i, o, _ in call.items if isinstance(o, DummyScheduler) or hasattr(o, "get_last_lr")]
         out: dict[int, Any] = {}
         if len(optims) > 1 or (optims and len(self.engines) + 1 > 1):
             raise ValueError(f"DeepSpeed trains one model per Accelerator; prepare() got {len(optims)} optimizer(s)"
@@ -156,27 +158,28 @@ class DeepSpeedStrategy(Strategy):
             trained = owner
         for i, model in models:
             if model is not trained:  # evaluation-only models: plain modules on the device
-                out[i] = acc.prepare_model(model, evaluation_mode=True)
+                out[i] = call.one_by_one(model, None, evaluation_mode=True)
         if trained is None:
             for i, sched in scheds:
                 raise ValueError(f"prepare(): the scheduler (argument {i}) needs its model and optimizer in the same "
                                  "prepare() call under DeepSpeed")
             return out
         m_pos = next(i for i, m in models if m is trained)
+        o_pos, opt = optims[0]
         s_pos, sched = scheds[0] if scheds else (None, None)
-        engine, optimizer, ds_sched = self._initialize(acc, trained, optims[0][1], sched)
-        out[m_pos] = engine
-        out[optims[0][0]] = optimizer
-        if s_pos is not None:
-            out[s_pos] = DeepSpeedSchedulerWrapper(ds_sched) if ds_sched is not None else acc.prepare_scheduler(sched)
+        engine, optimizer, ds_sched = self._initialize(call, trained, opt, sched)
+        out[m_pos] = Built(trained, engine, "models")
+        out[o_pos] = Built(opt, optimizer, "optimizers")
+        if s_pos is not None and ds_sched is not None:  # the engine steps it: handed back, not recorded
+            out[s_pos] = Built(sched, DeepSpeedSchedulerWrapper(ds_sched), None)
         return out
 
-    def _initialize(self, acc: Any, model: nn.Module, opt: Any, sched: Any) -> tuple[Any, Any, Any]:
+    def _initialize(self, call: PrepareCall, model: nn.Module, opt: Any, sched: Any) -> tuple[Any, Any, Any]:
         from .deepspeed_config import resolve_config
 
         deepspeed = import_deepspeed(self.state.device.type)
         _check_fp16_support(self.mode, self.state.device)
-        config, torch_opt, build_sched = resolve_config(self.plugin, acc, model, opt, sched)
+        config, torch_opt, build_sched = resolve_config(self.plugin, self.state, call, model, opt, sched)
         self.config = config
         _init_comm(deepspeed, self.state)
         model = model.to(self.state.device)
@@ -189,12 +192,7 @@ class DeepSpeedStrategy(Strategy):
                                                       lr_scheduler=build_sched, dist_init_required=False)
         _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
-        acc._models.append(engine)
-        acc._remember(model, engine)
-        prepared = DeepSpeedOptimizer(torch_opt, engine)
-        acc._optimizers.append(prepared)
-        acc._remember(opt, prepared)
-        return engine, prepared, ds_sched if isinstance(sched, DummyScheduler) else None
+        return engine, DeepSpeedOptimizer(torch_opt, engine), ds_sched if isinstance(sched, DummyScheduler) else None
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -211,7 +209,8 @@ class DeepSpeedStrategy(Strategy):
         return None
 
     # -- a training step ------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """``engine.backward`` (which divides by the accumulation steps itself), and on a sync step ``engine.step``."""
         if not self.engines:
             raise RuntimeError("accelerator.backward under DeepSpeed needs a model prepared with its optimizer")
         from ..state import GradientState

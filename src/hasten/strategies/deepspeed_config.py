@@ -27,11 +27,11 @@ def _leftover_autos(node: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if node == AUTO else []
 
 
-def _micro_batch(acc: Any) -> Optional[int]:
-    for dl in acc._dataloaders:
+def _micro_batch(dataloaders: list[Any], world: int) -> Optional[int]:
+    for dl in dataloaders:
         total = getattr(dl, "total_batch_size", None)
         if isinstance(total, int) and total > 0:
-            return max(1, total // acc.num_processes)
+            return max(1, total // world)
         size = getattr(dl, "batch_size", None)
         if isinstance(size, int):
             return size
@@ -102,15 +102,17 @@ def agree_accumulation(plugin: DeepSpeedPlugin, steps: int, explicit: bool) -> i
     return steps
 
 
-def resolve_config(plugin: DeepSpeedPlugin, acc: Any, model: nn.Module, opt: Any,
+def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Module, opt: Any,
                    sched: Any) -> tuple[dict, torch.optim.Optimizer, Optional[Callable]]:
-    """(config for ``deepspeed.initialize``, the torch optimizer to pass, a scheduler builder or None)."""
+    """(config for ``deepspeed.initialize``, the torch optimizer to pass, a scheduler builder or None).
+
+    ``state``: the process state; ``call``: the ``prepared.PrepareCall`` (prepared dataloaders, accumulation steps)."""
     config = copy.deepcopy(plugin.deepspeed_config)
     where = getattr(plugin, "config_source", "the DeepSpeed config")
-    world = acc.num_processes
-    steps = acc.gradient_accumulation_steps
+    world = state.num_processes
+    steps = call.accumulation_steps
     fill(config, "gradient_accumulation_steps", steps, f"the Accelerator's gradient_accumulation_steps", where)
-    micro = _micro_batch(acc)
+    micro = _micro_batch(call.dataloaders, world)
     if get_path(config, "train_micro_batch_size_per_gpu") in (None, AUTO):
         if micro is None:
             train = get_path(config, "train_batch_size")
@@ -127,7 +129,7 @@ def resolve_config(plugin: DeepSpeedPlugin, acc: Any, model: nn.Module, opt: Any
          "micro-batch x accumulation x processes", where)
     if get_path(config, "gradient_clipping") in (None, AUTO):
         set_path(config, "gradient_clipping", 0.0)  # off unless asked: DeepSpeed's own default differs by version
-    mode = acc.mixed_precision
+    mode = state.mixed_precision
     for name in ("bf16", "fp16"):
         enabled = get_path(config, f"{name}.enabled")
         wanted = mode == name
@@ -140,7 +142,7 @@ def resolve_config(plugin: DeepSpeedPlugin, acc: Any, model: nn.Module, opt: Any
     config.setdefault("zero_force_ds_cpu_optimizer", False)
     config["steps_per_print"] = 2 ** 62
     _bucket_sizes(config, model)
-    if acc.device.type == "cpu" and isinstance(config.get("zero_optimization"), dict):
+    if state.device.type == "cpu" and isinstance(config.get("zero_optimization"), dict):
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         config["zero_optimization"].setdefault("reduce_bucket_size", max(1, min(CPU_REDUCE_BUCKET, numel)))
 
