@@ -66,7 +66,7 @@ class JointStrategy(SingleDeviceStrategy):
 
 def _accelerator(steps: int = 1) -> Accelerator:
     acc = Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    acc.strategy = JointStrategy(acc.state)
+    acc.strategy = JointStrategy(acc.plan)
     acc.precision = acc.strategy.precision
     return acc
 
@@ -103,7 +103,7 @@ def test_a_value_built_for_no_list_is_handed_back_unrecorded(fresh_state):
         def prepare(self, call: PrepareCall) -> dict:
             return {i: Built(obj, ("handed back", obj), None) for i, obj, _ in call.items}
 
-    acc.strategy = Marker(acc.state)
+    acc.strategy = Marker(acc.plan)
     model = nn.Linear(1, 1)
     assert acc.prepare(model) == ("handed back", model)
     assert acc._models == [] and acc._prepared.get(model) is None

@@ -4,7 +4,7 @@ Saving asks the live strategy (``Strategy.checkpoint_backend()``: None for one f
 file per object, else a backend). Reading asks the manifest: every backend registers the key its
 model entries carry (``{"dcp": ...}``, ``{"deepspeed": ...}``) with a factory that builds it for the
 live strategy, so a checkpoint is read by the backend that wrote it whatever strategy runs now (the
-live strategy's own backend when it is that one).
+factory may hand back the live strategy's own backend).
 A backend has ``KEY``, ``refuse``, ``entries``, ``optimizer_entry``, ``writer``, ``listing``,
 ``check`` and ``load`` (see ``checkpointing.sharded``); ``EXCLUSIVE = True`` when a run that
 saves with it can load nothing else. A factory is called once per load, so what ``check`` read the
@@ -27,14 +27,13 @@ def register(key: str, factory: Callable[[Any], Any]) -> None:
 
 
 def reader_for(contents: dict[str, Any], strategy: Any) -> Optional[Any]:
-    """The backend that reads a checkpoint's models (None: full safetensors files): the live
-    strategy's own when it wrote them (it is bound to the live objects, e.g. DeepSpeed engines),
-    else the registered reader built for the live strategy."""
+    """The backend that reads a checkpoint's models (None: full safetensors files), built by its
+    registered factory for the live strategy (which may hand back the strategy's own backend, bound
+    to live objects such as DeepSpeed engines)."""
     for name in _BUILTIN:
         importlib.import_module(name)
     for entry in contents["models"]:
         for key in entry:
             if key in _READERS:
-                live = strategy.checkpoint_backend()
-                return live if getattr(live, "KEY", None) == key else _READERS[key](strategy)
+                return _READERS[key](strategy)
     return None

@@ -72,7 +72,11 @@ class DeepSpeedCheckpoint:
 
     @classmethod
     def for_reading(cls, strategy: Any) -> "DeepSpeedCheckpoint":
-        """The reader of a DeepSpeed checkpoint for a live strategy that trains no engines."""
+        """The reader of a DeepSpeed checkpoint for the live strategy: its own backend when it trains
+        engines (bound to them), else one that loads the weights into plain models."""
+        live = strategy.checkpoint_backend()
+        if isinstance(live, cls):
+            return live
         return cls(strategy.state, strategy.load_model_state_dict, run=type(strategy).__name__)
 
     def refuse(self, blocking: bool, mid_window: bool) -> None:
