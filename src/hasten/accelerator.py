@@ -263,6 +263,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
             data_seed=cfg.data_seed, non_blocking=cfg.non_blocking, use_stateful_dataloader=cfg.use_stateful_dataloader,
+            data_parallel=self.strategy.mesh.data_parallel(),
         )
         return self._prepared.add(data_loader, prepared, "dataloaders")
 
