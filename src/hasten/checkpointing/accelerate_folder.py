@@ -252,7 +252,7 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
         for model, state in zip(inner, loaded["models"]):
             acc.strategy.load_model_state_dict(model, state)
         for opt, state in zip(acc._optimizers, loaded["optimizers"]):
-            restorer.apply_optimizer(opt, state, inner)
+            restorer.apply_optimizer(opt, state, inner, acc.strategy)
     acc.strategy.weights_loaded(inner)
     for sched, state in zip(acc._schedulers, loaded["schedulers"]):
         sched.load_state_dict(state)

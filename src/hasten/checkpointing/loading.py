@@ -155,13 +155,14 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     with torch.no_grad():
         inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
         for model, state, view in zip(inner, loaded["models"], loaded["model_views"]):
-            if state is not None and not (_plain_loading(acc, model) and restorer.read_model_in_place(model, view, bounce)):
+            if state is not None and not (acc.strategy.loads_full_weights_in_place(model)
+                                          and restorer.read_model_in_place(model, view, bounce)):
                 acc.strategy.load_model_state_dict(model, state)
         if loaded["grads"] is not None:
             restorer.apply_gradients(acc, loaded["grads"])
         for opt, state, name in zip(acc._optimizers, loaded["optimizers"], loaded["optimizer_files"]):
             if state is not None:
-                restorer.apply_optimizer(opt, state, inner, reader.mapped(name), bounce)
+                restorer.apply_optimizer(opt, state, inner, acc.strategy, reader.mapped(name), bounce)
     if loaded["sharded"] is not None:
         loaded["sharded"].load(folder, manifest["contents"], inner, acc._optimizers)
     acc.strategy.weights_loaded(inner)
@@ -192,15 +193,6 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     for note in notes:
         warnings.warn(f"load_state: {note}", stacklevel=3)
     return folder
-
-
-def _plain_loading(acc: Any, model: torch.nn.Module) -> bool:
-    """Whether the strategy loads a full state dict with ``Module.load_state_dict`` (no sharding, no
-    engine of its own), which reading the file straight into the model's tensors matches."""
-    from ..strategies.base import Strategy
-    from ..strategies.sharded_state import is_sharded
-
-    return type(acc.strategy).load_model_state_dict is Strategy.load_model_state_dict and not is_sharded(model)
 
 
 def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list, allow_pickle: bool,

@@ -237,16 +237,14 @@ def read_model_in_place(model: torch.nn.Module, view: SafetensorsView, bounce: O
     return True
 
 
-def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: Optional[list] = None,
+def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: list, strategy: Any,
                     source: Optional[MappedFile] = None, bounce: Optional[Bounce] = None) -> None:
-    """Load a full optimizer state decoded from ``source`` (read from the file, see ``MappedFile.copy_into``)."""
-    from ..strategies.sharded_state import is_sharded, load_full_optimizer_state
-
+    """Load a full optimizer state decoded from ``source`` (read from the file, see ``MappedFile.copy_into``);
+    the strategy loads it when its model is sharded."""
     inner = getattr(optimizer, "optimizer", optimizer)
     ids = {id(p) for g in inner.param_groups for p in g["params"]}
-    owner = next((m for m in models or [] if any(id(p) in ids for p in m.parameters())), None)
-    if owner is not None and is_sharded(owner):  # a full, numbered state into sharded parameters
-        load_full_optimizer_state(owner, inner, saved)
+    owner = next((m for m in models if any(id(p) in ids for p in m.parameters())), None)
+    if strategy.load_full_optimizer_state(owner, inner, saved):  # a full, numbered state into sharded parameters
         return
     live_state = optimizer.state_dict()["state"]
     params = {pid: p for saved_group, group in zip(saved["param_groups"], inner.param_groups)

@@ -175,3 +175,22 @@ class Strategy:
         from .sharded_state import load_full_state_dict
 
         return load_full_state_dict(self.unwrap_model(model), state_dict, strict=strict)
+
+    def loads_full_weights_in_place(self, model: nn.Module) -> bool:
+        """Whether a full state dict loads into the unwrapped ``model`` as ``Module.load_state_dict``
+        would (no sharding, no engine of the strategy's own), so ``load_state`` may read the file
+        straight into the model's tensors instead."""
+        from .sharded_state import is_sharded
+
+        return type(self).load_model_state_dict is Strategy.load_model_state_dict and not is_sharded(model)
+
+    def load_full_optimizer_state(self, model: Optional[nn.Module], optimizer: torch.optim.Optimizer,
+                                  saved: dict[str, Any]) -> bool:
+        """Load a full (numbered) optimizer state into ``optimizer`` of the sharded ``model``; False
+        when ``model`` is not sharded, and the caller loads the state as it is."""
+        from .sharded_state import is_sharded, load_full_optimizer_state
+
+        if model is None or not is_sharded(model):
+            return False
+        load_full_optimizer_state(model, optimizer, saved)
+        return True
