@@ -2,8 +2,8 @@
 
 A checkpoint is a folder. It is written under a temporary name beside its target
 (``.checkpoint_7.tmp-<token>``), every file is fsynced by the process that wrote it, then the
-committing process writes ``manifest.json`` last and renames the folder into place (the order is
-``commit``'s; this module holds the leaves it calls and calls nothing back). A folder is
+committing process writes ``manifest.json`` last and renames the folder into place (``commit`` runs
+these steps in order; this module holds the leaves it calls and calls nothing back). A folder is
 *complete* exactly when its manifest parses, has our format and version, and every file it lists is
 present with the recorded size; anything else (temporary folders, folders of other libraries, folders
 half-deleted by retention) is ignored by discovery and refused by loading.
