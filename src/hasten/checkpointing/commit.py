@@ -1,4 +1,24 @@
-"""The second half of a save: write the collected files, agree, write the manifest, rename.
+"""The commit protocol of a checkpoint save, top to bottom in ``write_and_commit``.
+
+``save_state`` (``mixin``) decides what to save and where; this module makes it a checkpoint. Every
+process runs ``write_and_commit``; one of them writes the shared files and commits (process 0, or
+each node's first process with ``save_on_each_node``). The steps, in order:
+
+1. write: every process writes its files into the temporary folder, each fsynced by its writer;
+2. exchange: every process learns every other's outcome and file list, so one failure is everyone's;
+3. sharded write: with a DCP backend, the collective write of models/optimizers, then its outcomes;
+4. record: the committing process checks that every listed file is visible to it and lists, with
+   sizes and checksums, the sharded files and those the save hooks wrote (fsyncing the latter);
+5. durable: it fsyncs the subfolders, writes ``manifest.json`` last (itself fsynced) and fsyncs the
+   folder, so every entry is on disk before the folder can appear under its final name;
+6. rename: it moves the folder into place atomically (an older checkpoint there is swapped out);
+7. retention: it deletes checkpoints beyond ``total_limit`` (never the new one) and leftovers of
+   this run's interrupted saves;
+8. agree: every process learns whether the commit worked, so all raise the same error or none.
+
+On a failure before the rename the committing process removes the temporary folder: nothing is
+committed. ``layout`` (names, manifest file, atomic rename, removal) and ``saver``/``fileio``
+(writing files) are the leaves it calls; none of them calls back here.
 
 ``write_and_commit`` runs either inline (``save_state()``) or on a background thread
 (``save_state(blocking=False)``). The background variant first copies every tensor into staging
@@ -18,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from . import layout, saver
+from . import fileio, layout, saver
 from .collectives import ProcessGroupGone, gather
 from .staging import Stager
 
@@ -49,10 +69,12 @@ class SaveJob:
 
 
 def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
-    """Write ``prepared`` (``("ok", items)`` or ``("error", message)``), then commit on the writer.
+    """Run the commit protocol (the module's steps 1 to 8) for ``prepared``, this process's files
+    as ``("ok", items)``, or ``("error", message)`` when preparing them failed.
 
     Every process learns every other's outcome, so all of them raise the same error or none does.
     """
+    # 1. write
     try:
         if prepared[0] == "ok":
             writer = saver.Writer(job.folder, job.rank)
@@ -63,6 +85,7 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             result = ("error", prepared[1], job.node)
     except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
         result = ("error", f"process {job.rank}: {type(e).__name__}: {e}", job.node)
+    # 2. exchange
     try:
         results = gather(result, group, job.world_size)
     except ProcessGroupGone:
@@ -70,8 +93,9 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
             layout.remove_tree(job.folder)
         raise
     errors = [r[1] for r in results if r[0] == "error"]
+    # 3. sharded write, once every process knows that every process is ready
     checksums: dict[str, str] = {}  # of the files the sharded write made, from the processes that wrote them
-    if job.sharded is not None and not errors:  # every process knows that every process is ready
+    if job.sharded is not None and not errors:
         outcome: tuple = (None, {})
         try:
             outcome = (None, job.sharded() or {})
@@ -80,32 +104,33 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
         outcomes = gather(outcome, group)
         errors = [failure for failure, _ in outcomes if failure]
         checksums = {name: value for _, written in outcomes for name, value in written.items()}
+    # 4. to 7. on the committing process; a failure removes the temporary folder
     status = None
     if job.writes_shared:
-        mine = [r for r in results if r[2] == job.node]  # with a folder per node: that node's files
-        status = _commit(job, mine, errors, checksums)
+        if errors:
+            layout.remove_tree(job.folder)
+        else:
+            mine = [files for _, files, node in results if node == job.node]  # a folder per node: that node's
+            status = _commit(job, mine, checksums)
+    # 8. agree
     statuses = gather(status, group, job.world_size)
     if errors:
         raise RuntimeError("save_state failed; nothing was committed:\n  - " + "\n  - ".join(errors))
     raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
 
 
-def _commit(job: SaveJob, results: list, errors: list, checksums: dict[str, str]) -> Optional[str]:
-    """Runs on the writing process: check, manifest, rename, retention. Returns an error or None."""
-    from .fileio import MappedFile, checksum_buffer, file_checksum, fsync_path
-
-    folder = job.folder
-    if errors:
-        layout.remove_tree(folder)
-        return None
+def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) -> Optional[str]:
+    """Steps 4 to 7 on the committing process; returns what went wrong, or None."""
+    folder, parent = job.folder, os.path.dirname(job.target)
     try:
+        # 4. record
         files: dict[str, Any] = {}
-        for _, listed, _ in results:
+        for listed in listed_by_process:
             for name, info in listed.items():
                 if name in files:
                     raise RuntimeError(f"two processes wrote {name!r}")
                 files[name] = info
-        here = _folder_files(folder)
+        here = layout.files_in(folder)
         absent = [n for n in files if n not in here]
         if absent:
             raise RuntimeError(
@@ -116,38 +141,32 @@ def _commit(job: SaveJob, results: list, errors: list, checksums: dict[str, str]
         if job.sharded is not None:
             from .sharded import files as sharded_files
 
-            listed = (job.listing or sharded_files)(folder)  # fsynced by the processes that wrote them
-            for name, info in listed.items():  # a file no process claimed is checksummed here
-                info["checksum"] = checksums.get(name) or file_checksum(os.path.join(folder, name))
-            files.update(listed)
+            sharded = (job.listing or sharded_files)(folder)  # fsynced by the processes that wrote them
+            for name, info in sharded.items():  # a file no process claimed is checksummed here
+                info["checksum"] = checksums.get(name) or fileio.file_checksum(os.path.join(folder, name))
+            files.update(sharded)
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)
-                fsync_path(full)
-                mapped = MappedFile(full)
-                files[name] = {"size": mapped.size, "checksum": checksum_buffer(mapped.raw), "rank": "hook"}
-                del mapped
+                layout.fsync_path(full)
+                files[name] = {"size": os.path.getsize(full), "checksum": fileio.file_checksum(full), "rank": "hook"}
+        # 5. durable: subfolders, then the manifest, then the folder's own entries (the manifest's last)
         for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
-            fsync_path(os.path.join(folder, sub))
+            layout.fsync_path(os.path.join(folder, sub))
         layout.write_manifest(folder, dict(job.manifest, files=files))
-        layout.commit(folder, job.target, job.token)
+        layout.fsync_path(folder)
+        # 6. rename
+        layout.move_into_place(folder, job.target, job.token)
+        # 7. retention
         if job.number is not None:
-            layout.apply_total_limit(os.path.dirname(job.target), job.total_limit, keep=job.target)
+            layout.apply_total_limit(parent, job.total_limit, keep=job.target)
         name = os.path.basename(job.target)
         ours = layout.automatic_name if job.number is not None else (lambda other: other == name)
-        layout.clean_leftovers(os.path.dirname(job.target), job.token, ours)
+        layout.clean_leftovers(parent, job.token, ours)
     except Exception as e:  # noqa: BLE001
         layout.remove_tree(folder)
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def _folder_files(folder: str) -> list[str]:
-    out = []
-    for directory, _, names in os.walk(folder):
-        for name in names:
-            out.append(os.path.relpath(os.path.join(directory, name), folder))
-    return out
 
 
 class Background:

@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from .layout import fsync_path  # noqa: F401 - the torch-free one, for callers that write files here
+
 BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
 _MASK = (1 << 64) - 1
 
@@ -376,19 +378,6 @@ def write_bytes(path: str, data: bytes) -> tuple[int, str]:
     summer = BlockSummer()
     summer.update(data)
     return len(data), summer.digest()
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory (for files written by user hooks)."""
-    flags = os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- reading ---------------------------------------------------------------------------------------

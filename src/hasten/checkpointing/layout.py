@@ -2,7 +2,8 @@
 
 A checkpoint is a folder. It is written under a temporary name beside its target
 (``.checkpoint_7.tmp-<token>``), every file is fsynced by the process that wrote it, then the
-committing process writes ``manifest.json`` last and renames the folder into place. A folder is
+committing process writes ``manifest.json`` last and renames the folder into place (``commit`` runs
+these steps in order; this module holds the leaves it calls and calls nothing back). A folder is
 *complete* exactly when its manifest parses, has our format and version, and every file it lists is
 present with the recorded size; anything else (temporary folders, folders of other libraries, folders
 half-deleted by retention) is ignored by discovery and refused by loading.
@@ -18,8 +19,6 @@ import shutil
 import threading
 import uuid
 from typing import Any, Callable, Optional
-
-from ..saving import fsync_dir
 
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
@@ -71,6 +70,32 @@ def next_number(root: str, iteration: int) -> int:
 def temp_path(target: str, token: str, kind: str = "tmp") -> str:
     parent, name = os.path.split(target)
     return os.path.join(parent, f".{name}.{kind}-{token}")
+
+
+def files_in(folder: str) -> list[str]:
+    """Every file under ``folder``, as paths relative to it."""
+    out = []
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(directory, name), folder))
+    return out
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its renames and new entries durable).
+
+    Where it cannot be done (a directory on Windows, a filesystem that refuses) it is skipped.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
+        pass
+    finally:
+        os.close(fd)
 
 
 # -- manifest ----------------------------------------------------------------------------------------
@@ -158,7 +183,7 @@ def newest_complete(root: str) -> Optional[tuple[int, str]]:
 
 def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` into ``folder`` (temp file, fsync, rename). The folder is fsynced once,
-    by ``commit``, which follows: each fsync costs a device cache flush, even with nothing to write."""
+    by the commit protocol, right after: each fsync costs a device cache flush, even with nothing to write."""
     path = os.path.join(folder, MANIFEST)
     temp = path + ".tmp"
     with open(temp, "w", encoding="utf-8") as f:
@@ -169,7 +194,7 @@ def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
     os.replace(temp, path)
 
 
-# -- commit and removal ------------------------------------------------------------------------------
+# -- rename into place and removal ------------------------------------------------------------------
 _RENAME_EXCHANGE = 2
 
 
@@ -187,12 +212,10 @@ def _exchange(a: str, b: str) -> bool:
     return result == 0
 
 
-def commit(temp: str, target: str, token: str) -> None:
-    """Move the finished folder ``temp`` to ``target`` atomically (replacing an older checkpoint there).
-
-    ``temp``'s own entries (the manifest's rename last) are made durable here, before the rename."""
+def move_into_place(temp: str, target: str, token: str) -> None:
+    """Move the finished folder ``temp`` to ``target`` atomically (replacing an older checkpoint there)
+    and make the rename durable. ``temp``'s own entries must be durable already (``fsync_path``)."""
     parent = os.path.dirname(target)
-    fsync_dir(temp)
     if os.path.lexists(target):
         if os.path.isdir(target) and not os.listdir(target):
             os.rmdir(target)
@@ -203,10 +226,10 @@ def commit(temp: str, target: str, token: str) -> None:
             )
     if not os.path.lexists(target):
         os.rename(temp, target)
-        fsync_dir(parent)
+        fsync_path(parent)
         return
     if _exchange(temp, target):  # temp now holds the old checkpoint
-        fsync_dir(parent)
+        fsync_path(parent)
         remove_tree(temp, token, background=True)
         return
     # No atomic swap here: move the old one aside first. A crash between the renames leaves the new
@@ -215,7 +238,7 @@ def commit(temp: str, target: str, token: str) -> None:
     old = temp_path(target, token, "old")
     os.rename(target, old)
     os.rename(temp, target)
-    fsync_dir(parent)
+    fsync_path(parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -231,7 +254,7 @@ def remove_tree(folder: str, token: Optional[str] = None, background: bool = Fal
     if not os.path.basename(folder).startswith("."):  # a temporary name already: discovery never looks
         trash = temp_path(folder, token or new_token(), "trash")
         os.rename(folder, trash)
-        fsync_dir(os.path.dirname(folder))
+        fsync_path(os.path.dirname(folder))
     if background:
         threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
                          name="hasten-checkpoint-delete").start()
