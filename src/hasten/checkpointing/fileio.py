@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import torch
 
-from .layout import fsync_path  # noqa: F401 - the torch-free one, for callers that write files here
 
 BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
 _MASK = (1 << 64) - 1

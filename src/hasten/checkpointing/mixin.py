@@ -1,15 +1,7 @@
 """``save_state`` / ``load_state``: the ``Accelerator``'s checkpoint methods.
 
-Commit protocol of a save (every process calls ``save_state``):
-1. process 0 picks the target (``project_dir/checkpoints/checkpoint_N`` with automatic naming, N
-   never taken yet) and a token; everyone writes into ``.<target>.tmp-<token>`` beside the target;
-2. the writing process (per node with ``save_on_each_node``) writes models, optimizers, schedulers,
-   scaler and registered objects, every process writes its own ``rank_<r>`` file (and gradients when
-   inside an accumulation window); each file is fsynced by its writer;
-3. all processes exchange their file lists (a barrier); the writer checks every listed file is
-   there, fsyncs files the save hooks added, writes ``manifest.json`` last and renames the folder into
-   place (an existing checkpoint at the target is swapped out atomically);
-4. only then retention (``total_limit``) deletes the oldest checkpoints, never the new one.
+What ``save_state`` gathers here (the target, this process's items, the manifest head) goes to
+``commit.write_and_commit``, where the commit protocol reads top to bottom.
 A crash at any point leaves either a complete checkpoint or a temporary folder that discovery ignores.
 """
 
