@@ -132,3 +132,16 @@ def test_unknown_registry_list_is_refused():
 
     with pytest.raises(ValueError, match="'engines'"):
         PreparedObjects().add(object(), object(), "engines")
+
+
+def test_deepspeed_config_placeholders_are_refused_by_other_strategies_before_anything_is_prepared(fresh_state):
+    from hasten.utils import DummyOptim, DummyScheduler
+
+    acc = Accelerator()
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"DummyOptim \(argument 1\), which stands for the optimizer defined in a DeepSpeed"):
+        acc.prepare(model, DummyOptim(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"DummyScheduler \(argument 2\).*create a real one"):
+        acc.prepare(model, opt, DummyScheduler(opt))
+    assert acc._models == [] and acc._optimizers == []

@@ -39,7 +39,6 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .utils.deepspeed import check_not_dummy
 
 
 class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
@@ -144,7 +143,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         model), then schedulers (which follow the prepared optimizers). Anything else is returned
         unchanged. Preparing an already prepared object returns it as is.
         """
-        check_not_dummy(args, self.distributed_type)
+        self.strategy.check_prepare_arguments(args)
         if device_placement is None:
             device_placement = [None] * len(args)
         elif len(device_placement) != len(args):
@@ -469,12 +468,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
 
         main = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
         inner = self.unwrap_model(model, keep_torch_compile=False)
-        if safe_serialization and self.strategy.checkpoint_format == "dcp":
-            from .strategies.sharded_state import is_sharded, save_full_streamed
-
-            if is_sharded(inner):  # gathered one file at a time, never the whole model at once
-                save_full_streamed(inner, save_directory, max_shard_size, main)
-                return
+        if safe_serialization and self.strategy.write_full_weights(inner, save_directory, max_shard_size, main):
+            return
         state_dict = self.get_state_dict(model)
         save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
                    is_main_process=self.is_local_main_process if self.project_configuration.save_on_each_node

@@ -91,6 +91,13 @@ class Strategy:
         """Drop what the strategy holds of prepared objects (``Accelerator.free_memory``)."""
 
     # -- prepare --------------------------------------------------------------------------------
+    def check_prepare_arguments(self, objects: tuple) -> None:
+        """Refuse what this strategy cannot prepare before anything is prepared: here the
+        placeholders of a DeepSpeed config (``DummyOptim``/``DummyScheduler``), which only DeepSpeed replaces."""
+        from ..utils.deepspeed import check_not_dummy
+
+        check_not_dummy(objects, self.distributed_type)
+
     def prepare(self, call: PrepareCall) -> dict[int, Any]:
         """Prepare the models and optimizers of one ``Accelerator.prepare`` call (its dataloaders
         are prepared before, its schedulers after); returns ``{argument position: prepared}``, a
@@ -175,6 +182,17 @@ class Strategy:
         from .sharded_state import load_full_state_dict
 
         return load_full_state_dict(self.unwrap_model(model), state_dict, strict=strict)
+
+    def write_full_weights(self, model: nn.Module, directory: str, max_shard_size: Union[int, str],
+                           main: bool) -> bool:
+        """``save_model`` of a sharded model: gather and write one file at a time, never the whole
+        model at once; False when ``model`` is not sharded, and the caller writes its state dict."""
+        from .sharded_state import is_sharded, save_full_streamed
+
+        if self.checkpoint_format != "dcp" or not is_sharded(model):
+            return False
+        save_full_streamed(model, directory, max_shard_size, main)
+        return True
 
     def loads_full_weights_in_place(self, model: nn.Module) -> bool:
         """Whether a full state dict loads into the unwrapped ``model`` as ``Module.load_state_dict``

@@ -135,6 +135,9 @@ class DeepSpeedStrategy(Strategy):
                                    zero_stage=self.plugin.zero_stage_value)
 
     # -- joint preparation ----------------------------------------------------------------------
+    def check_prepare_arguments(self, objects: tuple) -> None:
+        """``DummyOptim``/``DummyScheduler`` are welcome: the engine builds them from the config."""
+
     def prepare(self, call: PrepareCall) -> dict[int, Any]:
         """One engine for the trained model of a ``prepare`` call, built with its optimizer (and
         the config's scheduler); models without an optimizer are prepared for evaluation. A torch

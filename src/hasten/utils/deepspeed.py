@@ -4,7 +4,7 @@ A script that lets DeepSpeed build the optimizer from the ``optimizer`` section 
 passes ``DummyOptim(model.parameters(), lr=...)`` to ``prepare`` (and ``DummyScheduler`` for the
 ``scheduler`` section); scripts often import them even when they run without DeepSpeed and pick a
 real optimizer in that case. They hold their arguments and nothing else: there is no optimizer to
-step without DeepSpeed, so ``Accelerator.prepare`` refuses them there (see ``check_not_dummy``).
+step without DeepSpeed, so ``Accelerator.prepare`` refuses them there (``Strategy.check_prepare_arguments``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ class DummyScheduler:
 
 
 def check_not_dummy(objects: tuple, distributed_type: Any) -> None:
-    """Refuse ``DummyOptim``/``DummyScheduler`` unless DeepSpeed will replace them."""
-    if str(distributed_type) == "DEEPSPEED":
-        return
+    """Refuse ``DummyOptim``/``DummyScheduler``: only DeepSpeed's engine replaces them (its strategy
+    does not call this)."""
     for position, obj in enumerate(objects):
         if isinstance(obj, DummyOptim):
             section, real = "optimizer", "torch.optim.AdamW(model.parameters(), lr=...)"
