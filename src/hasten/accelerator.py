@@ -158,24 +158,24 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                 result[i] = done
             else:
                 fresh.append(i)
-        # Dataloaders first: a strategy may size itself from them (DeepSpeed's batch size fills its config).
-        for i in fresh:
-            if isinstance(args[i], torch.utils.data.DataLoader):
-                result[i] = self.prepare_data_loader(args[i], device_placement=device_placement[i])
-        items = [(i, args[i], device_placement[i]) for i in fresh if result[i] is args[i]]
+        # The strategy orders models, dataloaders and optimizers (DeepSpeed sizes its engine from the dataloaders).
+        items = [(i, args[i], device_placement[i]) for i in fresh]
         call = PrepareCall(items, self._prepare_one, self._dataloaders, self.gradient_accumulation_steps)
         for i, prepared in self.strategy.prepare(call).items():
             result[i] = self._prepared.record(prepared) if isinstance(prepared, Built) else prepared
-        for i, obj, _ in items:  # schedulers last: they follow the optimizers prepared above
-            if result[i] is obj and isinstance(obj, _scheduler_types()):
-                result[i] = self.prepare_scheduler(obj)
+        for i, obj, placement in items:  # schedulers last: they follow the optimizers prepared above
+            if result[i] is obj and isinstance(obj, (torch.utils.data.DataLoader, *_scheduler_types())):
+                result[i] = self._prepare_one(obj, placement) if isinstance(obj, torch.utils.data.DataLoader) \
+                    else self.prepare_scheduler(obj)
         self._resume_if_pending()  # resume=...: restores once everything the checkpoint holds is prepared
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_one(self, obj: Any, device_placement: Optional[bool], evaluation_mode: bool = False) -> Any:
-        """A model or an optimizer prepared by itself (the default of ``Strategy.prepare``); else ``obj``."""
+        """A model, dataloader or optimizer prepared by itself (the default of ``Strategy.prepare``); else ``obj``."""
         if isinstance(obj, nn.Module):
             return self.prepare_model(obj, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return self.prepare_data_loader(obj, device_placement=device_placement)
         if isinstance(obj, torch.optim.Optimizer):
             return self.prepare_optimizer(obj, device_placement=device_placement)
         return obj

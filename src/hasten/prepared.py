@@ -37,11 +37,11 @@ class Built(NamedTuple):
 class PrepareCall(NamedTuple):
     """One ``Accelerator.prepare`` call as a strategy's ``prepare`` step sees it (read-only).
 
-    ``items``: (argument position, object, device_placement) of each model, optimizer and
-    scheduler not prepared before; ``one_by_one(obj, device_placement, evaluation_mode=False)``
-    prepares one model or optimizer the usual way (the Accelerator records it; an object it
-    cannot prepare comes back as it was); ``dataloaders``: every dataloader prepared so far, this
-    call's included; ``accumulation_steps``: the run's gradient accumulation steps.
+    ``items``: (argument position, object, device_placement) of each object of the call not
+    prepared before; ``one_by_one(obj, device_placement, evaluation_mode=False)`` prepares one
+    model, dataloader or optimizer the usual way (the Accelerator records it; an object it cannot
+    prepare comes back as it was); ``dataloaders``: the Accelerator's prepared dataloaders, which
+    grows as this call's are prepared; ``accumulation_steps``: the run's gradient accumulation steps.
     """
 
     items: list[tuple[int, Any, Optional[bool]]]

@@ -96,15 +96,15 @@ class Strategy:
         placeholders of a DeepSpeed config (``DummyOptim``/``DummyScheduler``), which only DeepSpeed replaces."""
         from ..utils.deepspeed import check_not_dummy
 
-        check_not_dummy(objects, self.distributed_type)
+        check_not_dummy(objects, self.state.distributed_type)  # after a state reset: Accelerate's error, first
 
     def prepare(self, call: PrepareCall) -> dict[int, Any]:
-        """Prepare the models and optimizers of one ``Accelerator.prepare`` call (its dataloaders
-        are prepared before, its schedulers after); returns ``{argument position: prepared}``, a
-        value ``call.one_by_one`` returned or a ``Built`` the Accelerator records. Default: each
-        model, then each optimizer (which may need the wrapped model), one by one."""
+        """Prepare the models, dataloaders and optimizers of one ``Accelerator.prepare`` call (its
+        schedulers come after); returns ``{argument position: prepared}``, a value
+        ``call.one_by_one`` returned or a ``Built`` the Accelerator records. Default: each model,
+        then each dataloader, then each optimizer (which may need the wrapped model), one by one."""
         out: dict[int, Any] = {}
-        for kind in (nn.Module, torch.optim.Optimizer):
+        for kind in (nn.Module, torch.utils.data.DataLoader, torch.optim.Optimizer):
             for position, obj, device_placement in call.items:
                 if isinstance(obj, kind):
                     out[position] = call.one_by_one(obj, device_placement)

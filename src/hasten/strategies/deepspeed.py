@@ -141,11 +141,13 @@ class DeepSpeedStrategy(Strategy):
     def prepare(self, call: PrepareCall) -> dict[int, Any]:
         """One engine for the trained model of a ``prepare`` call, built with its optimizer (and
         the config's scheduler); models without an optimizer are prepared for evaluation. A torch
-        scheduler is left to the Accelerator, which prepares it once the engine's optimizer is recorded."""
+        scheduler is left to the Accelerator, which prepares it once the engine's optimizer is recorded.
+        Dataloaders come first: their batch size fills the engine's config."""
+        out: dict[int, Any] = {i: call.one_by_one(o, placement) for i, o, placement in call.items
+                               if isinstance(o, torch.utils.data.DataLoader)}
         models = [(i, o) for i, o, _ in call.items if isinstance(o, nn.Module)]
         optims = [(i, o) for i, o, _ in call.items if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
         scheds = [(i, o) for i, o, _ in call.items if isinstance(o, DummyScheduler) or hasattr(o, "get_last_lr")]
-        out: dict[int, Any] = {}
         if len(optims) > 1 or (optims and len(self.engines) + 1 > 1):
             raise ValueError(f"DeepSpeed trains one model per Accelerator; prepare() got {len(optims)} optimizer(s)"
                              f" with {len(self.engines)} engine(s) already built. Train the other models in a "
