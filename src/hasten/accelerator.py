@@ -163,10 +163,11 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         call = PrepareCall(items, self._prepare_one, self._dataloaders, self.gradient_accumulation_steps)
         for i, prepared in self.strategy.prepare(call).items():
             result[i] = self._prepared.record(prepared) if isinstance(prepared, Built) else prepared
-        for i, obj, placement in items:  # schedulers last: they follow the optimizers prepared above
-            if result[i] is obj and isinstance(obj, (torch.utils.data.DataLoader, *_scheduler_types())):
-                result[i] = self._prepare_one(obj, placement) if isinstance(obj, torch.utils.data.DataLoader) \
-                    else self.prepare_scheduler(obj)
+        for i, obj, placement in items:  # left by the strategy: dataloaders; schedulers follow the optimizers above
+            if result[i] is obj and isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=placement)
+            elif result[i] is obj and isinstance(obj, _scheduler_types()):
+                result[i] = self.prepare_scheduler(obj)
         self._resume_if_pending()  # resume=...: restores once everything the checkpoint holds is prepared
         return result[0] if len(result) == 1 else tuple(result)
 

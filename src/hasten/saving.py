@@ -73,7 +73,7 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(directory)
+    fsync_path(directory)
 
 
 @contextmanager
@@ -108,17 +108,18 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on Windows, and some filesystems refuse it.
-    if os.name == "nt":
-        return
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its renames and new entries durable).
+
+    Where it cannot be done (a directory on Windows, a filesystem that refuses) it is skipped.
+    """
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:
+    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
         pass
     finally:
         os.close(fd)
@@ -407,7 +408,7 @@ def _remove_stale(directory: str, keep: set[str]) -> None:
             except FileNotFoundError:
                 pass
     if removed:
-        fsync_dir(directory)
+        fsync_path(directory)
 
 
 # -- loading --------------------------------------------------------------------------------------

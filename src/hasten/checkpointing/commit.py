@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from ..saving import fsync_path
 from . import fileio, layout, saver
 from .collectives import ProcessGroupGone, gather
 from .staging import Stager
@@ -148,13 +149,13 @@ def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) ->
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)
-                layout.fsync_path(full)
+                fsync_path(full)
                 files[name] = {"size": os.path.getsize(full), "checksum": fileio.file_checksum(full), "rank": "hook"}
         # 5. durable: subfolders, then the manifest, then the folder's own entries (the manifest's last)
         for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
-            layout.fsync_path(os.path.join(folder, sub))
+            fsync_path(os.path.join(folder, sub))
         layout.write_manifest(folder, dict(job.manifest, files=files))
-        layout.fsync_path(folder)
+        fsync_path(folder)
         # 6. rename
         layout.move_into_place(folder, job.target, job.token)
         # 7. retention
@@ -182,13 +183,7 @@ class Background:
         self.target: Optional[str] = None
         self.error: Optional[BaseException] = None
         self.stager = Stager()
-        self.group: Any = None
         _ALL.add(self)
-
-    def process_group(self) -> Any:
-        """A gloo group of every process for the save's exchanges (see ``save_group``)."""
-        self.group = save_group()
-        return self.group
 
     def start(self, target: str, work: Callable[[], None]) -> None:
         def run() -> None:
@@ -250,9 +245,6 @@ def release_save_group() -> None:
     world, group = _SAVE_GROUP.pop()
     if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
         dist.destroy_process_group(group)
-    for background in list(_ALL):
-        if background.group is group:
-            background.group = None
 
 
 def wait_all() -> None:

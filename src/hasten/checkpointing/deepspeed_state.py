@@ -115,7 +115,7 @@ class DeepSpeedCheckpoint:
         """Every process writes its partitions, then makes the files it can see durable; returns the
         checksums of its own files (``{manifest name: checksum}``) for the manifest."""
         from .fileio import file_checksum
-        from .layout import fsync_path
+        from ..saving import fsync_path
 
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)

@@ -20,6 +20,8 @@ import threading
 import uuid
 from typing import Any, Callable, Optional
 
+from ..saving import fsync_path
+
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
 FORMAT_VERSION = 1
@@ -79,23 +81,6 @@ def files_in(folder: str) -> list[str]:
         for name in names:
             out.append(os.path.relpath(os.path.join(directory, name), folder))
     return out
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a directory (a directory's fsync makes its renames and new entries durable).
-
-    Where it cannot be done (a directory on Windows, a filesystem that refuses) it is skipped.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- manifest ----------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class CheckpointMixin:
         contents: dict[str, Any] = {}
         write_shards = listing = None
         background = self._checkpoints.background_save() if not blocking else None
-        group = background.process_group() if background is not None else None
+        group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
             os.makedirs(folder, exist_ok=True)
