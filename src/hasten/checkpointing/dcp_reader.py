@@ -11,8 +11,10 @@ through ``torch.load(weights_only=True)``; tensors DCP already reads weights-onl
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
+import stat
 from typing import Any, Optional
 
 import torch
@@ -21,6 +23,118 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import unpickling
+from .fileio import CheckpointCorruptError
+
+
+def _file_size(folder: str, name: Any, what: str) -> int:
+    """The size of the shard file ``name`` that ``.metadata`` names, refusing anything but a plain file
+    directly inside ``folder``: an absolute path, ``..``, a separator, or a symbolic link would let a
+    crafted ``.metadata`` read files outside the checkpoint."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name or os.path.isabs(name)):
+        raise CheckpointCorruptError(
+            f"{what} names the shard file {name!r}, which is not a plain file name inside {folder!r}; DCP writes "
+            "only such names, so the metadata is damaged or crafted (nothing was read)")
+    full = os.path.join(folder, name)
+    try:
+        info = os.lstat(full)
+    except OSError:
+        raise CheckpointCorruptError(f"{what} names the shard file {full!r}, which is missing; the checkpoint is "
+                                     "incomplete or damaged") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise CheckpointCorruptError(
+            f"{full!r} is a symbolic link or not a regular file; hasten reads only plain files inside the checkpoint "
+            "folder (copy the real file in instead of linking it)")
+    return info.st_size
+
+
+def check_folder(folder: str) -> None:
+    """Refuse a DCP folder that is a symbolic link, or whose ``.metadata`` is one."""
+    for path in (folder, os.path.join(folder, ".metadata")):
+        if os.path.islink(path):
+            raise CheckpointCorruptError(
+                f"{path!r} is a symbolic link; hasten reads only plain files and folders inside a checkpoint "
+                "(copy the real one in instead of linking it)")
+
+
+def validate(folder: str, metadata: Metadata) -> None:
+    """Check DCP ``metadata`` against the files of ``folder`` before anything is read or allocated.
+
+    Every storage record must name a plain file inside ``folder`` and lie within its real size, and
+    every tensor's claimed size must be covered by chunks whose stored bytes can hold them: a
+    crafted ``.metadata`` could otherwise make a reader allocate terabytes (``torch.empty`` of the
+    claimed size) or read outside the folder. Raises ``CheckpointCorruptError`` naming the file.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    what = repr(os.path.join(folder, ".metadata"))
+    storage = getattr(metadata, "storage_data", None)
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(storage, dict) or not isinstance(entries, dict):
+        raise CheckpointCorruptError(f"{what} has no storage records; the file is damaged")
+    sizes: dict[str, int] = {}
+    stored: dict[tuple, int] = {}  # (fqn, chunk offsets) -> bytes stored
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if name not in sizes:
+            sizes[name] = _file_size(folder, name, what)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if (not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0
+                or offset + length > sizes[name]):
+            raise CheckpointCorruptError(
+                f"{what} says {getattr(index, 'fqn', index)!r} is stored at bytes {offset}..+{length} of "
+                f"{os.path.join(folder, str(name))!r}, which has {sizes[name]} bytes: the shard file was truncated or "
+                "the metadata is damaged")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointCorruptError(
+                f"{what} stores {getattr(index, 'fqn', index)!r} through the transforms {info.transform_descriptors}; "
+                "hasten reads only plain (uncompressed) DCP shards")
+        offsets = getattr(index, "offset", None)
+        key = (getattr(index, "fqn", None), tuple(offsets) if offsets is not None else None)
+        stored[key] = stored.get(key, 0) + length
+    for fqn, meta in entries.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        _check_tensor(what, fqn, meta, stored)
+
+
+def _check_tensor(what: str, fqn: str, meta: Any, stored: dict[tuple, int]) -> None:
+    """A tensor's claimed size must be what its chunks cover, and each chunk's bytes must be stored."""
+    def bad(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{what}: tensor {fqn!r} claims size {list(meta.size)}, but {why}; the metadata "
+                                      "is damaged or crafted (nothing was allocated)")
+
+    size = tuple(meta.size)
+    if any(not isinstance(d, int) or d < 0 for d in size):
+        raise bad("a size must be made of non-negative integers")
+    dtype = getattr(meta.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise bad(f"its dtype {dtype!r} is not a torch dtype")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    covered = 0
+    for chunk in meta.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise bad(f"its chunk at {list(offsets)} of size {list(sizes)} lies outside it")
+        numel = math.prod(sizes)
+        have = stored.get((fqn, offsets))
+        if have is None:
+            raise bad(f"its chunk at {list(offsets)} has no storage record")
+        if numel * itemsize > have:
+            raise bad(f"its chunk at {list(offsets)} needs {numel * itemsize} bytes and only {have} are stored")
+        covered += numel
+    if covered != math.prod(size):
+        raise bad(f"its chunks cover {covered} of its {math.prod(size)} elements")
+
+
+def wrapped(folder: str, error: BaseException) -> CheckpointCorruptError:
+    """DCP's ``CheckpointException`` (a ``BaseException`` carrying every rank's traceback) as one error
+    naming the folder and the cause."""
+    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    cause = text[-1] if text else type(error).__name__
+    return CheckpointCorruptError(f"cannot read the DCP shards in {folder!r}: {cause}; the checkpoint is damaged or "
+                                  "incomplete")
 
 
 class MetadataReader(FileSystemReader):
@@ -37,6 +151,7 @@ class MetadataReader(FileSystemReader):
         else:  # the global file, or a rank-local one (DCP's fallback when the global one is missing)
             metadata = unpickling.dcp_metadata(os.path.join(self.path, ".metadata" if rank is None
                                                             else f"__{rank}.metadata"))
+        validate(os.fspath(self.path), metadata)  # DCP reads the files these records name
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

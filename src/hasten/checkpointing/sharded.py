@@ -130,8 +130,13 @@ def read_metadata(folder: str) -> Any:
     """DCP's ``.metadata`` of ``folder``, read with the allow-list of ``unpickling`` (never
     ``pickle.load``: a replaced file could run code)."""
     from . import unpickling
+    from .dcp_reader import check_folder, validate
 
-    return unpickling.dcp_metadata(os.path.join(folder, SUBDIR, ".metadata"))
+    path = os.path.join(folder, SUBDIR)
+    check_folder(path)
+    metadata = unpickling.dcp_metadata(os.path.join(path, ".metadata"))
+    validate(path, metadata)  # paths inside the folder, records within the files, sizes backed by bytes
+    return metadata
 
 
 class Reader:
@@ -238,8 +243,16 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
         else:  # only hyperparameters were stored: read them as they were saved
             state[name] = {"param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
             stateless.add(name)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .dcp_reader import wrapped
+
     reader = MetadataReader(os.path.join(folder, SUBDIR), metadata)  # DCP gets the records read above
-    dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), process_group=group)
+    try:
+        # DCP gathers every rank's failure and raises the same CheckpointException on each of them.
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), process_group=group)
+    except CheckpointException as e:
+        raise wrapped(os.path.join(folder, SUBDIR), e) from None
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"])
     for entry, opt in zip(contents["optimizers"], optimizers):

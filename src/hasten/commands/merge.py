@@ -149,6 +149,7 @@ def _hasten_sources(folder: str) -> list[Source]:
         manifest = read_manifest(folder)
     except (IncompleteCheckpointError, FileNotFoundError) as e:
         raise HastenCLIError(str(e).splitlines()[0]) from None
+    _verify_files(folder, manifest)
     entries = (manifest.get("contents") or {}).get("models") or []
     dcp_folders = _dcp_folders(folder)
     sources = []
@@ -169,6 +170,30 @@ def _hasten_sources(folder: str) -> list[Source]:
     if not sources:
         raise HastenCLIError(f"hasten checkpoint {folder!r} holds no model weights (save_state was given no model)")
     return sources
+
+
+def _verify_files(folder: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists has its recorded size and checksum and is a plain file (no
+    symbolic link), checked before anything is read or written: a flipped byte anywhere stops the merge."""
+    import stat
+
+    from ..checkpointing.fileio import CheckpointCorruptError, MappedFile, verify
+
+    for name, info in sorted(manifest["files"].items()):
+        full = os.path.join(folder, name)
+        parts = name.split("/")
+        for depth in range(1, len(parts) + 1):  # a linked folder on the way leads outside as well
+            if stat.S_ISLNK(os.lstat(os.path.join(folder, *parts[:depth])).st_mode):
+                raise HastenCLIError(f"{os.path.join(folder, *parts[:depth])!r} is a symbolic link; hasten reads only "
+                                     "plain files inside a checkpoint (copy the real file in)")
+        mapped = MappedFile(full)
+        try:
+            verify(mapped, info.get("size"), info.get("checksum"))
+        except CheckpointCorruptError as e:
+            raise HastenCLIError(str(e).replace("manifest", f"{MANIFEST}")) from None
+        finally:
+            mapped.close()
+            del mapped
 
 
 def _expand(source: Source, metadata: Any) -> list[Source]:
@@ -240,12 +265,17 @@ def read_metadata(folder: str) -> Any:
     """DCP's metadata of ``folder``, read with hasten's allow-list (``pickle.load`` could run code)."""
     import pickle
 
+    from ..checkpointing.dcp_reader import check_folder, validate
+    from ..checkpointing.fileio import CheckpointCorruptError
     from ..checkpointing.unpickling import dcp_metadata
 
     try:
-        return dcp_metadata(os.path.join(folder, DCP_METADATA))
-    except pickle.UnpicklingError as e:  # refused (names the global) or damaged (names the file)
-        raise HastenCLIError(str(e)) from None
+        check_folder(folder)
+        metadata = dcp_metadata(os.path.join(folder, DCP_METADATA))
+        validate(folder, metadata)  # before read_dcp allocates what it claims
+        return metadata
+    except (pickle.UnpicklingError, CheckpointCorruptError) as e:  # refused, damaged or crafted (names the file)
+        raise HastenCLIError(str(e).splitlines()[0]) from None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign .metadata file
         raise HastenCLIError(f"cannot read the DCP metadata of {folder!r} ({type(e).__name__}: {e}); "
                              "the checkpoint is damaged or was written by another torch") from None
@@ -294,10 +324,13 @@ def read_safetensors(path: str) -> dict[str, Any]:
     from ..saving import ALIASES_KEY
 
     tensors = {}
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata() or {}
-        for name in f.keys():
-            tensors[name] = f.get_tensor(name)
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    except Exception as e:  # noqa: BLE001 - SafetensorError and friends do not name the file
+        raise HastenCLIError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged") from None
     for alias, canonical in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         if canonical in tensors:
             tensors[alias] = tensors[canonical]  # the same tensor: save_model records the tie again
