@@ -41,16 +41,66 @@ class _Source(NamedTuple):
     data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
 
 
-def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str]]:
-    """Names and shapes of one weights file, plus its recorded aliases and save id."""
+def _plain_file(path: str) -> None:
+    """Refuse a symbolic link (it could lead anywhere) or anything but a regular file."""
+    import stat
+
+    from .checkpointing.fileio import CheckpointCorruptError
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
+    if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
+        raise CheckpointCorruptError(f"{path!r} is a symbolic link or not a regular file; hasten loads only plain files "
+                                     "(copy the real file in instead of linking it)")
+
+
+def verify_weights_file(path: str) -> Optional[str]:
+    """Check a safetensors weights file before it is read: a plain file, a whole header, and the
+    checksum ``save_model`` recorded in it.
+    Returns the recorded checksum; None for a file written without one (it cannot be verified)."""
+    from .checkpointing.fileio import CheckpointCorruptError, MappedFile
+    from .saving import self_checksum
+
+    _plain_file(path)
+    mapped = MappedFile(path)
+    raw = mapped.raw
+    try:
+        if raw.numel() < 8:
+            raise CheckpointCorruptError(f"{path!r} is not a safetensors file: it has {raw.numel()} bytes (truncated or "
+                                         "emptied); save the weights again")
+        head = int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little")
+        if head > raw.numel() - 8:
+            raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {head} bytes and the file "
+                                         f"has {raw.numel()}; save the weights again")
+        recorded = self_checksum(raw, 8 + head, path)
+    finally:
+        mapped.close()
+        del raw, mapped
+    return recorded
+
+
+def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
+    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum."""
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            metadata = f.metadata() or {}
-        aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
-        return _Source(path, True, shapes, None), aliases, metadata.get(SAVE_ID_KEY)
+        from .checkpointing.fileio import CheckpointCorruptError
+
+        recorded = verify_weights_file(path)
+        try:
+            with safe_open(path, framework="pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                metadata = f.metadata() or {}
+            aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
+        except Exception as e:  # noqa: BLE001 - SafetensorError, bad JSON: none names the file
+            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
+                                         "damaged") from None
+        if not isinstance(aliases, dict):
+            raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
+        return _Source(path, True, shapes, None), aliases, metadata.get(SAVE_ID_KEY), recorded
+    _plain_file(path)
     import torch
 
     try:
@@ -64,6 +114,11 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str]]:
             f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
             f"and call model.load_state_dict. Details: {e}"
         ) from e
+    except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
+        from .checkpointing.fileio import CheckpointCorruptError
+
+        raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
+                                     "torch state dict") from None
     if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):
         inner = [k for k, v in data.items() if isinstance(v, Mapping)] if isinstance(data, Mapping) else []
         raise ValueError(
@@ -72,29 +127,66 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str]]:
                "model.load_state_dict instead" if inner else f" but a {type(data).__name__}")
         )
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in data.items()}
-    return _Source(path, False, shapes, dict(data)), {}, None
+    return _Source(path, False, shapes, dict(data)), {}, None, None
+
+
+def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, str]]]:
+    """A sharded checkpoint's index, checked: a plain file, its own checksum (when ``save_model``
+    wrote it), shard names that stay in its folder. Returns it and the shards' recorded checksums
+    (None for an index written without them, e.g. by transformers: the shards cannot be verified
+    against it)."""
+    import torch
+
+    from .checkpointing.fileio import CheckpointCorruptError
+    from .saving import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
+
+    _plain_file(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        index = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"index {path!r} is not readable JSON ({type(e).__name__}: {e}); the file is "
+                                     "damaged") from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise ValueError(f"index {path!r} has no 'weight_map'; it is not a sharded checkpoint index")
+    metadata = index.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointCorruptError(f"index {path!r} has a damaged 'metadata' entry")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    recorded = self_checksum(raw, len(data), path)
+    checksums = metadata.get(CHECKSUMS_KEY)
+    if checksums is not None and (recorded is None or not isinstance(checksums, dict)):
+        raise CheckpointCorruptError(f"index {path!r} has damaged checksums ({CHECKSUMS_KEY} without a valid "
+                                     f"{CHECKSUM_KEY}); the file is damaged")
+    for name, filename in index["weight_map"].items():
+        if (not isinstance(filename, str) or not filename or filename in (".", "..") or "/" in filename
+                or "\\" in filename or "\0" in filename or os.path.isabs(filename)):
+            raise CheckpointCorruptError(f"index {path!r} puts {name!r} in {filename!r}, which is not a file name in "
+                                         "the index's folder; an index written by save_model names only such files, "
+                                         "so it is damaged or crafted (nothing was read)")
+    return index, checksums
 
 
 def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, str]]:
+    from .checkpointing.fileio import CheckpointCorruptError
+
     path = os.fspath(checkpoint)
     if os.path.isdir(path):
         candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-        found = next((os.path.join(path, c) for c in candidates if os.path.isfile(os.path.join(path, c))), None)
+        found = next((os.path.join(path, c) for c in candidates if os.path.lexists(os.path.join(path, c))), None)
         if found is None:
             raise FileNotFoundError(
                 f"checkpoint directory {path!r} holds none of {', '.join(candidates)}; pass the directory "
                 "given to save_model / save_pretrained, or the weights file itself"
             )
         path = found
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
     if not path.endswith(".index.json"):
-        source, aliases, _ = _read_source(path)
+        source, aliases, _, _ = _read_source(path)
         return [source], aliases
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise ValueError(f"index {path!r} has no 'weight_map'; it is not a sharded checkpoint index")
+    index, checksums = read_weights_index(path)
     metadata = index.get("metadata") or {}
     aliases = dict(metadata.get(ALIASES_KEY) or {})
     save_id = metadata.get(SAVE_ID_KEY)
@@ -102,14 +194,20 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
     sources = []
     for filename in dict.fromkeys(index["weight_map"].values()):
         shard = os.path.join(directory, filename)
-        if not os.path.isfile(shard):
+        if not os.path.lexists(shard):
             raise FileNotFoundError(f"index {path!r} lists shard {filename!r}, which is missing; the checkpoint is incomplete")
-        source, shard_aliases, shard_id = _read_source(shard)
+        if checksums is not None and filename not in checksums:
+            raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
+                                         "index is damaged")
+        source, shard_aliases, shard_id, recorded = _read_source(shard)
         if save_id is not None and shard_id is not None and shard_id != save_id:
             raise RuntimeError(
                 f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
                 "save?); the checkpoint mixes two saves, save it again"
             )
+        if checksums is not None and recorded != checksums[filename]:
+            raise CheckpointCorruptError(f"{shard!r} records checksum {recorded}, but the index {path!r} records "
+                                         f"{checksums[filename]}: the file was replaced or damaged; save the weights again")
         absent = [n for n, fn in index["weight_map"].items() if fn == filename and n not in source.shapes]
         if absent:
             raise ValueError(f"index {path!r} says {_listing(absent)} are in {filename!r}, but that file lacks them")

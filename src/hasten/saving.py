@@ -32,6 +32,16 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # an id shared by the shards and the index of one save, to detect a mix left by an interrupted save.
 ALIASES_KEY = "hasten_aliases"
 SAVE_ID_KEY = "hasten_save_id"
+# Integrity of save_model outputs: every safetensors file records the bsum64 (see
+# checkpointing/fileio.py) of its own bytes under CHECKSUM_KEY in its header metadata, computed
+# with that value replaced by UNSET_CHECKSUM (same length), so every byte of the file is covered,
+# the header included; the index records each file's value under CHECKSUMS_KEY and its own under
+# CHECKSUM_KEY the same way. The files stay plain safetensors / JSON for other readers.
+CHECKSUM_KEY = "hasten_checksum"
+CHECKSUMS_KEY = "hasten_checksums"
+UNSET_CHECKSUM = "bsum64:????????"
+_CHECKSUM_FIELD = re.compile(rb'"hasten_checksum"\s*:\s*"([^"]*)"')
+_CHECKSUM_VALUE = re.compile(rb'"(bsum64:[0-9a-f?]{8})"')  # the field again, should its name be damaged
 # Files a save_model call owns in its directory; anything else there (configs, ...) is left alone.
 _WEIGHT_FILE = re.compile(
     r"model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin"
@@ -351,12 +361,13 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
     files = [stem + ext] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}{ext}" for i in range(1, count + 1)]
     save_id = uuid.uuid4().hex
 
+    checksums: dict[str, str] = {}
     for index, filename in enumerate(files):
         names = [n for n in state_dict if shard_of.get(n, shard_of.get(aliases.get(n, ""), -1)) == index]
         target = os.path.join(directory, filename)
         if safe:
-            write_weights_file(target, {n: kept[n] for n in names if n in kept}, aliases,
-                               save_id if count > 1 else None)
+            checksums[filename] = write_weights_file(target, {n: kept[n] for n in names if n in kept}, aliases,
+                                                     save_id if count > 1 else None)
         else:
             import torch
 
@@ -370,26 +381,107 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
         index_meta: dict[str, Any] = {"total_size": sum(getattr(v, "nbytes", 0) for v in kept.values())}
         if safe:
             index_meta[SAVE_ID_KEY] = save_id
+            index_meta[CHECKSUMS_KEY] = checksums
             if aliases:
                 index_meta[ALIASES_KEY] = dict(aliases)
         index_name = SAFE_WEIGHTS_INDEX_NAME if safe else WEIGHTS_INDEX_NAME
+        index = {"metadata": index_meta, "weight_map": weight_map}
         with atomic_write(os.path.join(directory, index_name), "w") as f:
-            f.write(json.dumps({"metadata": index_meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+            f.write(_index_text(index) if safe else json.dumps(index, indent=2, sort_keys=True) + "\n")
         keep.add(index_name)
     _remove_stale(directory, keep)
 
 
-def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> None:
-    """One safetensors weights file, atomically, with the ties and the save id in its metadata."""
-    from safetensors.torch import save_file
+def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
+    """One safetensors weights file, atomically, with the ties, the save id and its own checksum in
+    its metadata; returns that checksum (for the index)."""
+    from .checkpointing.fileio import _DTYPES, write_safetensors
 
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", CHECKSUM_KEY: UNSET_CHECKSUM}
     mine = {a: c for a, c in aliases.items() if c in shard}
     if mine:
         metadata[ALIASES_KEY] = json.dumps(mine, sort_keys=True)
     if save_id is not None:
         metadata[SAVE_ID_KEY] = save_id
-    write_atomically(target, lambda tmp: save_file(shard, tmp, metadata=metadata))
+    digest: list[str] = []
+
+    def write(tmp: str) -> None:
+        if all(t.dtype in _DTYPES for t in shard.values()):  # summed while written
+            digest.append(write_safetensors(tmp, shard, metadata)[1])
+        else:  # a dtype only the safetensors library writes: summed from the file
+            from safetensors.torch import save_file
+
+            from .checkpointing.fileio import file_checksum
+
+            save_file(shard, tmp, metadata=metadata)
+            digest.append(file_checksum(tmp))
+        with open(tmp, "r+b") as f:
+            head = f.read(8)
+            head += f.read(int.from_bytes(head, "little"))
+            position = checksum_field(head, tmp)
+            assert position is not None
+            f.seek(position[0])
+            f.write(digest[0].encode("ascii"))
+
+    write_atomically(target, write)
+    return digest[0]
+
+
+def checksum_field(head: bytes, path: str) -> Optional[tuple[int, str]]:
+    """(byte offset, value) of the ``hasten_checksum`` field in the header bytes ``head`` of
+    ``path``; None when it has none (a file written by another library or an older hasten)."""
+    from .checkpointing.fileio import CheckpointCorruptError
+
+    found = list(_CHECKSUM_FIELD.finditer(head))
+    if not found:
+        # A flipped bit in the field's name must not make the file look like one without checksum:
+        # a value of the checksum's form is still there, and it is checked (and fails, as the name differs).
+        found = list(_CHECKSUM_VALUE.finditer(head))
+        if not found:
+            return None
+    value = found[0].group(1).decode("ascii", "replace")
+    if len(found) > 1 or not re.fullmatch(r"bsum64:[0-9a-f?]{8}", value):
+        raise CheckpointCorruptError(f"{path!r} has a damaged checksum field in its header ({CHECKSUM_KEY}="
+                                     f"{value!r}); the file was damaged or edited: save it again")
+    return found[0].start(1), value
+
+
+def self_checksum(raw: "torch.Tensor", head: int, path: str, pool: Any = None) -> Optional[str]:
+    """Check the checksum a file records about itself; ``raw``: its bytes as a writable uint8 tensor
+    (a private mapping), whose first ``head`` bytes hold the field. Returns the recorded value, None
+    when the file records none; raises ``CheckpointCorruptError`` when the bytes differ."""
+    import torch
+
+    from .checkpointing.fileio import CheckpointCorruptError, checksum_buffer
+
+    field = checksum_field(bytes(raw[:head].numpy().tobytes()), path)
+    if field is None:
+        return None
+    position, value = field
+    span = raw[position:position + len(UNSET_CHECKSUM)]
+    recorded = span.clone()
+    span.copy_(torch.frombuffer(bytearray(UNSET_CHECKSUM.encode("ascii")), dtype=torch.uint8))
+    try:
+        found = checksum_buffer(raw, pool)
+    finally:
+        span.copy_(recorded)  # a private mapping: the file itself is never written
+    if found != value:
+        raise CheckpointCorruptError(f"{path!r} is corrupted: its bytes have checksum {found}, not the {value} recorded "
+                                     "when it was saved (a flipped bit or an edited file); save the weights again")
+    return value
+
+
+def _index_text(index: dict[str, Any]) -> str:
+    """The JSON of a ``save_model`` index, with the checksum of its own bytes in its metadata."""
+    from .checkpointing.fileio import BlockSummer
+
+    index["metadata"][CHECKSUM_KEY] = UNSET_CHECKSUM
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    summer = BlockSummer()
+    summer.update(text.encode("utf-8"))
+    field = f'"{CHECKSUM_KEY}": "{UNSET_CHECKSUM}"'
+    assert text.count(field) == 1
+    return text.replace(field, f'"{CHECKSUM_KEY}": "{summer.digest()}"')
 
 
 def _remove_stale(directory: str, keep: set[str]) -> None:

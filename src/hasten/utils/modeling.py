@@ -433,9 +433,17 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(checkpoint_file, framework="pt") as f:
-        metadata = f.metadata()
-        names = list(f.keys())
+    from ..checkpointing.fileio import CheckpointCorruptError
+    from ..model_loading import verify_weights_file
+
+    verify_weights_file(checkpoint_file)  # a plain file, and the checksum save_model recorded in it
+    try:
+        with safe_open(checkpoint_file, framework="pt") as f:
+            metadata = f.metadata()
+            names = list(f.keys())
+    except Exception as e:  # noqa: BLE001 - SafetensorError does not name the file
+        raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} as safetensors ({type(e).__name__}: {e}); the "
+                                     "file is damaged") from None
     if metadata is None:
         warnings.warn(f"{checkpoint_file} has no safetensors metadata; reading it as a PyTorch checkpoint",
                       UserWarning, stacklevel=2)

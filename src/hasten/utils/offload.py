@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import stat
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from ..saving import _prepare, atomic_write, write_atomically
@@ -28,15 +30,47 @@ _FILE_PATTERN = "offload-{:05d}.safetensors"
 _OUR_FILE = re.compile(r"offload-\d{5,}\.safetensors")
 
 
+def _corrupt(message: str) -> Exception:
+    from ..checkpointing.fileio import CheckpointCorruptError
+
+    return CheckpointCorruptError(message)
+
+
+def _plain_file(path: str) -> int:
+    """The size of ``path``, refusing a symbolic link (it could lead out of the folder) or a non-file."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        raise _corrupt(f"the offload file {path!r} is missing; write the offload folder again") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise _corrupt(f"{path!r} is a symbolic link or not a regular file; hasten reads only plain files inside the "
+                       "offload folder (copy the real file in instead of linking it)")
+    return info.st_size
+
+
+def _file_in(folder: str, file: Any, name: str) -> str:
+    """The path of an index entry's ``safetensors_file``: a plain file name inside ``folder``."""
+    if (not isinstance(file, str) or not file or file in (".", "..") or "/" in file or "\\" in file or "\0" in file
+            or os.path.isabs(file)):
+        raise _corrupt(f"the offload index of {folder!r} puts {name!r} in {file!r}, which is not a file name inside the "
+                       "folder; hasten writes only such names, so the index is damaged or crafted (nothing was read)")
+    return os.path.join(folder, file)
+
+
 def read_index(folder: PathLike) -> dict[str, dict[str, Any]]:
     """The folder's ``index.json`` (``{}`` when absent)."""
     path = os.path.join(os.fspath(folder), INDEX_NAME)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    if not isinstance(index, dict):
-        raise ValueError(f"{path!r} is not an offload index (a JSON object of tensor name -> entry)")
+    _plain_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, absurd nesting
+        raise _corrupt(f"the offload index {path!r} is not readable JSON ({type(e).__name__}: {e}); it is damaged: "
+                       "write the offload folder again") from None
+    if not isinstance(index, dict) or not all(isinstance(e, dict) for e in index.values()):
+        raise _corrupt(f"{path!r} is not an offload index (a JSON object of tensor name -> entry); it is damaged")
     return index
 
 
@@ -70,8 +104,26 @@ def write_offload_file(folder: PathLike, tensors: Mapping[str, "torch.Tensor"]) 
     for name, value in tensors.items():
         stored = aliases.get(name, name)
         entries[name] = {"safetensors_file": filename, "weight_name": stored,
-                         "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+                         "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
+                         "checksum": _checksum(kept[stored])}
     return entries
+
+
+def _checksum(tensor: "torch.Tensor") -> str:
+    """bsum64 of a contiguous CPU tensor's bytes: what reading the entry back verifies."""
+    from ..checkpointing.fileio import _as_bytes_tensor, checksum_buffer
+
+    return checksum_buffer(_as_bytes_tensor(tensor.contiguous()))
+
+
+def _check_sum(tensor: "torch.Tensor", entry: Mapping[str, Any], path: str, name: str) -> None:
+    recorded = entry.get("checksum")
+    if recorded is None:  # written by Accelerate or an older hasten: nothing to compare with
+        return
+    found = _checksum(tensor)
+    if found != recorded:
+        raise _corrupt(f"the offloaded weight {name!r} in {path!r} is corrupted: its bytes have checksum {found}, the "
+                       f"index records {recorded} (a flipped bit or an edited file); write the offload folder again")
 
 
 def add_to_index(folder: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> None:
@@ -98,15 +150,36 @@ def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tenso
 
 def _inside(folder: str, name: str, what: str) -> str:
     """The path of ``<name>.dat`` in ``folder``, refusing names that climb out of it."""
-    path = os.path.realpath(os.path.join(folder, f"{name}.dat"))
-    if not path.startswith(os.path.realpath(folder) + os.sep):
+    if not isinstance(name, str) or "\0" in name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
+    path = os.path.join(folder, f"{name}.dat")
+    real = os.path.realpath(folder)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
         raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
     return path
 
 
 def _read_raw_array(folder: str, name: str, entry: Mapping[str, Any]) -> "torch.Tensor":
     """A tensor from Accelerate's ``<name>.dat`` format (a raw array; dtype and shape in the index)."""
-    return load_offloaded_weight(_inside(folder, name, "offload index entry"), entry)
+    try:
+        path = _inside(folder, name, "offload index entry")
+    except ValueError as e:
+        raise _corrupt(f"{e}; the index {os.path.join(folder, INDEX_NAME)!r} is damaged or crafted") from None
+    tensor = load_offloaded_weight(path, entry)
+    _check_sum(tensor, entry, path, name)
+    return tensor
+
+
+def _dtype_and_shape(entry: Mapping[str, Any], path: str, name: str) -> tuple["torch.dtype", tuple]:
+    import torch
+
+    dtype = getattr(torch, str(entry.get("dtype")), None)
+    shape = entry.get("shape")
+    if (not isinstance(dtype, torch.dtype) or not isinstance(shape, (list, tuple))
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+        raise _corrupt(f"the offload index entry of {name!r} (file {path!r}) has a damaged dtype {entry.get('dtype')!r} "
+                       f"or shape {shape!r}; write the offload folder again")
+    return dtype, tuple(shape)
 
 
 def _numpy_stand_in(dtype_name: str) -> str:
@@ -122,10 +195,16 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     import numpy as np
     import torch
 
-    dtype_name = weight_info["dtype"]
+    path = os.fspath(weight_file)
+    dtype, shape = _dtype_and_shape(weight_info, path, os.path.basename(path))
+    dtype_name = str(dtype).replace("torch.", "")
     stored = _numpy_stand_in(dtype_name)
-    shape = tuple(weight_info["shape"])
-    array = np.array(np.memmap(os.fspath(weight_file), dtype=stored, mode="r", shape=shape or (1,)))
+    size = _plain_file(path)
+    expected = math.prod(shape or (1,)) * torch.empty((), dtype=dtype).element_size()
+    if size != expected:
+        raise _corrupt(f"the offload file {path!r} has {size} bytes, but its index entry ({dtype_name}, shape "
+                       f"{list(shape)}) needs {expected}: the file was truncated or the entry damaged")
+    array = np.array(np.memmap(path, dtype=stored, mode="r", shape=shape or (1,)))
     tensor = torch.from_numpy(array)
     if stored != dtype_name:
         tensor = tensor.view(getattr(torch, dtype_name))
@@ -150,7 +229,7 @@ def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: Pat
         data = data.view(getattr(torch, stored))
     array = data.numpy()
     if index is not None:
-        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape)}
+        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
     with atomic_write(path, "wb") as f:
         f.write(array.tobytes())
     return index
@@ -165,7 +244,6 @@ def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, 
                           device: Any = None) -> "torch.Tensor":
     """Read one tensor described by an index ``entry`` (on ``device``, default CPU)."""
     import torch
-    from safetensors import safe_open
 
     file = entry.get("safetensors_file")
     if file is None:
@@ -173,12 +251,60 @@ def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, 
             raise ValueError(f"offload entry {name!r} has no safetensors_file and no folder was given to read it from")
         tensor = _read_raw_array(folder, name, entry)
     else:
-        path = file if os.path.isabs(file) or folder is None else os.path.join(folder, file)
-        with safe_open(path, framework="pt", device="cpu") as f:
-            tensor = f.get_tensor(entry.get("weight_name", name))
+        # An index read from a folder names files inside it; an index the caller built may name any file.
+        path = file if folder is None else _file_in(folder, file, name)
+        tensor = _read_stored(path, entry.get("weight_name", name), entry, name)
         if "dtype" in entry and str(tensor.dtype).replace("torch.", "") != entry["dtype"]:
-            tensor = tensor.to(getattr(torch, entry["dtype"]))
+            dtype = getattr(torch, str(entry["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise _corrupt(f"the offload index entry of {name!r} (file {path!r}) has a damaged dtype {entry['dtype']!r}")
+            tensor = tensor.to(dtype)
     return tensor if device is None else tensor.to(device)
+
+
+def _read_stored(path: str, stored: str, entry: Mapping[str, Any], name: str) -> "torch.Tensor":
+    """Tensor ``stored`` of the offload safetensors file ``path``, checked: a plain file, a header entry
+    whose dtype and shape need exactly the bytes it spans inside the file, the index's shape, and
+    the checksum the index records for the bytes (read once, summed as they are copied out)."""
+    import torch
+
+    from ..checkpointing.fileio import _CODES, MappedFile
+
+    _plain_file(path)
+    mapped = MappedFile(path)
+    try:
+        raw = mapped.raw
+        if raw.numel() < 8 or int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little") > raw.numel() - 8:
+            raise _corrupt(f"the offload file {path!r} is truncated or damaged ({raw.numel()} bytes, not a whole "
+                           "safetensors file); write the offload folder again")
+        head = int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little")
+        try:
+            header = json.loads(bytes(raw[8:8 + head].numpy().tobytes()))
+        except (ValueError, RecursionError) as e:
+            raise _corrupt(f"the offload file {path!r} has a damaged header ({type(e).__name__}: {e})") from None
+        info = header.get(stored) if isinstance(header, dict) else None
+        if not isinstance(info, dict):
+            raise _corrupt(f"the offload file {path!r} holds no tensor {stored!r} (for {name!r}); the file or the index "
+                           "is damaged")
+        dtype, shape = _CODES.get(info.get("dtype")), info.get("shape")
+        offsets = info.get("data_offsets")
+        data = raw.numel() - 8 - head
+        if (dtype is None or not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or any(type(o) is not int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data
+                or offsets[1] - offsets[0] != math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
+            raise _corrupt(f"the offload file {path!r} describes {stored!r} as {info.get('dtype')} {shape} at bytes "
+                           f"{offsets} of its {data} data bytes, which do not match: the file is truncated or damaged")
+        if "shape" in entry and list(entry["shape"]) != shape:
+            raise _corrupt(f"the offload file {path!r} stores {stored!r} with shape {shape}, the index says "
+                           f"{entry['shape']}; the file or the index is damaged")
+        start = 8 + head + offsets[0]
+        tensor = raw[start:start + offsets[1] - offsets[0]].clone()  # a copy: the mapping goes with this call
+    finally:
+        mapped.close()
+        del raw, mapped
+    _check_sum(tensor, entry, path, name)
+    return tensor.view(dtype).view(shape) if tensor.numel() else torch.empty(shape, dtype=dtype)
 
 
 def load_offloaded_weights(model: "torch.nn.Module", index: Optional[Mapping[str, Any]], offload_folder: PathLike) -> None:
