@@ -39,6 +39,7 @@ class _Source(NamedTuple):
     safe: bool
     shapes: dict[str, Optional[tuple]]  # name -> shape (None: not a tensor)
     data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
+    view: Any = None  # safetensors: fileio.SafetensorsView of the mapping whose checksum was verified
 
 
 def _plain_file(path: str) -> None:
@@ -60,6 +61,14 @@ def verify_weights_file(path: str) -> Optional[str]:
     """Check a safetensors weights file before it is read: a plain file, a whole header, and the
     checksum ``save_model`` recorded in it.
     Returns the recorded checksum; None for a file written without one (it cannot be verified)."""
+    mapped, recorded = _verified_map(path)
+    mapped.close()
+    return recorded
+
+
+def _verified_map(path: str) -> tuple[Any, Optional[str]]:
+    """``verify_weights_file``, returning the mapping that was summed too: reading the tensors from
+    it costs no second round of page faults, so the check adds only the summing (a memory pass)."""
     from .checkpointing.fileio import CheckpointCorruptError, MappedFile
     from .saving import self_checksum
 
@@ -75,10 +84,10 @@ def verify_weights_file(path: str) -> Optional[str]:
             raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {head} bytes and the file "
                                          f"has {raw.numel()}; save the weights again")
         recorded = self_checksum(raw, 8 + head, path)
-    finally:
+    except BaseException:
         mapped.close()
-        del raw, mapped
-    return recorded
+        raise
+    return mapped, recorded
 
 
 def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
@@ -86,9 +95,10 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Opt
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
-        from .checkpointing.fileio import CheckpointCorruptError
+        from .checkpointing.fileio import CheckpointCorruptError, SafetensorsView
 
-        recorded = verify_weights_file(path)
+        mapped, recorded = _verified_map(path)
+        mapped.close()  # the map stays; only its spare descriptor goes
         try:
             with safe_open(path, framework="pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -99,7 +109,16 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Opt
                                          "damaged") from None
         if not isinstance(aliases, dict):
             raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
-        return _Source(path, True, shapes, None), aliases, metadata.get(SAVE_ID_KEY), recorded
+        try:
+            view = SafetensorsView(mapped)
+        except CheckpointCorruptError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
+                                         "damaged") from None
+        if view.shapes() != shapes:
+            raise CheckpointCorruptError(f"{path!r} changed while it was read; load it again")
+        return _Source(path, True, shapes, None, view), aliases, metadata.get(SAVE_ID_KEY), recorded
     _plain_file(path)
     import torch
 
@@ -385,11 +404,12 @@ def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str
         return
     from safetensors import safe_open
 
-    with safe_open(source.path, framework="pt", device="cpu") as kept, \
-            safe_open(source.path, framework="pt", device="cpu") as passing:
-        for name in kept.keys():
+    # Kept tensors come from the verified mapping (its pages are mapped already); passing ones
+    # through a map of their own that goes with them.
+    with safe_open(source.path, framework="pt", device="cpu") as passing:
+        for name in sorted(source.view.entries, key=lambda n: source.view.entries[n]["data_offsets"][0]):
             if wanted(name):
-                yield name, (passing if transient(name) else kept).get_tensor(name)
+                yield name, passing.get_tensor(name) if transient(name) else source.view.tensor(name)
 
 
 def load_checkpoint_in_model(

@@ -153,6 +153,9 @@ def _inside(folder: str, name: str, what: str) -> str:
     if not isinstance(name, str) or "\0" in name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
         raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
     path = os.path.join(folder, f"{name}.dat")
+    if os.path.islink(path):
+        raise ValueError(f"{what} {name!r}: {path!r} is a symbolic link, which could lead outside the offload folder; "
+                         "copy the real file in")
     real = os.path.realpath(folder)
     if os.path.commonpath([real, os.path.realpath(path)]) != real:
         raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
@@ -367,6 +370,9 @@ class OffloadedWeightsLoader(Mapping):
     def __getitem__(self, key: str) -> "torch.Tensor":
         if key in self.state_dict:
             return self.state_dict[key]
+        if key not in self.index:
+            where = repr(os.path.join(self.save_folder, INDEX_NAME)) if self.save_folder else "the offload index"
+            raise KeyError(f"weight {key!r} is not in {where}; the offload folder is incomplete or its index damaged")
         return load_offloaded_tensor(self.save_folder, key, self.index[key], self.device)
 
     def __contains__(self, key: object) -> bool:  # without reading the tensor
