@@ -471,3 +471,73 @@ def test_fsdp2_load_state_refuses_crafted_dcp_metadata_on_every_rank():
         assert message.startswith("CheckpointCorruptError") or message.startswith("IncompleteCheckpointError"), \
             (label, message)
         assert "sharded" in message, (label, message)
+
+
+# -- FSDP2 on one process: save_state folders and Accelerate-style DCP folders --------------------------
+@pytest.fixture
+def fsdp_one_process(fresh_state):
+    """An FSDP2 accelerator on one process; its process group is torn down afterwards."""
+    from hasten import Accelerator
+    from hasten.state import PartialState
+    from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    acc = Accelerator(fsdp_plugin=plugin)
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(3, 6, device=acc.device)).pow(2).mean())
+    opt.step()
+    yield acc, plugin, model, opt
+    if PartialState._shared_state and PartialState().initialized:
+        PartialState().destroy_process_group()
+
+
+def test_fsdp2_save_state_folder_flips_and_cuts_are_refused(fsdp_one_process, tmp_path):
+    acc, _, model, _ = fsdp_one_process
+    folder = tmp_path / "ck"
+    acc.save_state(str(folder))
+    with open(folder / "manifest.json") as f:
+        names = sorted(json.load(f)["files"])
+    assert any(n.startswith("sharded/") for n in names)
+    for name in names:
+        size = os.path.getsize(folder / name)
+        attacks = [("flip", p) for p in positions(size, seed=size, sample=3 if not FULL else 0)[: None if FULL else 5]]
+        attacks.append(("cut", size // 2))
+        for how, at in attacks:
+            work = tmp_path / "w"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(folder, work)
+            (flip if how == "flip" else truncate)(str(work / name), at)
+            # verify="checksum": the default of load_state is another part of issue 23
+            judge(lambda: acc.load_state(str(work), verify="checksum"), [os.path.basename(name), "manifest.json"], None,
+                  f"{name} {how} {at}", must_fail=True)
+    acc.load_state(str(folder))
+
+
+def test_fsdp_helpers_read_dcp_folders_without_pickle_load(fsdp_one_process, tmp_path):
+    """load_fsdp_model used DCP's own reader: pickle.load of .metadata. Seen failing before the fix:
+    the marker file was created."""
+    from distributed import evil_pickle
+
+    from hasten.utils.fsdp_utils import load_fsdp_model, save_fsdp_model
+
+    acc, plugin, model, _ = fsdp_one_process
+    plugin.state_dict_type = "SHARDED_STATE_DICT"
+    save_fsdp_model(plugin, acc, model, str(tmp_path / "out"))
+    folder = tmp_path / "out" / "pytorch_model_fsdp_0"
+    load_fsdp_model(plugin, acc, model, str(tmp_path / "out"))
+    good = (folder / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(evil_pickle(str(marker)))
+    with pytest.raises(pickle.UnpicklingError):
+        load_fsdp_model(plugin, acc, model, str(tmp_path / "out"))
+    assert not marker.exists()
+    (folder / ".metadata").write_bytes(good)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(folder / "__0_0.distcp", outside)
+    _edit_metadata(folder, lambda m: [_storage(m, k.fqn, relative_path="../../outside.distcp")
+                                      for k in list(m.storage_data)])
+    judge(lambda: load_fsdp_model(plugin, acc, model, str(tmp_path / "out")), [".metadata"], None, "parent",
+          must_fail=True)

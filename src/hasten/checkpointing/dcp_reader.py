@@ -131,10 +131,19 @@ def _check_tensor(what: str, fqn: str, meta: Any, stored: dict[tuple, int]) -> N
 def wrapped(folder: str, error: BaseException) -> CheckpointCorruptError:
     """DCP's ``CheckpointException`` (a ``BaseException`` carrying every rank's traceback) as one error
     naming the folder and the cause."""
-    text = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    cause = text[-1] if text else type(error).__name__
-    return CheckpointCorruptError(f"cannot read the DCP shards in {folder!r}: {cause}; the checkpoint is damaged or "
-                                  "incomplete")
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:  # DCP gathers these to every rank: each words it the same
+        rank = min(failures)
+        cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        marker = next((i for i, line in enumerate(lines) if "WeightsUnpickler error" in line), None)
+        detail = lines[marker + 1] if marker is not None and marker + 1 < len(lines) else (lines[0] if lines else "")
+        why = f"process {rank}: {type(cause).__name__}: {detail[:300]}"
+    else:
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        why = lines[-1] if lines else type(error).__name__
+    return CheckpointCorruptError(f"cannot read the DCP shards in {folder!r} ({why}); a shard file (*.distcp) there is "
+                                  "damaged or incomplete")
 
 
 class MetadataReader(FileSystemReader):
@@ -177,3 +186,21 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
         torch.save(loaded, safe)
         safe.seek(0)
         super().load_bytes(read_item, safe)
+
+
+def load_folder(state: dict[str, Any], folder: str, group: Any = None) -> None:
+    """``dcp.load(state, checkpoint_id=folder)`` without code from disk and with the folder checked
+    first (``check_folder``, ``validate``): every process reads and checks ``.metadata`` itself
+    before the collective load, so a bad folder stops each of them with the same error, and DCP's
+    own failures come out as one ``CheckpointCorruptError`` on every process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_folder(folder)
+    metadata = unpickling.dcp_metadata(os.path.join(folder, ".metadata"))
+    validate(folder, metadata)
+    try:
+        dcp.load(state, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(),
+                 process_group=group)
+    except CheckpointException as e:
+        raise wrapped(folder, e) from None

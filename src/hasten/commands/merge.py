@@ -298,7 +298,7 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..checkpointing.dcp_reader import MetadataReader, WeightsOnlyPlanner
+    from ..checkpointing.dcp_reader import MetadataReader, WeightsOnlyPlanner, wrapped
 
     buffers = {}
     for key in selected:
@@ -310,10 +310,9 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
             dcp.load(buffers, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(),
                      no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
-            # DCP's exception (a BaseException) carries each rank's traceback: its last line is the cause.
-            text = [line for line in str(e).strip().splitlines() if line.strip()]
-            raise HastenCLIError(f"cannot read the weights in {folder!r}: {text[-1].strip() if text else type(e).__name__}"
-                                 "; the checkpoint is incomplete or damaged") from None
+            # DCP's exception (a BaseException) carries each rank's traceback: wrapped names the cause.
+            raise HastenCLIError(str(wrapped(folder, e)).replace("cannot read the DCP shards", "cannot read the "
+                                                                 "weights")) from None
     return {selected[k]: v for k, v in buffers.items()}
 
 

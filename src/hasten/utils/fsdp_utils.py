@@ -66,12 +66,12 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: s
     _refuse_adapter_only(adapter_only, "load_fsdp_model")
     inner = _model(accelerator, model)
     if _sharded(fsdp_plugin):
-        import torch.distributed.checkpoint as dcp
+        from ..checkpointing.dcp_reader import load_folder
 
         folder = input_dir if "pytorch_model_fsdp" in os.path.basename(os.path.normpath(input_dir)) else \
             os.path.join(input_dir, f"pytorch_model_fsdp_{model_index}")
         state = {"model": get_model_state_dict(inner)}
-        dcp.load(state, checkpoint_id=folder)
+        load_folder(state, folder)  # never DCP's pickle.load of .metadata: it could run code
         set_model_state_dict(inner, state["model"])
     else:
         path = os.path.join(input_dir, _file("pytorch_model_fsdp", model_index))
@@ -115,12 +115,12 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     _refuse_adapter_only(adapter_only, "load_fsdp_optimizer")
     inner, optim = _model(accelerator, model), _torch_optimizer(optimizer)
     if _sharded(fsdp_plugin):
-        import torch.distributed.checkpoint as dcp
+        from ..checkpointing.dcp_reader import load_folder
 
         folder = input_dir if "optimizer" in os.path.basename(os.path.normpath(input_dir)) else \
             os.path.join(input_dir, f"optimizer_{optimizer_index}")
         state = {"optimizer": get_optimizer_state_dict(inner, optim)}
-        dcp.load(state, checkpoint_id=folder)
+        load_folder(state, folder)
         set_optimizer_state_dict(inner, optim, state["optimizer"])
     else:
         path = os.path.join(input_dir, _file("optimizer", optimizer_index))
