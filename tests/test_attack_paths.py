@@ -541,3 +541,19 @@ def test_fsdp_helpers_read_dcp_folders_without_pickle_load(fsdp_one_process, tmp
                                       for k in list(m.storage_data)])
     judge(lambda: load_fsdp_model(plugin, acc, model, str(tmp_path / "out")), [".metadata"], None, "parent",
           must_fail=True)
+
+
+def test_a_hugging_face_cache_snapshot_loads_but_links_elsewhere_do_not(saved, tmp_path):
+    """The hub cache links ``<repo>/snapshots/<rev>/<file>`` to ``<repo>/blobs/<hash>``: followed;
+    a snapshot link leading anywhere else is refused."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    shutil.copy(saved[0] / "single" / "model.safetensors", repo / "blobs" / "f00d")
+    os.symlink("../../blobs/f00d", snapshot / "model.safetensors")
+    assert judge(lambda: _load_model(snapshot), [], saved[1], "hub snapshot") == "same"
+    os.remove(snapshot / "model.safetensors")
+    shutil.copy(saved[0] / "single" / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", snapshot / "model.safetensors")
+    judge(lambda: _load_model(snapshot), ["model.safetensors"], None, "snapshot link elsewhere", must_fail=True)

@@ -52,9 +52,31 @@ def _plain_file(path: str) -> None:
         mode = os.lstat(path).st_mode
     except OSError:
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
+    if stat.S_ISLNK(mode) and _hub_blob(path):
+        return
     if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
         raise CheckpointCorruptError(f"{path!r} is a symbolic link or not a regular file; hasten loads only plain files "
                                      "(copy the real file in instead of linking it)")
+
+
+def _hub_blob(path: str) -> bool:
+    """Whether the link ``path`` is a file of a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>/<file>``) pointing at a plain file of that repository's
+    ``<repo>/blobs/``: the one layout of links a checkpoint folder legitimately has, and it
+    stays inside the repository's cache folder."""
+    import stat
+
+    snapshot = os.path.dirname(os.path.abspath(path))
+    snapshots = os.path.dirname(snapshot)
+    if os.path.basename(snapshots) != "snapshots":
+        return False
+    blobs = os.path.join(os.path.realpath(os.path.dirname(snapshots)), "blobs")
+    real = os.path.realpath(path)
+    try:
+        plain = stat.S_ISREG(os.lstat(real).st_mode)
+    except OSError:
+        return False
+    return plain and os.path.dirname(real) == blobs
 
 
 def verify_weights_file(path: str) -> Optional[str]:
