@@ -557,3 +557,29 @@ def test_a_hugging_face_cache_snapshot_loads_but_links_elsewhere_do_not(saved, t
     shutil.copy(saved[0] / "single" / "model.safetensors", tmp_path / "elsewhere.safetensors")
     os.symlink(tmp_path / "elsewhere.safetensors", snapshot / "model.safetensors")
     judge(lambda: _load_model(snapshot), ["model.safetensors"], None, "snapshot link elsewhere", must_fail=True)
+
+
+def test_load_checkpoint_and_dispatch_verifies_the_checkpoint_and_its_offload_folder(tmp_path):
+    from hasten.big_modeling import load_checkpoint_and_dispatch
+    from hasten.saving import save_model
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2))
+
+    source = fresh(7)
+    x = torch.randn(3, 4)
+    want = source(x)
+    save_model(source.state_dict(), tmp_path / "ck", max_shard_size=120)
+    device_map = {"0": "cpu", "1": "disk", "2": "disk"}
+    model = load_checkpoint_and_dispatch(fresh(8), str(tmp_path / "ck"), device_map=device_map,
+                                         offload_folder=str(tmp_path / "off"))
+    assert torch.equal(model(x), want)
+    offload_file = next(n for n in sorted(os.listdir(tmp_path / "off")) if n.endswith(".safetensors"))
+    flip(str(tmp_path / "off" / offload_file), os.path.getsize(tmp_path / "off" / offload_file) - 5)
+    judge(lambda: model(x), [offload_file], None, "offloaded weight flipped", must_fail=True)
+    shard = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".safetensors"))[-1]
+    flip(str(tmp_path / "ck" / shard), os.path.getsize(tmp_path / "ck" / shard) - 1)
+    judge(lambda: load_checkpoint_and_dispatch(fresh(8), str(tmp_path / "ck"), device_map=device_map,
+                                               offload_folder=str(tmp_path / "off2")),
+          [shard], None, "checkpoint flipped", must_fail=True)
