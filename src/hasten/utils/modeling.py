@@ -427,7 +427,17 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
 
     checkpoint_file = str(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
-        return torch.load(checkpoint_file, map_location="cpu", weights_only=True)
+        import pickle
+
+        try:
+            return torch.load(checkpoint_file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, OSError):
+            raise  # they name what was refused, or the file
+        except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
+            from ..checkpointing.fileio import CheckpointCorruptError
+
+            raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} ({type(e).__name__}: {e}); the file is "
+                                         "damaged or not a torch state dict") from None
     import warnings
 
     from safetensors import safe_open
