@@ -592,3 +592,21 @@ def test_load_checkpoint_and_dispatch_verifies_the_checkpoint_and_its_offload_fo
     judge(lambda: load_checkpoint_and_dispatch(fresh(8), str(tmp_path / "ck"), device_map=device_map,
                                                offload_folder=str(tmp_path / "off2")),
           [shard], None, "checkpoint flipped", must_fail=True)
+
+
+def test_fsdp2_save_state_folder_with_links_is_refused(fsdp_one_process, tmp_path):
+    """A shard file, the .metadata or the sharded/ folder replaced by a link to an identical copy
+    (the manifest's sizes and checksums still hold): refused, naming the link."""
+    acc, _, model, _ = fsdp_one_process
+    folder = tmp_path / "ck"
+    acc.save_state(str(folder))
+    for name in ("sharded/__0_0.distcp", "sharded/.metadata", "sharded"):
+        work = tmp_path / "w"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(folder, work)
+        real = tmp_path / ("real_" + name.replace("/", "_"))
+        shutil.rmtree(real, ignore_errors=True)
+        shutil.move(str(work / name), str(real))
+        os.symlink(real, work / name)
+        judge(lambda: acc.load_state(str(work)), [name.split("/")[-1]], None, f"linked {name}", must_fail=True)
+    acc.load_state(str(folder))
