@@ -19,9 +19,11 @@ per hundred DCP tensors).
 from __future__ import annotations
 
 import enum
+import io
 import pickle
+import re
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 # Records of torch.distributed.checkpoint's metadata (torch 2.x), and what they hold.
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -198,21 +200,119 @@ def dcp_metadata(path: str) -> Any:
     return metadata
 
 
-def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_location: Any = "cpu",
-               mmap: bool = False) -> Any:
-    """``torch.load`` of ``path`` allowing tensors, plain containers, torch constants and ``records``
-    (classes whose instances the file may hold). ``mmap=True`` maps the tensor data instead of reading
-    it (zip-format files only; older ones are read)."""
+# The records torch.save writes into its zip archive (under one archive prefix). A TorchScript archive
+# adds constants.pkl and code/: torch.load hands any zip with constants.pkl to torch.jit.load, whatever
+# pickle module it was given, and TorchScript runs the archive's code (its __setstate__ can write files).
+_TORCH_SAVE_RECORDS = re.compile(r"(data\.pkl|byteorder|version|\.data/version|\.data/serialization_id|"
+                                 r"\.format_version|\.storage_alignment|data/\d+)\Z")
+
+
+def _corrupt(path: str, kind: str, what: str) -> Exception:
+    from .fileio import CheckpointCorruptError
+
+    return CheckpointCorruptError(f"{path!r} is not a readable {kind} file: {what}; the checkpoint is damaged or "
+                                  "truncated (save it again, or restore the file from a good copy)")
+
+
+def _refuse(path: str, kind: str, what: str) -> ForbiddenPickle:
+    return ForbiddenPickle(f"{path!r} is not a {kind} file as torch.save writes it, or it was tampered with: it "
+                           f"{what}; hasten refused to load it and nothing in it ran (load checkpoints only from "
+                           "sources you trust)")
+
+
+def _check_zip(data: bytes, path: str, kind: str) -> None:
+    """Refuse a zip archive holding anything but torch.save's records, as Python's zipfile and torch's own
+    reader (the one torch.load uses) both see it."""
+    import zipfile
+
     import torch
 
+    if data[-22:-18] != b"PK\x05\x06":  # torch writes no comment and nothing after the directory
+        raise _refuse(path, kind, "has data after its zip directory (a comment, an appended archive) or no end record")
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+        torch_records = torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records()
+    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, RuntimeError of torch's reader, ...
+        raise _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    names = [info.filename for info in infos]
+    if not names or len(set(names)) != len(names):
+        raise _refuse(path, kind, "is a zip archive with no records or with a record named twice")
+    prefix = names[0].split("/", 1)[0]
+    for info in infos:
+        head, _, rest = info.filename.partition("/")
+        if head != prefix or not _TORCH_SAVE_RECORDS.match(rest):
+            raise _refuse(path, kind, f"holds the zip record {info.filename!r}, which torch.save never writes (a "
+                          "TorchScript archive, whose code torch.load would run, holds code/ and constants.pkl)")
+        if info.flag_bits & 0x1 or info.compress_type != zipfile.ZIP_STORED:
+            raise _refuse(path, kind, f"holds the record {info.filename!r} encrypted or compressed, as torch.save "
+                          "never writes it")
+    if min(info.header_offset for info in infos) != 0:
+        raise _refuse(path, kind, "has data before its first zip record")
+    if sorted(torch_records) != sorted(name.partition("/")[2] for name in names):
+        raise _refuse(path, kind, "is a zip archive whose records torch's reader sees differently from zipfile")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no message"
+
+
+def check_torch_bytes(data: bytes, path: str, kind: str) -> None:
+    """Raise unless ``data`` (the bytes of ``path``) is what torch.save writes: a zip archive of its records
+    only (``ForbiddenPickle`` for a TorchScript archive or any other record), or a pickle (torch's legacy
+    format, whose globals the unpickler then judges). ``CheckpointCorruptError`` for an empty or unreadable file."""
+    if not data:
+        raise _corrupt(path, kind, "it is empty")
+    if data[:4] == b"PK\x03\x04":
+        _check_zip(data, path, kind)
+        return
+    if data[:1] != b"\x80":  # torch's legacy format starts with a pickle (protocol 2+); not a tar archive
+        raise _refuse(path, kind, "is neither a zip archive nor a pickle (a tar archive of torch < 0.4 or another "
+                      "format)")
+    import tarfile
+
+    try:
+        tarfile.open(fileobj=io.BytesIO(data), mode="r:").close()
+    except tarfile.TarError:
+        return
+    raise _refuse(path, kind, "is a tar archive (torch < 0.4's format)")
+
+
+def read_checked(path: str, kind: str) -> bytes:
+    """The bytes of ``path``, read once and checked by ``check_torch_bytes``: what is then unpickled is
+    exactly what was checked (no second read a replaced file could slip into)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _corrupt(path, kind, f"it cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    check_torch_bytes(data, path, kind)
+    return data
+
+
+def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_location: Any = "cpu",
+               mmap: bool = False, data: Optional[bytes] = None) -> Any:
+    """``torch.load`` of ``path`` allowing tensors, plain containers, torch constants and ``records``
+    (classes whose instances the file may hold). The file is read once into memory, checked
+    (``check_torch_bytes``) and unpickled from those bytes (``data``: bytes already read and checked by
+    ``read_checked``). ``mmap`` is accepted for callers of old and ignored: mapping the file would let
+    what torch reads differ from what was checked.
+
+    Raises ``ForbiddenPickle`` for a file that would run code or names a global outside the list, and
+    ``CheckpointCorruptError`` naming the file for any other failure (empty, truncated, bit flips,
+    pickles nested too deep)."""
+    import torch
+
+    del mmap
+    if data is None:
+        data = read_checked(path, kind)
     reader = _unpickler(path, kind, TENSOR_GLOBALS | frozenset(records))
     # torch.load takes any module-like object with Unpickler and load (a per-call allow-list, no global switch).
     module = types.SimpleNamespace(__name__="hasten_restricted_pickle", Unpickler=reader,
                                    load=lambda f, **kwargs: reader(f, **kwargs).load())
     try:
-        return torch.load(path, map_location=map_location, pickle_module=module, weights_only=False, mmap=mmap)
-    except RuntimeError as e:
-        if not mmap or "mmap" not in str(e):
-            raise
-    return torch.load(path, map_location=map_location, pickle_module=module, weights_only=False)
-
+        return torch.load(io.BytesIO(data), map_location=map_location, pickle_module=module, weights_only=False)
+    except ForbiddenPickle:
+        raise
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files fail in many ways
+        raise _corrupt(path, kind, f"{type(e).__name__}: {_first_line(e)}") from None
