@@ -6,7 +6,10 @@ a GPU), ``custom_checkpoint_<i>.pkl``, ``dl_state_dict.bin`` (torchdata's statef
 ``sampler.bin`` (a pickled sampler object) and ``random_states_<rank>.pkl``. Everything is read
 with torch's weights-only unpickler, which refuses any global outside a short allow-list *before*
 running anything; the RNG files need NumPy's array reconstructors, which are allowed for those files
-alone. As in hasten's own loader, every file is read and compared with the live objects on every
+alone. Each file is read once and its bytes checked first (``unpickling.read_checked``: a TorchScript
+archive, which torch.load would hand to torch.jit.load, is refused even where pickle is allowed), and
+those bytes are what is loaded. A damaged, tampered or missing ``random_states_*.pkl`` is an error
+naming the file, never a silent keep of the current generators. As in hasten's own loader, every file is read and compared with the live objects on every
 process before anything changes.
 """
 
@@ -21,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import layout, restorer, rng, unpickling
+from .fileio import CheckpointCorruptError
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -72,17 +76,29 @@ def _model_files(names: set[str]) -> list[str]:
 
 
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
+    """A torch file of the folder, read once and checked (torch.save's zip records or a legacy pickle: never
+    a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from those bytes."""
+    import io
+
     name = os.path.basename(path)
+    data = unpickling.read_checked(path, "torch.save")
     try:
-        if allow_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         # torch's message is long; the line naming the refused global is the useful one
         found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
         reason = found.group(0) if found else lines[0]
-        raise pickle.UnpicklingError(f"{name}: refused by the weights-only unpickler ({reason}); {advice}") from None
+        raise pickle.UnpicklingError(f"{path!r} ({name}): refused by the weights-only unpickler ({reason}); "
+                                     f"{advice}") from None
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files
+        raise CheckpointCorruptError(f"{path!r} is not a readable torch.save file ({type(e).__name__}: "
+                                     f"{_first_line(e)}); the checkpoint is damaged or truncated") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no message"
 
 
 # What ``random_states_*.pkl`` holds beyond tensors: NumPy's MT19937 state (an array rebuilt by NumPy's
@@ -91,24 +107,27 @@ _RNG_RECORDS = frozenset({("numpy._core.multiarray", "_reconstruct"), ("numpy.co
                           ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
 
 
-def read_rng(path: str) -> Optional[dict[str, Any]]:
-    """The RNG file as hasten's ``rng.restore`` state plus ``step``; None (and a warning) when refused."""
+def read_rng(path: str) -> dict[str, Any]:
+    """The RNG file as hasten's ``rng.restore`` state plus ``step``, checked (``rng.check``) before anything
+    is set. Raises ``ForbiddenPickle`` (a file that would run code or names a foreign global) or
+    ``CheckpointCorruptError`` (damaged, or not Accelerate's random states), naming the file."""
+    # a per-call allow-list (no process-wide torch.serialization.safe_globals switch)
+    saved = unpickling.torch_file(path, "Accelerate RNG state", _RNG_RECORDS)
     try:
-        # a per-call allow-list (no process-wide torch.serialization.safe_globals switch)
-        saved = unpickling.torch_file(path, "Accelerate RNG state", _RNG_RECORDS)
-    except pickle.UnpicklingError as e:
-        warnings.warn(f"load_state: random states skipped (the run continues with the current ones): {e}",
-                      stacklevel=6)
-        return None
-    state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
-                             "torch": saved["torch_manual_seed"]}
-    if "numpy_random_seed" in saved:
-        kind, keys, pos, has_gauss, cached = saved["numpy_random_seed"]
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    for ours, theirs in (("cuda", "torch_cuda_manual_seed"), ("xpu", "torch_xpu_manual_seed")):
-        if theirs in saved:
-            state[ours] = list(saved[theirs])
+        state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
+                                 "torch": saved["torch_manual_seed"]}
+        if "numpy_random_seed" in saved:
+            kind, keys, pos, has_gauss, cached = saved["numpy_random_seed"]
+            state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        for ours, theirs in (("cuda", "torch_cuda_manual_seed"), ("xpu", "torch_xpu_manual_seed")):
+            if theirs in saved:
+                state[ours] = list(saved[theirs])
+        rng.check(state)
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - a file of the right format holding something else
+        raise CheckpointCorruptError(f"{path!r} does not hold Accelerate's random states ({type(e).__name__}: "
+                                     f"{_first_line(e)}); the checkpoint is damaged or was tampered with (remove "
+                                     "the folder's random_states_*.pkl files to resume without them)") from None
     return state
 
 
@@ -197,7 +216,12 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
     if rng_files:
         saved_world = len(rng_files)
         own = f"random_states_{acc.process_index % saved_world}.pkl"
-        out["rng"] = read_rng(path(own)) if own in names else None
+        if own not in names:
+            raise layout.IncompleteCheckpointError(
+                f"{path(own)!r} is missing: the folder holds {', '.join(rng_files)}, so process "
+                f"{acc.process_index} has no random states; the checkpoint is incomplete (restore the file, or "
+                "remove every random_states_*.pkl to resume without them)")
+        out["rng"] = read_rng(path(own))
         out["rng_world"] = saved_world
     else:
         warnings.warn("load_state: the Accelerate checkpoint has no random_states_*.pkl; random generators and "
