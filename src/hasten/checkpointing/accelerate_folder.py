@@ -75,6 +75,19 @@ def _model_files(names: set[str]) -> list[str]:
     return out
 
 
+def _dict(path: str, value: Any, keys: tuple = (), tensors: bool = False) -> Any:
+    """``value`` (the contents of ``path``) if it is a dict holding ``keys`` (and only tensors when ``tensors``):
+    a damaged or replaced file of the right format is named here, not as a bare AttributeError later."""
+    ok = isinstance(value, dict) and all(k in value for k in keys)
+    if ok and tensors:
+        ok = all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    if not ok:
+        what = f"a {type(value).__name__}" if not isinstance(value, dict) else "a dict of other contents"
+        raise CheckpointCorruptError(f"{path!r} holds {what}, not the state Accelerate saves in "
+                                     f"{os.path.basename(path)}; the checkpoint is damaged or was tampered with")
+    return value
+
+
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
     """A torch file of the folder, read once and checked (torch.save's zip records or a legacy pickle: never
     a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from those bytes."""
@@ -136,7 +149,7 @@ def _read_model(path: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(path, device="cpu")
-    return _torch_load(path)
+    return _dict(path, _torch_load(path), tensors=True)
 
 
 def _fill_ties(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
@@ -190,12 +203,12 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
     optimizers = _numbered(names, "optimizer", "bin")
     if _count(problems, "optimizer states", optimizers, len(acc._optimizers), "prepare the same optimizers"):
         for i, (file, opt) in enumerate(zip(optimizers, acc._optimizers)):
-            state = _torch_load(path(file))
+            state = _dict(path(file), _torch_load(path(file)), ("state", "param_groups"))
             problems.extend(("mismatch", f"{p} ({file})") for p in restorer.check_optimizer(state, opt, i))
             out["optimizers"].append(state)
     schedulers = _numbered(names, "scheduler", "bin")
     if _count(problems, "scheduler states", schedulers, len(acc._schedulers), "prepare the same schedulers"):
-        out["schedulers"] = [_torch_load(path(f)) for f in schedulers]
+        out["schedulers"] = [_dict(path(f), _torch_load(path(f))) for f in schedulers]
     custom = sorted((n for n in names if _CUSTOM.match(n)), key=lambda n: int(_CUSTOM.match(n).group(1)))
     registered = len(acc._custom_objects)
     if custom_later and len(custom) >= registered:
@@ -205,9 +218,10 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
                            "register the same objects with register_for_checkpointing before load_state")
     if custom_ok:
         out["custom"] = [_torch_load(path(f), allow_pickle, advice=_CUSTOM_ADVICE) for f in custom]
+        out["custom_files"] = [path(f) for f in custom]
     scaler_here = acc.precision.scaler is not None
     if "scaler.pt" in names and scaler_here:
-        out["scaler"] = _torch_load(path("scaler.pt"))
+        out["scaler"] = _dict(path("scaler.pt"), _torch_load(path("scaler.pt")))
     elif "scaler.pt" in names or scaler_here:
         warnings.warn("load_state: the Accelerate checkpoint and this run differ in fp16 gradient scaling; the "
                       "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=5)
@@ -285,8 +299,14 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
     for dl, state in zip(acc._dataloaders, loaded["loaders"]):
         if state is not None:
             dl.load_state_dict(state)
-    for obj, state in zip(acc._custom_objects, loaded["custom"]):
-        obj.load_state_dict(state)
+    for obj, state, file in zip(acc._custom_objects, loaded["custom"], loaded.get("custom_files", [])):
+        try:
+            obj.load_state_dict(state)
+        except Exception as e:  # noqa: BLE001 - the object's own check of a state only it understands
+            raise CheckpointCorruptError(
+                f"{file!r}: the registered {type(obj).__name__} refused the state saved there ({type(e).__name__}: "
+                f"{_first_line(e)}); the file is damaged or belongs to another object (models, optimizers and "
+                "schedulers were already restored)") from None
     auto = acc._auto_resume
     if custom_later and auto is not None:
         count = len(acc._custom_objects)
