@@ -310,9 +310,13 @@ def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_loc
     # torch.load takes any module-like object with Unpickler and load (a per-call allow-list, no global switch).
     module = types.SimpleNamespace(__name__="hasten_restricted_pickle", Unpickler=reader,
                                    load=lambda f, **kwargs: reader(f, **kwargs).load())
+    buffer = io.BytesIO(data)
     try:
-        return torch.load(io.BytesIO(data), map_location=map_location, pickle_module=module, weights_only=False)
+        loaded = torch.load(buffer, map_location=map_location, pickle_module=module, weights_only=False)
     except ForbiddenPickle:
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files fail in many ways
         raise _corrupt(path, kind, f"{type(e).__name__}: {_first_line(e)}") from None
+    if data[:4] != b"PK\x03\x04" and buffer.tell() != len(data):  # legacy format: torch reads it to its end
+        raise _refuse(path, kind, f"has {len(data) - buffer.tell()} bytes after what torch.save wrote")
+    return loaded
