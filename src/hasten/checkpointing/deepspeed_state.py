@@ -271,8 +271,13 @@ def _read(name: str) -> Any:
     """One engine file, read once, checked (no TorchScript, torch.save's records only) and unpickled with the
     allow-list from those very bytes. Raises ``ForbiddenPickle`` or ``CheckpointCorruptError`` naming it."""
     from . import unpickling
+    from .fileio import CheckpointCorruptError
 
-    return unpickling.torch_file(name, _KIND, _RECORDS)
+    state = unpickling.torch_file(name, _KIND, _RECORDS)
+    if not isinstance(state, dict):  # every DeepSpeed checkpoint file holds a dict
+        raise CheckpointCorruptError(f"{name!r} holds a {type(state).__name__}, not the dict DeepSpeed saves; the "
+                                     "checkpoint is damaged or was tampered with")
+    return state
 
 
 def _files(path: str) -> list[str]:
@@ -299,13 +304,18 @@ def checked_engine(files: dict[str, Any]) -> Any:
     """A DeepSpeed checkpoint engine (``deepspeed.runtime.checkpoint_engine.CheckpointEngine``, the object
     DeepSpeed's engine reads every checkpoint file through) that hands out ``files`` (from
     ``refuse_foreign_pickles``: bytes hasten read once and checked) and reads any other file the same checked
-    way: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load."""
+    way, once: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load, and what
+    it gets for a file is what was checked, however often it asks. Lives for one ``load_checkpoint``."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
     class CheckedFiles(CheckpointEngine):
         def load(self, path: str, map_location: Any = None) -> Any:
             key = os.path.normpath(os.path.abspath(path))
-            return files.pop(key) if key in files else _read(path)
+            if key not in files:
+                files[key] = _read(path)
+            # DeepSpeed reads some files twice (check_ckpt_list, then the load): each read gets its own top level
+            found = files[key]
+            return dict(found) if isinstance(found, dict) else found
 
         def save(self, state_dict: Any, path: str) -> None:
             raise RuntimeError("hasten's checkpoint engine only reads (it is installed for load_checkpoint alone)")
