@@ -187,7 +187,9 @@ class DeepSpeedCheckpoint:
             if self.native:
                 # Raises (on this process; load_state makes every process raise it): this process's files, read
                 # once and checked, kept for DeepSpeed's load_checkpoint, which then reads none of them again.
-                self.checked.append(refuse_foreign_pickles(path, own_files(path, self.state.process_index)))
+                elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
+                names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
+                self.checked.append(refuse_foreign_pickles(path, names))
                 continue
             if not problems:
                 try:

@@ -14,6 +14,14 @@ given to it wrapped (``_Call``: callable, refusing attributes), and the classes 
 their enum members) are compared before and after: a change is undone and refused. This keeps
 pickle's C unpickler (the pure-Python one, which could check BUILD directly, is ~30x slower: 20 ms
 per hundred DCP tensors).
+
+The pickle module is not the only door: ``torch.load`` hands any zip archive whose records include
+``constants.pkl`` (a TorchScript archive) to ``torch.jit.load``, which runs the archive's code, whatever
+pickle module it was given. ``torch_file`` therefore reads a file once into memory, checks its bytes
+(``check_torch_bytes``: a zip archive holding only the records torch.save writes, as both Python's
+zipfile and torch's own reader list them, or a legacy pickle) and unpickles exactly those bytes: no
+second read of the file that a replaced file could slip into. Any failure is one error naming the file:
+``ForbiddenPickle`` (it would run code, or names a foreign global) or ``CheckpointCorruptError``.
 """
 
 from __future__ import annotations
