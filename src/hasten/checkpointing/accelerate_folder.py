@@ -93,7 +93,6 @@ def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) ->
     a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from those bytes."""
     import io
 
-    name = os.path.basename(path)
     data = unpickling.read_checked(path, "torch.save")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
@@ -102,8 +101,7 @@ def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) ->
         # torch's message is long; the line naming the refused global is the useful one
         found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
         reason = found.group(0) if found else lines[0]
-        raise pickle.UnpicklingError(f"{path!r} ({name}): refused by the weights-only unpickler ({reason}); "
-                                     f"{advice}") from None
+        raise pickle.UnpicklingError(f"{path}: refused by the weights-only unpickler ({reason}); {advice}") from None
     except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files
         raise CheckpointCorruptError(f"{path!r} is not a readable torch.save file ({type(e).__name__}: "
                                      f"{_first_line(e)}); the checkpoint is damaged or truncated") from None

@@ -388,8 +388,9 @@ def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict
         wrapper.pop("optimizer_state_dict", None)  # the moments: only the fp32 master weights are needed
         flat.append(wrapper["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"])
     if world != len(optim_files):
-        raise ValueError(f"{path!r} holds {len(optim_files)} optimizer states files but was written by {world} "
-                         "processes; files are missing or come from another checkpoint")
+        raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r}: it holds "
+                         f"{len(optim_files)} optimizer states files but was written by {world} processes; it is "
+                         "incomplete or damaged (files are missing or come from another checkpoint)")
     if stage <= 2:
         state = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zero_models, False, paddings)
     else:
