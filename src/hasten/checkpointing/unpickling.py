@@ -218,8 +218,8 @@ _TORCH_SAVE_RECORDS = re.compile(r"(data\.pkl|byteorder|version|\.data/version|\
 def _corrupt(path: str, kind: str, what: str) -> Exception:
     from .fileio import CheckpointCorruptError
 
-    return CheckpointCorruptError(f"{path!r} is not a readable {kind} file: {what}; the checkpoint is damaged or "
-                                  "truncated (save it again, or restore the file from a good copy)")
+    return CheckpointCorruptError(f"{path!r} is not a readable {kind} file: {what}; the checkpoint is incomplete or "
+                                  "damaged (save it again, or restore the file from a good copy)")
 
 
 def _refuse(path: str, kind: str, what: str) -> ForbiddenPickle:
@@ -275,8 +275,7 @@ def check_torch_bytes(data: bytes, path: str, kind: str) -> None:
         _check_zip(data, path, kind)
         return
     if data[:1] != b"\x80":  # torch's legacy format starts with a pickle (protocol 2+); not a tar archive
-        raise _refuse(path, kind, "is neither a zip archive nor a pickle (a tar archive of torch < 0.4 or another "
-                      "format)")
+        raise _corrupt(path, kind, "it is neither a zip archive nor a pickle as torch.save writes them")
     import tarfile
 
     try:
