@@ -303,14 +303,22 @@ def test_hasten_pt_state_refuses_torchscript_even_with_allow_pickle(tmp_path, ca
 
 # -- weights-only loaders of other modules: torch refuses TorchScript archives under weights_only=True ----------
 def _weights_only_loaders():
+    import io
+
+    from hasten.checkpointing.dcp_reader import WeightsOnlyPlanner
     from hasten.model_loading import _read_source
     from hasten.utils.modeling import load_state_dict
     from hasten.utils.other import load
 
-    return {"utils.load": load, "load_state_dict": load_state_dict, "model_loading": _read_source}
+    def dcp_bytes(path):  # a DCP checkpoint's non-tensor value, as DCP hands it to the planner
+        with open(path, "rb") as f:
+            WeightsOnlyPlanner().load_bytes(None, io.BytesIO(f.read()))
+
+    return {"utils.load": load, "load_state_dict": load_state_dict, "model_loading": _read_source,
+            "dcp_bytes": dcp_bytes, "torch.load": lambda path: torch.load(path, weights_only=True)}
 
 
-@pytest.mark.parametrize("loader", ["utils.load", "load_state_dict", "model_loading"])
+@pytest.mark.parametrize("loader", ["utils.load", "load_state_dict", "model_loading", "dcp_bytes", "torch.load"])
 @pytest.mark.parametrize("payload", ["torchscript", "torchscript_other_prefix", "constants_added", "gadget"])
 def test_weights_only_loaders_refuse_torchscript(tmp_path, capfd, loader, payload):
     path, marker = _tampered(tmp_path, "pytorch_model.bin", _saved({"w": torch.ones(2)}), payload)
