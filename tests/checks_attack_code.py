@@ -59,7 +59,8 @@ def _outcomes(stage: int) -> list:
             assert os.path.join(evil, rel) in str(error), f"the error does not name {rel}: {error}"
             assert "nothing was changed" in str(error), error
             after = acc.get_state_dict(model)
-            assert all(torch.equal(before[k], after[k]) for k in before), f"refused load of {payload} in {name} changed the model: {error}"
+            changed = [k for k in before if not torch.equal(before[k], after[k])]
+            assert not changed, f"the refused load of {payload} in {name} changed {changed}: {error}"
         results.append([payload, name, type(error).__name__, str(error).replace(evil, "<folder>")])
     acc.load_state(good)  # the untampered copy still resumes
     return results

@@ -9,8 +9,8 @@ running anything; the RNG files need NumPy's array reconstructors, which are all
 alone. Each file is read once and its bytes checked first (``unpickling.read_checked``: a TorchScript
 archive, which torch.load would hand to torch.jit.load, is refused even where pickle is allowed), and
 those bytes are what is loaded. A damaged, tampered or missing ``random_states_*.pkl`` is an error
-naming the file, never a silent keep of the current generators. As in hasten's own loader, every file is read and compared with the live objects on every
-process before anything changes.
+naming the file, never a silent keep of the current generators. As in hasten's own loader, every
+file is read and compared with the live objects on every process before anything changes.
 """
 
 from __future__ import annotations

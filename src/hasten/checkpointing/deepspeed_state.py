@@ -434,7 +434,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _quiet(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` with DeepSpeed's prints (progress bars, "Processing zero checkpoint") kept off the console."""
+    """``function(*args)`` with DeepSpeed's prints (progress bars, "Processing zero checkpoint") kept quiet."""
     noise = io.StringIO()
     with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
         return function(*args)
