@@ -17,10 +17,11 @@ per hundred DCP tensors).
 
 The pickle module is not the only door: ``torch.load`` hands any zip archive whose records include
 ``constants.pkl`` (a TorchScript archive) to ``torch.jit.load``, which runs the archive's code, whatever
-pickle module it was given. ``torch_file`` therefore reads a file once into memory, checks its bytes
-(``check_torch_bytes``: a zip archive holding only the records torch.save writes, as both Python's
-zipfile and torch's own reader list them, or a legacy pickle) and unpickles exactly those bytes: no
-second read of the file that a replaced file could slip into. Any failure is one error naming the file:
+pickle module it was given. ``torch_file`` therefore copies a file once into memory (a sealed memfd on
+Linux, which nobody can change afterwards; else bytes), checks that copy (``check_torch_bytes``: a zip
+archive holding only the records torch.save writes, as both Python's zipfile and torch's own reader
+list them, or a legacy pickle) and unpickles exactly that copy: no second read of the file that a
+replaced file could slip into. Any failure is one error naming the file:
 ``ForbiddenPickle`` (it would run code, or names a foreign global) or ``CheckpointCorruptError``.
 """
 
@@ -28,10 +29,11 @@ from __future__ import annotations
 
 import enum
 import io
+import os
 import pickle
 import re
 import types
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 # Records of torch.distributed.checkpoint's metadata (torch 2.x), and what they hold.
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -228,7 +230,7 @@ def _refuse(path: str, kind: str, what: str) -> ForbiddenPickle:
                            "sources you trust)")
 
 
-def _check_zip(data: bytes, path: str, kind: str) -> None:
+def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> None:
     """Refuse a zip archive holding anything but torch.save's records, as Python's zipfile and torch's own
     reader (the one torch.load uses) both see it."""
     import zipfile
@@ -238,8 +240,10 @@ def _check_zip(data: bytes, path: str, kind: str) -> None:
     if data[-22:-18] != b"PK\x05\x06":  # torch writes no comment and nothing after the directory
         raise _refuse(path, kind, "has data after its zip directory (a comment, an appended archive) or no end record")
     try:
-        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
-        torch_records = torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records()
+        with stream() as f, zipfile.ZipFile(f) as archive:
+            infos = archive.infolist()
+        with stream() as f:
+            torch_records = torch._C.PyTorchFileReader(f).get_all_records()
     except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, RuntimeError of torch's reader, ...
         raise _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})") from None
     names = [info.filename for info in infos]
@@ -265,21 +269,25 @@ def _first_line(error: BaseException) -> str:
     return lines[0][:200] if lines else "no message"
 
 
-def check_torch_bytes(data: bytes, path: str, kind: str) -> None:
-    """Raise unless ``data`` (the bytes of ``path``) is what torch.save writes: a zip archive of its records
-    only (``ForbiddenPickle`` for a TorchScript archive or any other record), or a pickle (torch's legacy
-    format, whose globals the unpickler then judges). ``CheckpointCorruptError`` for an empty or unreadable file."""
-    if not data:
+def check_torch_bytes(data: Any, path: str, kind: str, stream: Optional[Callable[[], Any]] = None) -> None:
+    """Raise unless ``data`` (the bytes of ``path``, or a read-only map of them; ``stream`` opens them as a
+    file) is what torch.save writes: a zip archive of its records only (``ForbiddenPickle`` for a TorchScript
+    archive or any other record), or a pickle (torch's legacy format, whose globals the unpickler then
+    judges). ``CheckpointCorruptError`` for an empty or unreadable file."""
+    if stream is None:
+        stream = lambda: io.BytesIO(data)  # noqa: E731
+    if not len(data):
         raise _corrupt(path, kind, "it is empty")
     if data[:4] == b"PK\x03\x04":
-        _check_zip(data, path, kind)
+        _check_zip(data, path, kind, stream)
         return
     if data[:1] != b"\x80":  # torch's legacy format starts with a pickle (protocol 2+); not a tar archive
         raise _corrupt(path, kind, "it is neither a zip archive nor a pickle as torch.save writes them")
     import tarfile
 
     try:
-        tarfile.open(fileobj=io.BytesIO(data), mode="r:").close()
+        with stream() as f:
+            tarfile.open(fileobj=f, mode="r:").close()
     except tarfile.TarError:
         return
     raise _refuse(path, kind, "is a tar archive (torch < 0.4's format)")
@@ -297,33 +305,91 @@ def read_checked(path: str, kind: str) -> bytes:
     return data
 
 
+def _sealed_copy(path: str) -> Optional[int]:
+    """A private in-memory copy of ``path`` (a Linux memfd) sealed against any change, or None where the
+    system has none (then the file is read into bytes instead). The copy is what is checked and what torch
+    maps: one copy of the bytes, torch's fast path-based loading, and nobody can alter it in between."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return None
+    import fcntl
+
+    try:
+        source = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # read_checked names the file and the reason
+    fd = -1
+    try:
+        size = os.fstat(source).st_size
+        fd = os.memfd_create("hasten-checked", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        done = 0
+        while done < size:
+            sent = os.sendfile(fd, source, done, size - done)
+            if not sent:  # the file shrank while it was copied: what was copied is checked
+                break
+            done += sent
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except OSError:  # a file system sendfile cannot read, no sealing: the plain read below
+        if fd >= 0:
+            os.close(fd)
+        return None
+    finally:
+        os.close(source)
+    return fd
+
+
 def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_location: Any = "cpu",
-               mmap: bool = False, data: Optional[bytes] = None) -> Any:
+               mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` allowing tensors, plain containers, torch constants and ``records``
-    (classes whose instances the file may hold). The file is read once into memory, checked
-    (``check_torch_bytes``) and unpickled from those bytes (``data``: bytes already read and checked by
-    ``read_checked``). ``mmap`` is accepted for callers of old and ignored: mapping the file would let
-    what torch reads differ from what was checked.
+    (classes whose instances the file may hold). The file is copied once into a sealed in-memory file
+    (``_sealed_copy``; else read into bytes), checked (``check_torch_bytes``) and loaded from that copy,
+    zip archives mapped rather than copied again. ``mmap`` is accepted for callers of old and ignored:
+    mapping the file itself would let what torch reads differ from what was checked.
 
     Raises ``ForbiddenPickle`` for a file that would run code or names a global outside the list, and
     ``CheckpointCorruptError`` naming the file for any other failure (empty, truncated, bit flips,
     pickles nested too deep)."""
-    import torch
+    import mmap as mapping
 
     del mmap
-    if data is None:
-        data = read_checked(path, kind)
     reader = _unpickler(path, kind, TENSOR_GLOBALS | frozenset(records))
     # torch.load takes any module-like object with Unpickler and load (a per-call allow-list, no global switch).
     module = types.SimpleNamespace(__name__="hasten_restricted_pickle", Unpickler=reader,
                                    load=lambda f, **kwargs: reader(f, **kwargs).load())
-    buffer = io.BytesIO(data)
+    fd = _sealed_copy(path)
+    if fd is None:
+        data = read_checked(path, kind)
+        return _load(path, kind, data, lambda: io.BytesIO(data), None, module, map_location)
     try:
-        loaded = torch.load(buffer, map_location=map_location, pickle_module=module, weights_only=False)
+        size = os.fstat(fd).st_size
+        if not size:
+            raise _corrupt(path, kind, "it is empty")
+        with mapping.mmap(fd, size, prot=mapping.PROT_READ) as view:
+            sealed = f"/proc/self/fd/{fd}"
+            stream = lambda: open(sealed, "rb")  # noqa: E731 - its own file position, the same sealed bytes
+            check_torch_bytes(view, path, kind, stream)
+            return _load(path, kind, view, stream, sealed, module, map_location)
+    finally:
+        os.close(fd)
+
+
+def _load(path: str, kind: str, data: Any, stream: Callable[[], Any], sealed: Optional[str], module: Any,
+          map_location: Any) -> Any:
+    """Unpickle checked bytes: a zip archive from the sealed copy's path (mapped), else from a stream that
+    must end where torch.save's legacy format ends."""
+    import torch
+
+    try:
+        if sealed is not None and data[:4] == b"PK\x03\x04":
+            return torch.load(sealed, map_location=map_location, pickle_module=module, weights_only=False,
+                              mmap=True)
+        with stream() as f:
+            loaded = torch.load(f, map_location=map_location, pickle_module=module, weights_only=False)
+            end = f.tell()
     except ForbiddenPickle:
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files fail in many ways
         raise _corrupt(path, kind, f"{type(e).__name__}: {_first_line(e)}") from None
-    if data[:4] != b"PK\x03\x04" and buffer.tell() != len(data):  # legacy format: torch reads it to its end
-        raise _refuse(path, kind, f"has {len(data) - buffer.tell()} bytes after what torch.save wrote")
+    if data[:4] != b"PK\x03\x04" and end != len(data):  # legacy format: torch reads it to its end
+        raise _refuse(path, kind, f"has {len(data) - end} bytes after what torch.save wrote")
     return loaded
