@@ -6,7 +6,7 @@ a GPU), ``custom_checkpoint_<i>.pkl``, ``dl_state_dict.bin`` (torchdata's statef
 ``sampler.bin`` (a pickled sampler object) and ``random_states_<rank>.pkl``. Everything is read
 with torch's weights-only unpickler, which refuses any global outside a short allow-list *before*
 running anything; the RNG files need NumPy's array reconstructors, which are allowed for those files
-alone. Each file is read once and its bytes checked first (``unpickling.read_checked``: a TorchScript
+alone. Each file is copied once and its bytes checked first (``unpickling.load_checked``: a TorchScript
 archive, which torch.load would hand to torch.jit.load, is refused even where pickle is allowed), and
 those bytes are what is loaded. A damaged, tampered or missing ``random_states_*.pkl`` is an error
 naming the file, never a silent keep of the current generators. As in hasten's own loader, every
@@ -89,22 +89,18 @@ def _dict(path: str, value: Any, keys: tuple = (), tensors: bool = False) -> Any
 
 
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
-    """A torch file of the folder, read once and checked (torch.save's zip records or a legacy pickle: never
-    a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from those bytes."""
-    import io
-
-    data = unpickling.read_checked(path, "torch.save")
+    """A torch file of the folder, copied once and checked (torch.save's zip records or a legacy pickle: never
+    a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from that copy."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
+        return unpickling.load_checked(path, "torch.save", (pickle.UnpicklingError,), weights_only=not allow_pickle)
+    except unpickling.ForbiddenPickle:
+        raise
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         # torch's message is long; the line naming the refused global is the useful one
         found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
         reason = found.group(0) if found else lines[0]
         raise pickle.UnpicklingError(f"{path}: refused by the weights-only unpickler ({reason}); {advice}") from None
-    except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files
-        raise CheckpointCorruptError(f"{path!r} is not a readable torch.save file ({type(e).__name__}: "
-                                     f"{_first_line(e)}); the checkpoint is damaged or truncated") from None
 
 
 def _first_line(error: BaseException) -> str:

@@ -341,25 +341,33 @@ def _sealed_copy(path: str) -> Optional[int]:
 def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_location: Any = "cpu",
                mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` allowing tensors, plain containers, torch constants and ``records``
-    (classes whose instances the file may hold). The file is copied once into a sealed in-memory file
-    (``_sealed_copy``; else read into bytes), checked (``check_torch_bytes``) and loaded from that copy,
-    zip archives mapped rather than copied again. ``mmap`` is accepted for callers of old and ignored:
-    mapping the file itself would let what torch reads differ from what was checked.
+    (classes whose instances the file may hold), through ``load_checked``. ``mmap`` is accepted for
+    callers of old and ignored: mapping the file itself would let what torch reads differ from what was
+    checked (the checked copy is mapped instead).
 
     Raises ``ForbiddenPickle`` for a file that would run code or names a global outside the list, and
     ``CheckpointCorruptError`` naming the file for any other failure (empty, truncated, bit flips,
     pickles nested too deep)."""
-    import mmap as mapping
-
     del mmap
     reader = _unpickler(path, kind, TENSOR_GLOBALS | frozenset(records))
     # torch.load takes any module-like object with Unpickler and load (a per-call allow-list, no global switch).
     module = types.SimpleNamespace(__name__="hasten_restricted_pickle", Unpickler=reader,
                                    load=lambda f, **kwargs: reader(f, **kwargs).load())
+    return load_checked(path, kind, map_location=map_location, pickle_module=module, weights_only=False)
+
+
+def load_checked(path: str, kind: str, refused: tuple = (ForbiddenPickle,), **load_kwargs: Any) -> Any:
+    """``torch.load(..., **load_kwargs)`` of ``path``, copied once into a sealed in-memory file
+    (``_sealed_copy``; else read into bytes), checked (``check_torch_bytes``: never a TorchScript archive,
+    whatever ``weights_only``) and loaded from that very copy, zip archives mapped rather than copied
+    again. Errors of the classes ``refused`` pass unchanged (the unpickler's refusals); any other failure is
+    ``CheckpointCorruptError`` naming the file."""
+    import mmap as mapping
+
     fd = _sealed_copy(path)
     if fd is None:
         data = read_checked(path, kind)
-        return _load(path, kind, data, lambda: io.BytesIO(data), None, module, map_location)
+        return _load(path, kind, data, lambda: io.BytesIO(data), None, refused, load_kwargs)
     try:
         size = os.fstat(fd).st_size
         if not size:
@@ -368,25 +376,25 @@ def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_loc
             sealed = f"/proc/self/fd/{fd}"
             stream = lambda: open(sealed, "rb")  # noqa: E731 - its own file position, the same sealed bytes
             check_torch_bytes(view, path, kind, stream)
-            return _load(path, kind, view, stream, sealed, module, map_location)
+            return _load(path, kind, view, stream, sealed, refused, load_kwargs)
     finally:
         os.close(fd)
 
 
-def _load(path: str, kind: str, data: Any, stream: Callable[[], Any], sealed: Optional[str], module: Any,
-          map_location: Any) -> Any:
+def _load(path: str, kind: str, data: Any, stream: Callable[[], Any], sealed: Optional[str], refused: tuple,
+          load_kwargs: dict) -> Any:
     """Unpickle checked bytes: a zip archive from the sealed copy's path (mapped), else from a stream that
     must end where torch.save's legacy format ends."""
     import torch
 
+    load_kwargs.setdefault("map_location", "cpu")
     try:
         if sealed is not None and data[:4] == b"PK\x03\x04":
-            return torch.load(sealed, map_location=map_location, pickle_module=module, weights_only=False,
-                              mmap=True)
+            return torch.load(sealed, mmap=True, **load_kwargs)
         with stream() as f:
-            loaded = torch.load(f, map_location=map_location, pickle_module=module, weights_only=False)
+            loaded = torch.load(f, **load_kwargs)
             end = f.tell()
-    except ForbiddenPickle:
+    except refused:
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files fail in many ways
         raise _corrupt(path, kind, f"{type(e).__name__}: {_first_line(e)}") from None
