@@ -111,6 +111,41 @@ def test_deepspeed_engine_file_refused(tmp_path, capfd, payload, legacy):
 
 
 @pytest.mark.parametrize("payload", grid())
+def test_without_sealed_copies_the_bytes_read_are_checked(tmp_path, capfd, monkeypatch, payload):
+    """Where the system has no sealed in-memory files (not Linux), the file is read into bytes and those are
+    checked and loaded: the same refusals."""
+    from hasten.checkpointing import deepspeed_state, unpickling
+
+    monkeypatch.setattr(unpickling, "_sealed_copy", lambda path: None)
+    folder = tmp_path / "model_0"
+    folder.mkdir()
+    path, marker = _tampered(folder, "mp_rank_00_model_states.pt", _saved(_MODEL_STATES), payload)
+    outcome = judge(capfd, lambda: deepspeed_state.refuse_foreign_pickles(str(folder)), PAYLOADS[payload][0], path,
+                    marker)
+    if outcome is None and payload == "flip_directory":
+        raise AssertionError("a flipped zip directory loaded")
+
+
+def test_sealed_copy_cannot_be_changed(tmp_path):
+    """The copy torch reads is sealed: writing to it, growing or shrinking it fails."""
+    from hasten.checkpointing import unpickling
+
+    path = tmp_path / "a.pt"
+    path.write_bytes(_saved({"w": torch.ones(3)}))
+    fd = unpickling._sealed_copy(str(path))
+    if fd is None:
+        pytest.skip("no sealed in-memory files on this system")
+    try:
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 1)
+        assert os.pread(fd, 1 << 20, 0) == path.read_bytes()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("payload", grid())
 def test_deepspeed_checked_engine_reads_no_code(tmp_path, capfd, payload):
     """A file DeepSpeed asks for that hasten did not read before is read once and checked too."""
     pytest.importorskip("deepspeed")
