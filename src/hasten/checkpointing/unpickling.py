@@ -309,8 +309,10 @@ def _sealed_copy(path: str) -> Optional[int]:
     """A private in-memory copy of ``path`` (a Linux memfd) sealed against any change, or None where the
     system has none (then the file is read into bytes instead). The copy is what is checked and what torch
     maps: one copy of the bytes, torch's fast path-based loading, and nobody can alter it in between."""
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
     if not (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")):
         return None
     try:
