@@ -11,6 +11,7 @@ from contextlib import redirect_stdout
 import torch
 from attack_payloads import PAYLOADS, RAN
 from checks_deepspeed import _trained  # noqa: E402 - the ZeRO runs of the DeepSpeed checks
+from checks_fsdp import _data
 
 from distributed import tamper
 
@@ -63,6 +64,8 @@ def _outcomes(stage: int) -> list:
             assert not changed, f"the refused load of {payload} in {name} changed {changed}: {error}"
         results.append([payload, name, type(error).__name__, str(error).replace(evil, "<folder>")])
     acc.load_state(good)  # the untampered copy still resumes
+    if stage == 3:
+        results.append(_swapped_after_the_check(acc, model, root))
     return results
 
 
@@ -74,7 +77,7 @@ def check_zero2_one_rank_file_tampered():
     return _outcomes(2)
 
 
-def check_deepspeed_loads_what_hasten_checked():
+def _swapped_after_the_check(acc, model, root: str) -> bool:
     """A file swapped for a TorchScript archive after hasten checked it, before DeepSpeed's load_checkpoint
     (ZeRO-3, real engines): DeepSpeed reads every file through the checkpoint engine hasten gives it, so the
     checked contents load and the archive never runs."""
@@ -82,9 +85,8 @@ def check_deepspeed_loads_what_hasten_checked():
 
     from hasten.checkpointing import deepspeed_state
 
-    root = os.environ["HASTEN_TEST_TMP"]
     folder = os.path.join(root, "swap")
-    acc, model = _trained(3, folder)
+    acc.save_state(folder)
     saved = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
     engine_dir = os.path.join(folder, "deepspeed", "model_0")
     checked = deepspeed_state.refuse_foreign_pickles(engine_dir, deepspeed_state.own_files(engine_dir,
@@ -97,6 +99,10 @@ def check_deepspeed_loads_what_hasten_checked():
                 f.write(torchscript())
     acc.wait_for_everyone()
     engine = model  # the prepared model is the DeepSpeed engine
+    x, y = (t[:2] for t in _data().tensors)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))  # one more step: the load must undo it
+    engine.step()
+    assert any(not torch.equal(saved[k], v) for k, v in acc.get_state_dict(model).items())
     own = engine.checkpoint_engine
     out = io.StringIO()
     engine.checkpoint_engine = deepspeed_state.checked_engine(checked)
@@ -112,7 +118,8 @@ def check_deepspeed_loads_what_hasten_checked():
 
 
 def check_zero_checkpoint_for_merge_weights():
-    """A ZeRO-2 checkpoint for the merge-weights attack test."""
-    root = os.environ["HASTEN_TEST_TMP"]
-    _trained(2, os.path.join(root, "merge"))
-    return os.path.join(root, "merge", "deepspeed", "model_0")
+    """A ZeRO-2 checkpoint for the merge-weights attack test (the one the ZeRO-2 check wrote)."""
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "good2")
+    if not os.path.isdir(folder):
+        _trained(2, folder)
+    return os.path.join(folder, "deepspeed", "model_0")

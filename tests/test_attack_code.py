@@ -378,13 +378,15 @@ def two():
 def test_deepspeed_one_rank_file_tampered_every_rank_raises_the_same(two, stage):
     """Issue 23 item 5: one process's engine file replaced or damaged; every process raises the same error
     naming the file (no process left in a collective, no SIGABRT), nothing runs, nothing changes."""
-    values = two.assert_passed(f"check_zero{stage}_one_rank_file_tampered")
+    values = [v[:-1] if stage == 3 else v for v in two.assert_passed(f"check_zero{stage}_one_rank_file_tampered")]
     assert values[0] == values[1], values
     assert values[0], "no case ran"
 
 
 def test_deepspeed_load_checkpoint_uses_the_checked_bytes(two):
-    assert two.assert_passed("check_deepspeed_loads_what_hasten_checked") == [True, True]
+    """Time of check = time of use with real ZeRO-3 engines: every file swapped for a TorchScript archive after
+    hasten read and checked it; DeepSpeed's load_checkpoint loads the checked contents, nothing runs."""
+    assert [v[-1] for v in two.assert_passed("check_zero3_one_rank_file_tampered")] == [True, True]
 
 
 @pytest.mark.parametrize("name", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
