@@ -6,8 +6,11 @@ a GPU), ``custom_checkpoint_<i>.pkl``, ``dl_state_dict.bin`` (torchdata's statef
 ``sampler.bin`` (a pickled sampler object) and ``random_states_<rank>.pkl``. Everything is read
 with torch's weights-only unpickler, which refuses any global outside a short allow-list *before*
 running anything; the RNG files need NumPy's array reconstructors, which are allowed for those files
-alone. As in hasten's own loader, every file is read and compared with the live objects on every
-process before anything changes.
+alone. Each file is copied once and its bytes checked first (``unpickling.load_checked``: a TorchScript
+archive, which torch.load would hand to torch.jit.load, is refused even where pickle is allowed), and
+those bytes are what is loaded. A damaged, tampered or missing ``random_states_*.pkl`` is an error
+naming the file, never a silent keep of the current generators. As in hasten's own loader, every
+file is read and compared with the live objects on every process before anything changes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import layout, restorer, rng, unpickling
+from .fileio import CheckpointCorruptError
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -71,18 +75,37 @@ def _model_files(names: set[str]) -> list[str]:
     return out
 
 
+def _dict(path: str, value: Any, keys: tuple = (), tensors: bool = False) -> Any:
+    """``value`` (the contents of ``path``) if it is a dict holding ``keys`` (and only tensors when ``tensors``):
+    a damaged or replaced file of the right format is named here, not as a bare AttributeError later."""
+    ok = isinstance(value, dict) and all(k in value for k in keys)
+    if ok and tensors:
+        ok = all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    if not ok:
+        what = f"a {type(value).__name__}" if not isinstance(value, dict) else "a dict of other contents"
+        raise CheckpointCorruptError(f"{path!r} holds {what}, not the state Accelerate saves in "
+                                     f"{os.path.basename(path)}; the checkpoint is damaged or was tampered with")
+    return value
+
+
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
-    name = os.path.basename(path)
+    """A torch file of the folder, copied once and checked (torch.save's zip records or a legacy pickle: never
+    a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from that copy."""
     try:
-        if allow_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return unpickling.load_checked(path, "torch.save", (pickle.UnpicklingError,), weights_only=not allow_pickle)
+    except unpickling.ForbiddenPickle:
+        raise
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         # torch's message is long; the line naming the refused global is the useful one
         found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
         reason = found.group(0) if found else lines[0]
-        raise pickle.UnpicklingError(f"{name}: refused by the weights-only unpickler ({reason}); {advice}") from None
+        raise pickle.UnpicklingError(f"{path}: refused by the weights-only unpickler ({reason}); {advice}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no message"
 
 
 # What ``random_states_*.pkl`` holds beyond tensors: NumPy's MT19937 state (an array rebuilt by NumPy's
@@ -91,24 +114,27 @@ _RNG_RECORDS = frozenset({("numpy._core.multiarray", "_reconstruct"), ("numpy.co
                           ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
 
 
-def read_rng(path: str) -> Optional[dict[str, Any]]:
-    """The RNG file as hasten's ``rng.restore`` state plus ``step``; None (and a warning) when refused."""
+def read_rng(path: str) -> dict[str, Any]:
+    """The RNG file as hasten's ``rng.restore`` state plus ``step``, checked (``rng.check``) before anything
+    is set. Raises ``ForbiddenPickle`` (a file that would run code or names a foreign global) or
+    ``CheckpointCorruptError`` (damaged, or not Accelerate's random states), naming the file."""
+    # a per-call allow-list (no process-wide torch.serialization.safe_globals switch)
+    saved = unpickling.torch_file(path, "Accelerate RNG state", _RNG_RECORDS)
     try:
-        # a per-call allow-list (no process-wide torch.serialization.safe_globals switch)
-        saved = unpickling.torch_file(path, "Accelerate RNG state", _RNG_RECORDS)
-    except pickle.UnpicklingError as e:
-        warnings.warn(f"load_state: random states skipped (the run continues with the current ones): {e}",
-                      stacklevel=6)
-        return None
-    state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
-                             "torch": saved["torch_manual_seed"]}
-    if "numpy_random_seed" in saved:
-        kind, keys, pos, has_gauss, cached = saved["numpy_random_seed"]
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    for ours, theirs in (("cuda", "torch_cuda_manual_seed"), ("xpu", "torch_xpu_manual_seed")):
-        if theirs in saved:
-            state[ours] = list(saved[theirs])
+        state: dict[str, Any] = {"step": int(saved.get("step", 0)), "python": saved["random_state"],
+                                 "torch": saved["torch_manual_seed"]}
+        if "numpy_random_seed" in saved:
+            kind, keys, pos, has_gauss, cached = saved["numpy_random_seed"]
+            state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        for ours, theirs in (("cuda", "torch_cuda_manual_seed"), ("xpu", "torch_xpu_manual_seed")):
+            if theirs in saved:
+                state[ours] = list(saved[theirs])
+        rng.check(state)
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - a file of the right format holding something else
+        raise CheckpointCorruptError(f"{path!r} does not hold Accelerate's random states ({type(e).__name__}: "
+                                     f"{_first_line(e)}); the checkpoint is damaged or was tampered with (remove "
+                                     "the folder's random_states_*.pkl files to resume without them)") from None
     return state
 
 
@@ -117,7 +143,7 @@ def _read_model(path: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(path, device="cpu")
-    return _torch_load(path)
+    return _dict(path, _torch_load(path), tensors=True)
 
 
 def _fill_ties(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
@@ -171,12 +197,12 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
     optimizers = _numbered(names, "optimizer", "bin")
     if _count(problems, "optimizer states", optimizers, len(acc._optimizers), "prepare the same optimizers"):
         for i, (file, opt) in enumerate(zip(optimizers, acc._optimizers)):
-            state = _torch_load(path(file))
+            state = _dict(path(file), _torch_load(path(file)), ("state", "param_groups"))
             problems.extend(("mismatch", f"{p} ({file})") for p in restorer.check_optimizer(state, opt, i))
             out["optimizers"].append(state)
     schedulers = _numbered(names, "scheduler", "bin")
     if _count(problems, "scheduler states", schedulers, len(acc._schedulers), "prepare the same schedulers"):
-        out["schedulers"] = [_torch_load(path(f)) for f in schedulers]
+        out["schedulers"] = [_dict(path(f), _torch_load(path(f))) for f in schedulers]
     custom = sorted((n for n in names if _CUSTOM.match(n)), key=lambda n: int(_CUSTOM.match(n).group(1)))
     registered = len(acc._custom_objects)
     if custom_later and len(custom) >= registered:
@@ -186,9 +212,10 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
                            "register the same objects with register_for_checkpointing before load_state")
     if custom_ok:
         out["custom"] = [_torch_load(path(f), allow_pickle, advice=_CUSTOM_ADVICE) for f in custom]
+        out["custom_files"] = [path(f) for f in custom]
     scaler_here = acc.precision.scaler is not None
     if "scaler.pt" in names and scaler_here:
-        out["scaler"] = _torch_load(path("scaler.pt"))
+        out["scaler"] = _dict(path("scaler.pt"), _torch_load(path("scaler.pt")))
     elif "scaler.pt" in names or scaler_here:
         warnings.warn("load_state: the Accelerate checkpoint and this run differ in fp16 gradient scaling; the "
                       "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=5)
@@ -197,7 +224,12 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
     if rng_files:
         saved_world = len(rng_files)
         own = f"random_states_{acc.process_index % saved_world}.pkl"
-        out["rng"] = read_rng(path(own)) if own in names else None
+        if own not in names:
+            raise layout.IncompleteCheckpointError(
+                f"{path(own)!r} is missing: the folder holds {', '.join(rng_files)}, so process "
+                f"{acc.process_index} has no random states; the checkpoint is incomplete (restore the file, or "
+                "remove every random_states_*.pkl to resume without them)")
+        out["rng"] = read_rng(path(own))
         out["rng_world"] = saved_world
     else:
         warnings.warn("load_state: the Accelerate checkpoint has no random_states_*.pkl; random generators and "
@@ -261,8 +293,14 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
     for dl, state in zip(acc._dataloaders, loaded["loaders"]):
         if state is not None:
             dl.load_state_dict(state)
-    for obj, state in zip(acc._custom_objects, loaded["custom"]):
-        obj.load_state_dict(state)
+    for obj, state, file in zip(acc._custom_objects, loaded["custom"], loaded.get("custom_files", [])):
+        try:
+            obj.load_state_dict(state)
+        except Exception as e:  # noqa: BLE001 - the object's own check of a state only it understands
+            raise CheckpointCorruptError(
+                f"{file!r}: the registered {type(obj).__name__} refused the state saved there ({type(e).__name__}: "
+                f"{_first_line(e)}); the file is damaged or belongs to another object (models, optimizers and "
+                "schedulers were already restored)") from None
     auto = acc._auto_resume
     if custom_later and auto is not None:
         count = len(acc._custom_objects)

@@ -15,8 +15,13 @@ another stage, DDP, one process, FSDP2) loads the consolidated fp32 weights
 and starts its optimizers fresh, with a warning saying so: ZeRO partitions the optimizer state
 by flat buffers tied to the process count that wrote them.
 
-DeepSpeed unpickles its files with ``weights_only=False``; every process first reads them with
-hasten's allow-list (``refuse_foreign_pickles``), so a replaced file is refused before it can run.
+DeepSpeed unpickles its files with ``weights_only=False``, and torch hands any TorchScript archive to
+``torch.jit.load`` whatever the pickle module. hasten therefore reads each file once, checks its bytes
+(torch.save's zip records only, or a legacy pickle) and unpickles them with its allow-list
+(``refuse_foreign_pickles``), on every process for its own files, before DeepSpeed is called (every
+process raises the same error). DeepSpeed is then given what was read (``checked_engine``), never the
+files again; consolidation (``_consolidate``) reads each file once the same way and leaves only the
+merging to DeepSpeed's ``zero_to_fp32``.
 Each process checksums the files it wrote, for ``load_state(verify="checksum")``.
 """
 
@@ -165,6 +170,7 @@ class DeepSpeedCheckpoint:
         self.native = self._native(contents)
         self.weights: list[dict[str, torch.Tensor]] = []
         self.groups: list[Optional[list[dict[str, Any]]]] = []  # per engine: its optimizer's hyperparameters
+        self.checked: list[dict[str, Any]] = []  # per engine (native loads): its files, read and checked
         problems = []
         for i, (entry, module) in enumerate(zip(contents["models"], inner)):
             label = f"model {i} ({type(module).__name__}, saved by ZeRO stage {entry.get('zero_stage')} on " \
@@ -178,11 +184,16 @@ class DeepSpeedCheckpoint:
             if not os.path.isdir(path):
                 problems.append(f"model {i}: the engine checkpoint folder {SUBDIR}/{entry[KEY]} is missing")
                 continue
-            refuse_foreign_pickles(path)  # raises: the files DeepSpeed would unpickle name nothing foreign
-            if not self.native and not problems:
+            if self.native:
+                # Raises (on this process; load_state makes every process raise it): this process's files, read
+                # once and checked, kept for DeepSpeed's load_checkpoint, which then reads none of them again.
+                elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
+                names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
+                self.checked.append(refuse_foreign_pickles(path, names))
+                continue
+            if not problems:
                 try:
-                    weights = consolidated_weights(path)
-                    groups = saved_hyperparameters(path)
+                    weights, groups = _quiet(_consolidate, path)  # raises on a refused or damaged file
                 except ValueError as e:
                     problems.append(f"{label}: {e}")
                     continue
@@ -237,8 +248,16 @@ class DeepSpeedCheckpoint:
             self.weights, self.groups = [], []
             return
         path = os.path.join(folder, SUBDIR)
+        checked, self.checked = self.checked, []
         for i, engine in enumerate(self._engines(inner)):
-            loaded, _ = engine.load_checkpoint(path, tag=f"model_{i}")
+            # DeepSpeed reads every file through its engine's checkpoint engine; for this load it is one that
+            # hands out what hasten read and checked (DeepSpeed's own one is put back after).
+            own = engine.checkpoint_engine
+            engine.checkpoint_engine = checked_engine(checked[i] if i < len(checked) else {})
+            try:
+                loaded, _ = engine.load_checkpoint(path, tag=f"model_{i}")
+            finally:
+                engine.checkpoint_engine = own
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path}/model_{i}")
 
@@ -250,16 +269,66 @@ _RECORDS = (("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.runt
 _KIND = "DeepSpeed checkpoint"
 
 
-def refuse_foreign_pickles(path: str) -> None:
-    """Read every pickle of the engine checkpoint folder ``path`` with hasten's allow-list (tensors,
-    plain containers, DeepSpeed's records; the tensor data is mapped, not read), raising
-    ``unpickling.ForbiddenPickle`` for a file that names anything else. DeepSpeed's own readers
-    (``load_checkpoint``, ``zero_to_fp32``) pass ``weights_only=False``; they are given only folders
-    that passed, so nothing in a replaced file runs. Changes no process-wide setting."""
+def _read(name: str) -> Any:
+    """One engine file, read once, checked (no TorchScript, torch.save's records only) and unpickled with the
+    allow-list from those very bytes. Raises ``ForbiddenPickle`` or ``CheckpointCorruptError`` naming it."""
     from . import unpickling
+    from .fileio import CheckpointCorruptError
 
-    for name in sorted(glob.glob(os.path.join(glob.escape(path), "*.pt"))):
-        unpickling.torch_file(name, _KIND, _RECORDS, mmap=True)
+    state = unpickling.torch_file(name, _KIND, _RECORDS)
+    if not isinstance(state, dict):  # every DeepSpeed checkpoint file holds a dict
+        raise CheckpointCorruptError(f"{name!r} holds a {type(state).__name__}, not the dict DeepSpeed saves; the "
+                                     "checkpoint is damaged or was tampered with")
+    return state
+
+
+def _files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(path), "*.pt")))
+
+
+def own_files(path: str, rank: int) -> list[str]:
+    """The files of the engine checkpoint folder ``path`` that DeepSpeed's ``load_checkpoint`` reads on the
+    process of data-parallel rank ``rank`` (its ZeRO partition and the shared model states)."""
+    return [n for n in _files(path) if "zero_pp_rank_" not in os.path.basename(n)
+            or f"zero_pp_rank_{rank}_" in os.path.basename(n)]
+
+
+def refuse_foreign_pickles(path: str, names: Optional[list[str]] = None) -> dict[str, Any]:
+    """Read ``names`` (default: every pickle of the engine checkpoint folder ``path``) with hasten's
+    allow-list, each read once and checked before it is unpickled; raises ``unpickling.ForbiddenPickle``
+    for a file that would run code or names anything else, ``CheckpointCorruptError`` for a damaged one.
+    Returns ``{normalised path: what it holds}``: what DeepSpeed is then given (``CheckedFiles``), so a
+    file replaced after the check is never read. Changes no process-wide setting."""
+    return {os.path.normpath(os.path.abspath(n)): _read(n) for n in (_files(path) if names is None else names)}
+
+
+def checked_engine(files: dict[str, Any]) -> Any:
+    """A DeepSpeed checkpoint engine (``deepspeed.runtime.checkpoint_engine.CheckpointEngine``, the object
+    DeepSpeed's engine reads every checkpoint file through) that hands out ``files`` (from
+    ``refuse_foreign_pickles``: bytes hasten read once and checked) and reads any other file the same checked
+    way, once: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load, and what
+    it gets for a file is what was checked, however often it asks. Lives for one ``load_checkpoint``."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class CheckedFiles(CheckpointEngine):
+        def load(self, path: str, map_location: Any = None) -> Any:
+            key = os.path.normpath(os.path.abspath(path))
+            if key not in files:
+                files[key] = _read(path)
+            # DeepSpeed reads some files twice (check_ckpt_list, then the load): each read gets its own top level
+            found = files[key]
+            return dict(found) if isinstance(found, dict) else found
+
+        def save(self, state_dict: Any, path: str) -> None:
+            raise RuntimeError("hasten's checkpoint engine only reads (it is installed for load_checkpoint alone)")
+
+        def create(self, info: Any) -> None:
+            self.save(None, "")
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+    return CheckedFiles()
 
 
 def is_engine_checkpoint(path: str) -> bool:
@@ -267,71 +336,111 @@ def is_engine_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and bool(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
 
 
-def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of the engine checkpoint folder ``path`` (``<save dir>/<tag>``), rebuilt
-    from every process's ZeRO partitions in this process alone (no process group, no engine).
-    Raises ``ValueError`` with one line naming what is missing or damaged."""
-    if not is_engine_checkpoint(path):
-        raise ValueError(f"{path!r} holds no DeepSpeed model states (*model_states.pt); pass an engine checkpoint "
-                         "folder (the folder save_checkpoint wrote for one tag)")
-    try:
-        from deepspeed.utils import zero_to_fp32
-    except ImportError:
-        raise ValueError("reading a DeepSpeed checkpoint needs DeepSpeed: pip install 'hasten[deepspeed]' (on CPU "
-                         "with DS_BUILD_OPS=0)") from None
-    from .unpickling import ForbiddenPickle
-
-    noise = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
-            refuse_foreign_pickles(path)
-            if not glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")):
-                return _stage0_weights(path)
-            parent, tag = os.path.split(os.path.normpath(path))
-            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
-    except ForbiddenPickle as e:
-        raise ValueError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - missing partitions, truncated files
-        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-        raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
-                         f"{lines[0] if lines else 'no message'}); it is incomplete or damaged") from None
-    return {k: v.detach() for k, v in state.items()}
+def _model_state(zero_to_fp32: Any, state: Any, name: str) -> Any:
+    """What DeepSpeed's ``zero_to_fp32.parse_model_states`` takes from one model states file."""
+    if not isinstance(state, dict) or "buffer_names" not in state or not isinstance(state.get("module"), dict):
+        raise ValueError(f"{name!r} is not a DeepSpeed model states file (no buffer_names or module)")
+    names = state["buffer_names"]
+    buffers = {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()
+               if k in names and isinstance(v, torch.Tensor)}
+    return zero_to_fp32.zero_model_state(
+        buffers=buffers, param_shapes=state["param_shapes"],
+        shared_params=[[k, v] for k, v in (state.get("shared_params") or {}).items()],
+        ds_version=state.get("ds_version"), frozen_param_shapes=state.get("frozen_param_shapes"),
+        frozen_param_fragments=state.get("frozen_param_fragments"))
 
 
-_HOW_TO_STEP = ("foreach", "fused", "capturable", "differentiable")
-
-
-def saved_hyperparameters(path: str) -> Optional[list[dict[str, Any]]]:
-    """The hyperparameters of each parameter group (learning rate, momentum, ...) of the optimizer in
-    the engine checkpoint folder ``path``, from process 0's files; None when they hold no optimizer."""
-    from . import unpickling
-
-    optim = sorted(glob.glob(os.path.join(glob.escape(path), "*optim_states.pt")))
-    model = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
-    noise = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
-            if optim:  # ZeRO 1/2 (and bf16): "base_optimizer_state"; ZeRO 3: "optimizer_state_dict"
-                wrapper = unpickling.torch_file(optim[0], _KIND, _RECORDS).get("optimizer_state_dict") or {}
-                base = wrapper.get("base_optimizer_state") or wrapper.get("optimizer_state_dict")
-            else:  # no ZeRO: the torch optimizer's state dict beside the module
-                base = unpickling.torch_file(model[0], _KIND, _RECORDS).get("optimizer") if model else None
-    except Exception as e:  # noqa: BLE001 - truncated files, foreign pickles
-        raise ValueError(f"cannot read the optimizer hyperparameters of the DeepSpeed checkpoint {path!r} "
-                         f"({type(e).__name__}); it is incomplete or damaged") from None
+def _groups(base: Any) -> Optional[list[dict[str, Any]]]:
     groups = base.get("param_groups") if isinstance(base, dict) else None
     if not isinstance(groups, list):
         return None
     return [{k: v for k, v in g.items() if k != "params"} for g in groups if isinstance(g, dict)]
 
 
-def _stage0_weights(path: str) -> dict[str, torch.Tensor]:
-    """Without ZeRO (stage 0) the model states file holds the whole module."""
-    from . import unpickling
+def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict[str, Any]]]]:
+    """(full fp32 weights, hyperparameters of each parameter group) of the engine checkpoint folder ``path``,
+    every file read once and checked; DeepSpeed's ``zero_to_fp32`` merges what was read (it reads no file).
+    Raises ``ForbiddenPickle``/``CheckpointCorruptError`` naming a refused file, ``ValueError`` otherwise."""
+    from deepspeed.utils import zero_to_fp32
 
-    files = sorted(glob.glob(os.path.join(glob.escape(path), "*model_states.pt")))
-    module = unpickling.torch_file(files[0], _KIND, _RECORDS)["module"]
-    return {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
+    model_files = zero_to_fp32.get_model_state_files(path)
+    optim_files = zero_to_fp32.get_optim_files(path) if glob.glob(os.path.join(glob.escape(path),
+                                                                              "*optim_states.pt")) else []
+    models = [(name, _read(name)) for name in model_files]
+    if not optim_files:  # no ZeRO (stage 0): the model states file holds the whole module and the optimizer
+        state = models[0][1]
+        if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+            raise ValueError(f"{model_files[0]!r} is not a DeepSpeed model states file (no module)")
+        weights = {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
+        return weights, _groups(state.get("optimizer"))
+    zero_models = [_model_state(zero_to_fp32, state, name) for name, state in models]
+    del models
+    flat, groups, stage, world, paddings = [], None, None, None, None
+    for i, name in enumerate(optim_files):
+        wrapper = _read(name).get("optimizer_state_dict")
+        if not isinstance(wrapper, dict) or "zero_stage" not in wrapper:
+            raise ValueError(f"{name!r} is not a DeepSpeed ZeRO optimizer states file (no zero_stage)")
+        if i == 0:  # ZeRO 1/2 (and bf16): "base_optimizer_state"; ZeRO 3: "optimizer_state_dict"
+            groups = _groups(wrapper.get("base_optimizer_state") or wrapper.get("optimizer_state_dict"))
+            stage, world = int(wrapper["zero_stage"]), wrapper["partition_count"]
+            world = max(world) if isinstance(world, list) else int(world)
+            paddings = wrapper.get("param_alignment_paddings")
+        wrapper.pop("optimizer_state_dict", None)  # the moments: only the fp32 master weights are needed
+        flat.append(wrapper["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"])
+    if world != len(optim_files):
+        raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r}: it holds "
+                         f"{len(optim_files)} optimizer states files but was written by {world} processes; it is "
+                         "incomplete or damaged (files are missing or come from another checkpoint)")
+    if stage <= 2:
+        state = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zero_models, False, paddings)
+    else:
+        state = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zero_models, False)
+    return {k: v.detach() for k, v in zero_to_fp32.to_torch_tensor(state).items()}, groups
+
+
+def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of the engine checkpoint folder ``path`` (``<save dir>/<tag>``), rebuilt
+    from every process's ZeRO partitions in this process alone (no process group, no engine).
+    Raises ``ValueError`` with one line naming what is missing, damaged or refused (and nothing runs)."""
+    if not is_engine_checkpoint(path):
+        raise ValueError(f"{path!r} holds no DeepSpeed model states (*model_states.pt); pass an engine checkpoint "
+                         "folder (the folder save_checkpoint wrote for one tag)")
+    try:
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
+    except ImportError:
+        raise ValueError("reading a DeepSpeed checkpoint needs DeepSpeed: pip install 'hasten[deepspeed]' (on CPU "
+                         "with DS_BUILD_OPS=0)") from None
+    try:
+        return _quiet(_consolidate, path)[0]
+    except ValueError:
+        raise
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - refused or damaged files (named), foreign contents
+        if _names_a_file(e):
+            raise ValueError(str(e)) from None
+        raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
+                         f"{_first_line(e)}); it is incomplete or damaged") from None
+
+
+def _names_a_file(error: BaseException) -> bool:
+    from .fileio import CheckpointCorruptError
+    from .unpickling import ForbiddenPickle
+
+    return isinstance(error, (ForbiddenPickle, CheckpointCorruptError))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else "no message"
+
+
+def _quiet(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` with DeepSpeed's prints (progress bars, "Processing zero checkpoint") kept quiet."""
+    noise = io.StringIO()
+    with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+        return function(*args)
+
+
+_HOW_TO_STEP = ("foreach", "fused", "capturable", "differentiable")
 
 
 from .backends import register  # noqa: E402

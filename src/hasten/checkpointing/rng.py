@@ -78,6 +78,23 @@ def restore(state: dict[str, Any]) -> list[str]:
     return notes
 
 
+def check(state: dict[str, Any]) -> None:
+    """Raise (TypeError, ValueError, ...) unless ``restore`` can set every generator from ``state``: each one
+    is tried on a scratch generator, so nothing of this process changes and ``restore`` cannot fail halfway."""
+    random.Random().setstate(_as_tuple(state["python"]))
+    if not isinstance(state["torch"], torch.Tensor):
+        raise TypeError(f"the torch generator state is a {type(state['torch']).__name__}, not a tensor")
+    torch.Generator().set_state(state["torch"].to(torch.uint8))
+    np = _numpy()
+    if "numpy" in state and np is not None:
+        s = state["numpy"]
+        np.random.RandomState().set_state((s["kind"], s["keys"].numpy().astype("uint32"), int(s["pos"]),
+                                           int(s["has_gauss"]), float(s["cached_gaussian"])))
+    for name in ("cuda", "xpu"):
+        if name in state and not all(isinstance(t, torch.Tensor) for t in state[name]):
+            raise TypeError(f"the {name} generator states are not tensors")
+
+
 def _as_tuple(value: Any) -> Any:
     """``random.setstate`` needs tuples all the way down."""
     if isinstance(value, (list, tuple)):

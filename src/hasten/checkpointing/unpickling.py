@@ -14,14 +14,26 @@ given to it wrapped (``_Call``: callable, refusing attributes), and the classes 
 their enum members) are compared before and after: a change is undone and refused. This keeps
 pickle's C unpickler (the pure-Python one, which could check BUILD directly, is ~30x slower: 20 ms
 per hundred DCP tensors).
+
+The pickle module is not the only door: ``torch.load`` hands any zip archive whose records include
+``constants.pkl`` (a TorchScript archive) to ``torch.jit.load``, which runs the archive's code, whatever
+pickle module it was given. ``torch_file`` therefore copies a file once into memory (a sealed memfd on
+Linux, which nobody can change afterwards; else bytes), checks that copy (``check_torch_bytes``: a zip
+archive holding only the records torch.save writes, as both Python's zipfile and torch's own reader
+list them, or a legacy pickle) and unpickles exactly that copy: no second read of the file that a
+replaced file could slip into. Any failure is one error naming the file:
+``ForbiddenPickle`` (it would run code, or names a foreign global) or ``CheckpointCorruptError``.
 """
 
 from __future__ import annotations
 
 import enum
+import io
+import os
 import pickle
+import re
 import types
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 # Records of torch.distributed.checkpoint's metadata (torch 2.x), and what they hold.
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -198,21 +210,196 @@ def dcp_metadata(path: str) -> Any:
     return metadata
 
 
+# The records torch.save writes into its zip archive (under one archive prefix). A TorchScript archive
+# adds constants.pkl and code/: torch.load hands any zip with constants.pkl to torch.jit.load, whatever
+# pickle module it was given, and TorchScript runs the archive's code (its __setstate__ can write files).
+_TORCH_SAVE_RECORDS = re.compile(r"(data\.pkl|byteorder|version|\.data/version|\.data/serialization_id|"
+                                 r"\.format_version|\.storage_alignment|data/\d+)\Z")
+
+
+def _corrupt(path: str, kind: str, what: str) -> Exception:
+    from .fileio import CheckpointCorruptError
+
+    return CheckpointCorruptError(f"{path!r} is not a readable {kind} file: {what}; the checkpoint is incomplete or "
+                                  "damaged (save it again, or restore the file from a good copy)")
+
+
+def _refuse(path: str, kind: str, what: str) -> ForbiddenPickle:
+    return ForbiddenPickle(f"{path!r} is not a {kind} file as torch.save writes it, or it was tampered with: it "
+                           f"{what}; hasten refused to load it and nothing in it ran (load checkpoints only from "
+                           "sources you trust)")
+
+
+def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> None:
+    """Refuse a zip archive holding anything but torch.save's records, as Python's zipfile and torch's own
+    reader (the one torch.load uses) both see it."""
+    import zipfile
+
+    import torch
+
+    if data[-22:-18] != b"PK\x05\x06":  # torch writes no comment and nothing after the directory
+        raise _refuse(path, kind, "has data after its zip directory (a comment, an appended archive) or no end record")
+    try:
+        with stream() as f, zipfile.ZipFile(f) as archive:
+            infos = archive.infolist()
+        with stream() as f:
+            torch_records = torch._C.PyTorchFileReader(f).get_all_records()
+    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, RuntimeError of torch's reader, ...
+        raise _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    names = [info.filename for info in infos]
+    if not names or len(set(names)) != len(names):
+        raise _refuse(path, kind, "is a zip archive with no records or with a record named twice")
+    prefix = names[0].split("/", 1)[0]
+    for info in infos:
+        head, _, rest = info.filename.partition("/")
+        if head != prefix or not _TORCH_SAVE_RECORDS.match(rest):
+            raise _refuse(path, kind, f"holds the zip record {info.filename!r}, which torch.save never writes (a "
+                          "TorchScript archive, whose code torch.load would run, holds code/ and constants.pkl)")
+        if info.flag_bits & 0x1 or info.compress_type != zipfile.ZIP_STORED:
+            raise _refuse(path, kind, f"holds the record {info.filename!r} encrypted or compressed, as torch.save "
+                          "never writes it")
+    if min(info.header_offset for info in infos) != 0:
+        raise _refuse(path, kind, "has data before its first zip record")
+    if sorted(torch_records) != sorted(name.partition("/")[2] for name in names):
+        raise _refuse(path, kind, "is a zip archive whose records torch's reader sees differently from zipfile")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no message"
+
+
+def check_torch_bytes(data: Any, path: str, kind: str, stream: Optional[Callable[[], Any]] = None) -> None:
+    """Raise unless ``data`` (the bytes of ``path``, or a read-only map of them; ``stream`` opens them as a
+    file) is what torch.save writes: a zip archive of its records only (``ForbiddenPickle`` for a TorchScript
+    archive or any other record), or a pickle (torch's legacy format, whose globals the unpickler then
+    judges). ``CheckpointCorruptError`` for an empty or unreadable file."""
+    if stream is None:
+        stream = lambda: io.BytesIO(data)  # noqa: E731
+    if not len(data):
+        raise _corrupt(path, kind, "it is empty")
+    if data[:4] == b"PK\x03\x04":
+        _check_zip(data, path, kind, stream)
+        return
+    if data[:1] != b"\x80":  # torch's legacy format starts with a pickle (protocol 2+); not a tar archive
+        raise _corrupt(path, kind, "it is neither a zip archive nor a pickle as torch.save writes them")
+    import tarfile
+
+    try:
+        with stream() as f:
+            tarfile.open(fileobj=f, mode="r:").close()
+    except tarfile.TarError:
+        return
+    raise _refuse(path, kind, "is a tar archive (torch < 0.4's format)")
+
+
+def read_checked(path: str, kind: str) -> bytes:
+    """The bytes of ``path``, read once and checked by ``check_torch_bytes``: what is then unpickled is
+    exactly what was checked (no second read a replaced file could slip into)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _corrupt(path, kind, f"it cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    check_torch_bytes(data, path, kind)
+    return data
+
+
+def _sealed_copy(path: str) -> Optional[int]:
+    """A private in-memory copy of ``path`` (a Linux memfd) sealed against any change, or None where the
+    system has none (then the file is read into bytes instead). The copy is what is checked and what torch
+    maps: one copy of the bytes, torch's fast path-based loading, and nobody can alter it in between."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    if not (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")):
+        return None
+    try:
+        source = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # read_checked names the file and the reason
+    fd = -1
+    try:
+        size = os.fstat(source).st_size
+        fd = os.memfd_create("hasten-checked", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        done = 0
+        while done < size:
+            sent = os.sendfile(fd, source, done, size - done)
+            if not sent:  # the file shrank while it was copied: what was copied is checked
+                break
+            done += sent
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except OSError:  # a file system sendfile cannot read, no sealing: the plain read below
+        if fd >= 0:
+            os.close(fd)
+        return None
+    finally:
+        os.close(source)
+    return fd
+
+
 def torch_file(path: str, kind: str, records: Iterable[tuple[str, str]], map_location: Any = "cpu",
                mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` allowing tensors, plain containers, torch constants and ``records``
-    (classes whose instances the file may hold). ``mmap=True`` maps the tensor data instead of reading
-    it (zip-format files only; older ones are read)."""
-    import torch
+    (classes whose instances the file may hold), through ``load_checked``. ``mmap`` is accepted for
+    callers of old and ignored: mapping the file itself would let what torch reads differ from what was
+    checked (the checked copy is mapped instead).
 
+    Raises ``ForbiddenPickle`` for a file that would run code or names a global outside the list, and
+    ``CheckpointCorruptError`` naming the file for any other failure (empty, truncated, bit flips,
+    pickles nested too deep)."""
+    del mmap
     reader = _unpickler(path, kind, TENSOR_GLOBALS | frozenset(records))
     # torch.load takes any module-like object with Unpickler and load (a per-call allow-list, no global switch).
     module = types.SimpleNamespace(__name__="hasten_restricted_pickle", Unpickler=reader,
                                    load=lambda f, **kwargs: reader(f, **kwargs).load())
-    try:
-        return torch.load(path, map_location=map_location, pickle_module=module, weights_only=False, mmap=mmap)
-    except RuntimeError as e:
-        if not mmap or "mmap" not in str(e):
-            raise
-    return torch.load(path, map_location=map_location, pickle_module=module, weights_only=False)
+    return load_checked(path, kind, map_location=map_location, pickle_module=module, weights_only=False)
 
+
+def load_checked(path: str, kind: str, refused: tuple = (ForbiddenPickle,), **load_kwargs: Any) -> Any:
+    """``torch.load(..., **load_kwargs)`` of ``path``, copied once into a sealed in-memory file
+    (``_sealed_copy``; else read into bytes), checked (``check_torch_bytes``: never a TorchScript archive,
+    whatever ``weights_only``) and loaded from that very copy, zip archives mapped rather than copied
+    again. Errors of the classes ``refused`` pass unchanged (the unpickler's refusals); any other failure is
+    ``CheckpointCorruptError`` naming the file."""
+    import mmap as mapping
+
+    fd = _sealed_copy(path)
+    if fd is None:
+        data = read_checked(path, kind)
+        return _load(path, kind, data, lambda: io.BytesIO(data), None, refused, load_kwargs)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            raise _corrupt(path, kind, "it is empty")
+        with mapping.mmap(fd, size, prot=mapping.PROT_READ) as view:
+            sealed = f"/proc/self/fd/{fd}"
+            stream = lambda: open(sealed, "rb")  # noqa: E731 - its own file position, the same sealed bytes
+            check_torch_bytes(view, path, kind, stream)
+            return _load(path, kind, view, stream, sealed, refused, load_kwargs)
+    finally:
+        os.close(fd)
+
+
+def _load(path: str, kind: str, data: Any, stream: Callable[[], Any], sealed: Optional[str], refused: tuple,
+          load_kwargs: dict) -> Any:
+    """Unpickle checked bytes: a zip archive from the sealed copy's path (mapped), else from a stream that
+    must end where torch.save's legacy format ends."""
+    import torch
+
+    load_kwargs.setdefault("map_location", "cpu")
+    try:
+        if sealed is not None and data[:4] == b"PK\x03\x04":
+            return torch.load(sealed, mmap=True, **load_kwargs)
+        with stream() as f:
+            loaded = torch.load(f, **load_kwargs)
+            end = f.tell()
+    except refused:
+        raise
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated, flipped or foreign files fail in many ways
+        raise _corrupt(path, kind, f"{type(e).__name__}: {_first_line(e)}") from None
+    if data[:4] != b"PK\x03\x04" and end != len(data):  # legacy format: torch reads it to its end
+        raise _refuse(path, kind, f"has {len(data) - end} bytes after what torch.save wrote")
+    return loaded
