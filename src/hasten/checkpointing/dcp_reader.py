@@ -183,6 +183,14 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
                 f"the checkpoint value {read_item.dest_index.fqn!r} holds more than tensors and plain Python values, "
                 f"which a checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and "
                 f"nothing in it ran ({why})") from None
+        except Exception as e:  # noqa: BLE001 - a TorchScript archive, a truncated or foreign value
+            refused = "TorchScript" in str(e)
+            error = unpickling.ForbiddenPickle if refused else CheckpointCorruptError
+            raise error(
+                f"the checkpoint value {read_item.dest_index.fqn!r} is "
+                + ("a TorchScript archive, which a checkpoint save never stores; hasten refused it and nothing in it "
+                   "ran" if refused else f"damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            ) from None
         # The parent stores the value where it belongs; it is given a pickle of what was just read safely.
         safe = io.BytesIO()
         torch.save(loaded, safe)
