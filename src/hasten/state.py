@@ -193,6 +193,11 @@ class PartialState(SharedDict):
         _check_timeout(kwargs)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if kwargs.get("init_method") is None and kwargs.get("store") is None:
+            store = _round_store(kwargs.get("timeout"))
+            if store is not None:
+                kwargs.pop("init_method", None)
+                kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
         atexit.register(_tear_down_at_exit, dist.group.WORLD)
 
@@ -378,6 +383,31 @@ def _tear_down_at_exit(world: Any) -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the script's work is done either way
         pass
+
+
+def _round_store(timeout: Optional[timedelta]) -> Optional[Any]:
+    """The elastic agent's store seen through a prefix of this restart round, when the agent shares
+    its store with the processes (``TORCHELASTIC_USE_AGENT_STORE=True``: static rendezvous, and c10d
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, e.g. ``torchrun --max-restarts``); None otherwise.
+
+    That store outlives the processes: after a restart it still holds the keys of the round before,
+    and gloo then reads the listening addresses of the dead processes ("connectFullMesh failed ...
+    Connection refused") or waits for a peer that never connects. torch adds no prefix per round, so
+    each round's keys get their own here. Only when every process runs under this one agent: its
+    restart count is then the same in every process, while the agents of several machines may count
+    differently (a machine that joins a new round for another's failure does not count it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout or default_pg_timeout)
+    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hasten/restart_round_{round_}/", client)
 
 
 def _check_timeout(kwargs: dict) -> None:
