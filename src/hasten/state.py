@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
+from .group_lifetime import round_store, tear_down_at_exit
 from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
@@ -194,12 +195,12 @@ class PartialState(SharedDict):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if kwargs.get("init_method") is None and kwargs.get("store") is None:
-            store = _round_store(kwargs.get("timeout"))
+            store = round_store(kwargs.get("timeout"))
             if store is not None:
                 kwargs.pop("init_method", None)
                 kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
-        atexit.register(_tear_down_at_exit, dist.group.WORLD)
+        atexit.register(tear_down_at_exit, dist.group.WORLD)
 
     def open_one_process_group(self, backend: Optional[str] = None, **kwargs: Any) -> None:
         """A process group of this one process (FSDP2 and DTensor need one even then), in memory: no
@@ -215,7 +216,7 @@ class PartialState(SharedDict):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend=backend, rank=0, world_size=1, **kwargs)
-            atexit.register(_tear_down_at_exit, dist.group.WORLD)
+            atexit.register(tear_down_at_exit, dist.group.WORLD)
             self.owns_group = True
         self.backend = dist.get_backend()
 
@@ -371,43 +372,6 @@ class PartialState(SharedDict):
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
-
-
-def _tear_down_at_exit(world: Any) -> None:
-    """The script ended with the group hasten opened still up (``torchrun``, plain ``python``): tear
-    it down while the interpreter still runs. Left to finalization, a gloo worker thread that drops
-    the last collective's tensors then cannot take the GIL and aborts the process, and NCCL warns
-    of a leaked communicator."""
-    try:
-        if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the script's work is done either way
-        pass
-
-
-def _round_store(timeout: Optional[timedelta]) -> Optional[Any]:
-    """The elastic agent's store seen through a prefix of this restart round, when the agent shares
-    its store with the processes (``TORCHELASTIC_USE_AGENT_STORE=True``: static rendezvous, and c10d
-    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, e.g. ``torchrun --max-restarts``); None otherwise.
-
-    That store outlives the processes: after a restart it still holds the keys of the round before,
-    and gloo then reads the listening addresses of the dead processes ("connectFullMesh failed ...
-    Connection refused") or waits for a peer that never connects. torch adds no prefix per round, so
-    each round's keys get their own here. Only when every process runs under this one agent: its
-    restart count is then the same in every process, while the agents of several machines may count
-    differently (a machine that joins a new round for another's failure does not count it)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
-        return None
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not addr or not port.isdigit():
-        return None
-    from torch.distributed.constants import default_pg_timeout
-
-    client = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout or default_pg_timeout)
-    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"hasten/restart_round_{round_}/", client)
 
 
 def _check_timeout(kwargs: dict) -> None:
