@@ -184,6 +184,16 @@ def test_single_process_runs_directly_and_restarts_use_c10d():
     assert explicit.rdzv_backend == "static"
 
 
+def test_restarts_on_one_machine_use_c10d_over_a_config_files_static(tmp_path):
+    """`hasten config` writes rdzv_backend: static into every file; restarts with it broke gloo."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nrdzv_backend: static\n")
+    r = plan_for("--config_file", str(cfg), "--max_restarts", "1", "train.py")
+    assert r.rdzv_backend == "c10d" and r.child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "static restarts" in r.res.values["rdzv_backend"].source
+    assert plan_for("--config_file", str(cfg), "train.py").rdzv_backend == "static"  # no restarts: as written
+
+
 def test_port_zero_and_default_pick_free_port_on_one_machine():
     p = plan_for("--num_processes", "2", "--main_process_port", "0", "train.py")
     assert 0 < p.main_port < 65536 and "free port" in p.res.values["main_process_port"].source

@@ -27,6 +27,7 @@ from .precision import Precision
 from .prepared import Built, PrepareCall, PreparedObjects
 from .process_control import ProcessControlMixin
 from .scheduler import AcceleratedScheduler
+from .group_lifetime import quiesce_gloo_workers
 from .state import warn_once
 from .strategies import build_strategy, foreign_wrapper
 from .tracking.mixin import TrackingMixin
@@ -524,6 +525,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         self._finish_trackers()
         if (self.use_distributed or getattr(self.state, "owns_group", False)) and torch.distributed.is_initialized():
             self.wait_for_everyone()
+            quiesce_gloo_workers()  # no gloo thread may still be letting go of a tensor when the script ends
             self.state.destroy_process_group()
 
     def __repr__(self) -> str:

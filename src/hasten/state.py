@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
+from .group_lifetime import round_store, tear_down_at_exit
 from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
@@ -193,8 +194,13 @@ class PartialState(SharedDict):
         _check_timeout(kwargs)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if kwargs.get("init_method") is None and kwargs.get("store") is None:
+            store = round_store(kwargs.get("timeout"))
+            if store is not None:
+                kwargs.pop("init_method", None)
+                kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
-        atexit.register(_tear_down_at_exit, dist.group.WORLD)
+        atexit.register(tear_down_at_exit, dist.group.WORLD)
 
     def open_one_process_group(self, backend: Optional[str] = None, **kwargs: Any) -> None:
         """A process group of this one process (FSDP2 and DTensor need one even then), in memory: no
@@ -210,7 +216,7 @@ class PartialState(SharedDict):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend=backend, rank=0, world_size=1, **kwargs)
-            atexit.register(_tear_down_at_exit, dist.group.WORLD)
+            atexit.register(tear_down_at_exit, dist.group.WORLD)
             self.owns_group = True
         self.backend = dist.get_backend()
 
@@ -366,18 +372,6 @@ class PartialState(SharedDict):
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
-
-
-def _tear_down_at_exit(world: Any) -> None:
-    """The script ended with the group hasten opened still up (``torchrun``, plain ``python``): tear
-    it down while the interpreter still runs. Left to finalization, a gloo worker thread that drops
-    the last collective's tensors then cannot take the GIL and aborts the process, and NCCL warns
-    of a leaked communicator."""
-    try:
-        if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the script's work is done either way
-        pass
 
 
 def _check_timeout(kwargs: dict) -> None:

@@ -215,11 +215,18 @@ def processes_exceed_gpus(per_node: int, gpus: int, machines: int, visible: Opti
 def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
                 notes: dict[str, str]) -> tuple[str, str, int, dict[str, Any]]:
     """Backend, address, port and settings of the rendezvous (a free port on one machine)."""
-    backend = res["rdzv_backend"]
-    if res.values["rdzv_backend"].rank == DEFAULT and res["max_restarts"] > 0 and machines == 1:
-        backend = "c10d"  # static rendezvous reuses a stale store on restart with gloo (pytorch#135712)
-        res.set("rdzv_backend", backend, "default with --max_restarts on one machine: static restarts break gloo",
-                DEFAULT)
+    backend, value = res["rdzv_backend"], res.values["rdzv_backend"]
+    if backend == "static" and value.rank <= CONFIG and res["max_restarts"] > 0 and machines == 1:
+        # Static rendezvous shares the agent's store with every restart round, and the restarted
+        # processes read the previous round's gloo addresses from it ("connectFullMesh ... Connection
+        # refused", or a hang; pytorch#135712). On one machine c10d behaves the same otherwise, and is
+        # given a store of its own per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE below). A config
+        # file's static counts as a default: `hasten config` (and Accelerate's) writes it into every file.
+        # An explicit --rdzv_backend static stays; hasten's own process group survives it (state.py).
+        why = "default" if value.rank == DEFAULT else f"{value.source} said static"
+        backend = "c10d"
+        res.set("rdzv_backend", backend, f"{why}; c10d with --max_restarts on one machine: static restarts "
+                "break gloo", value.rank)
     ip = res["main_process_ip"]
     if ip is None:
         if machines > 1:
