@@ -413,3 +413,37 @@ def test_merge_weights_deepspeed_payloads_one_line_exit_2(two, tmp_path, capfd, 
     assert RAN not in err and not os.path.exists(marker), err
     if err:
         assert path in err and not (tmp_path / "o").exists(), err
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "optimizer.bin", "random_states_0.pkl"])
+def test_accelerate_folder_with_a_linked_file_is_refused(accelerate_folder, tmp_path, name):
+    """A link inside an Accelerate folder may lead anywhere on the machine: refused, naming it, before any read."""
+    folder = shutil.copytree(accelerate_folder, tmp_path / "c")
+    outside = tmp_path / "outside.bin"
+    shutil.move(folder / name, outside)
+    os.symlink(outside, folder / name)
+    with pytest.raises(Exception, match="symbolic link") as caught:
+        _load_accelerate(folder)
+    assert name in str(caught.value)
+
+
+def test_accelerate_folder_damaged_safetensors_is_named(accelerate_folder, tmp_path):
+    """safetensors' own errors ("header too small") do not say which file: hasten's does."""
+    folder = shutil.copytree(accelerate_folder, tmp_path / "c")
+    (folder / "pytorch_model.bin").unlink()
+    (folder / "model.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(Exception, match="model.safetensors.*not a readable safetensors file"):
+        _load_accelerate(folder)
+
+
+def test_deepspeed_engine_file_that_is_a_link_is_refused(tmp_path):
+    from hasten.checkpointing import deepspeed_state
+    from hasten.checkpointing.fileio import CheckpointCorruptError
+
+    folder = tmp_path / "model_0"
+    folder.mkdir()
+    real = tmp_path / "elsewhere.pt"
+    real.write_bytes(_saved(_MODEL_STATES))
+    os.symlink(real, folder / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointCorruptError, match="mp_rank_00_model_states.pt.*symbolic link"):
+        deepspeed_state.refuse_foreign_pickles(str(folder))

@@ -138,11 +138,26 @@ def read_rng(path: str) -> dict[str, Any]:
     return state
 
 
+def _refuse_links(folder: str, names: set[str]) -> None:
+    """Symbolic links may lead anywhere on the machine: an Accelerate folder is read only when neither it
+    nor any entry in it is one (Accelerate writes plain files and folders)."""
+    links = sorted(n for n in names if os.path.islink(os.path.join(folder, n)))
+    if os.path.islink(os.path.normpath(folder)) or links:
+        what = ", ".join(repr(os.path.join(folder, n)) for n in links[:5]) or repr(folder)
+        raise CheckpointCorruptError(f"{what} {'are symbolic links' if len(links) > 1 else 'is a symbolic link'}; "
+                                     "hasten reads checkpoint files only from real files inside the folder (nothing "
+                                     "was read); copy the real files in if you trust them")
+
+
 def _read_model(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
-        return load_file(path, device="cpu")
+        try:
+            return load_file(path, device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors do not name the file
+            raise CheckpointCorruptError(f"{path!r} is not a readable safetensors file ({type(e).__name__}: "
+                                         f"{_first_line(e)}); the checkpoint is damaged") from None
     return _dict(path, _torch_load(path), tensors=True)
 
 
@@ -274,7 +289,9 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
     models = list(acc._models)
     try:
         acc._checkpoints.load_pre_hooks.run(models, folder)
-        loaded = _read(acc, folder, set(os.listdir(folder)), allow_pickle, custom_later, problems)
+        names = set(os.listdir(folder))
+        _refuse_links(folder, names)
+        loaded = _read(acc, folder, names, allow_pickle, custom_later, problems)
     except Exception as e:  # noqa: BLE001 - one process failing must stop every process
         problems.append((kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))
     agree(problems, folder)

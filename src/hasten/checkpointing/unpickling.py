@@ -28,6 +28,7 @@ replaced file could slip into. Any failure is one error naming the file:
 from __future__ import annotations
 
 import enum
+import errno
 import io
 import os
 import pickle
@@ -293,13 +294,25 @@ def check_torch_bytes(data: Any, path: str, kind: str, stream: Optional[Callable
     raise _refuse(path, kind, "is a tar archive (torch < 0.4's format)")
 
 
+def open_no_link(path: str) -> int:
+    """A read-only descriptor of ``path``, refusing a symbolic link (``OSError`` ELOOP where the system
+    has ``O_NOFOLLOW``; checked before opening elsewhere)."""
+    flag = getattr(os, "O_NOFOLLOW", 0)
+    if not flag and os.path.islink(path):
+        raise OSError(errno.ELOOP, "a symbolic link", path)
+    return os.open(path, os.O_RDONLY | flag)
+
+
 def read_checked(path: str, kind: str) -> bytes:
     """The bytes of ``path``, read once and checked by ``check_torch_bytes``: what is then unpickled is
     exactly what was checked (no second read a replaced file could slip into)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_no_link(path), "rb") as f:
             data = f.read()
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _corrupt(path, kind, "it is a symbolic link, which may lead anywhere; hasten reads only real "
+                           "files of a checkpoint (nothing was read)") from None
         raise _corrupt(path, kind, f"it cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     check_torch_bytes(data, path, kind)
     return data
@@ -316,7 +329,7 @@ def _sealed_copy(path: str) -> Optional[int]:
     if not (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")):
         return None
     try:
-        source = os.open(path, os.O_RDONLY)
+        source = open_no_link(path)
     except OSError:
         return None  # read_checked names the file and the reason
     fd = -1
