@@ -447,3 +447,34 @@ def test_deepspeed_engine_file_that_is_a_link_is_refused(tmp_path):
     os.symlink(real, folder / "mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointCorruptError, match="mp_rank_00_model_states.pt.*symbolic link"):
         deepspeed_state.refuse_foreign_pickles(str(folder))
+
+
+def test_dcp_value_holding_a_torchscript_archive_is_refused(tmp_path, capfd):
+    """DCP stores non-tensor values as bytes that its planner unpickles: a TorchScript archive there is refused
+    by name (torch's weights-only load raises a bare RuntimeError for it) and its code never runs."""
+    import torch.distributed.checkpoint as dcp
+
+    from attack_payloads import torchscript
+    from hasten.checkpointing import dcp_reader
+
+    folder = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "extra": {"lr": 0.1}}, checkpoint_id=folder, no_dist=True)
+        # The value's bytes become a TorchScript archive appended to its shard, as a crafted folder would hold.
+        metadata = pickle.load(open(os.path.join(folder, ".metadata"), "rb"))
+        key = next(k for k in metadata.storage_data if k.fqn.startswith("extra"))
+        info = metadata.storage_data[key]
+        shard = os.path.join(folder, info.relative_path)
+        archive = torchscript()
+        offset = os.path.getsize(shard)
+        with open(shard, "ab") as f:
+            f.write(archive)
+        metadata.storage_data[key] = type(info)(info.relative_path, offset, len(archive))
+        with open(os.path.join(folder, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+        state = {"w": torch.zeros(2), "extra": {"lr": 0.0}}
+        with pytest.raises(Exception, match="TorchScript") as caught:
+            dcp_reader.load_folder(state, folder)
+    assert "'extra.lr' is a TorchScript archive" in str(caught.value)
+    assert RAN not in capfd.readouterr().out
