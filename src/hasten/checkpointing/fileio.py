@@ -48,8 +48,7 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 _CODES = {code: dtype for dtype, code in _DTYPES.items()}
 
 
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file does not have the size or checksum its manifest records."""
+from .layout import CheckpointCorruptError  # noqa: E402,F401 - defined torch-free, raised here
 
 
 # -- checksum -----------------------------------------------------------------------------------------
@@ -207,11 +206,11 @@ def _kick_writeback(fd: int, offset: int, nbytes: int) -> None:
         function(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait
 
 
-def _fsync(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
-        pass
+def _fsync(fd: int, path: str) -> None:
+    """fsync a file just written; an I/O error fails the save (see ``saving.fsync_fd``)."""
+    from ..saving import fsync_fd
+
+    fsync_fd(fd, path)
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
@@ -266,7 +265,7 @@ def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
                 _kick_writeback(f.fileno(), position, written)
                 position += written
                 view = view[written:]
-        _fsync(f.fileno())
+        _fsync(f.fileno(), path)
 
 
 # Big files bypass the page cache (O_DIRECT, Linux): the data goes from an aligned buffer to the
@@ -344,7 +343,7 @@ def _write_direct(path: str, pieces: list, size: int, summer: BlockSummer) -> bo
             flush(index, filled, position)
         wait()
         os.ftruncate(fd, size)
-        _fsync(fd)
+        _fsync(fd, path)
         return True
     except OSError as e:
         if e.errno != errno.EINVAL:  # a real failure (disk full, I/O error): report it
@@ -373,7 +372,7 @@ def write_bytes(path: str, data: bytes) -> tuple[int, str]:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        _fsync(f.fileno())
+        _fsync(f.fileno(), path)
     summer = BlockSummer()
     summer.update(data)
     return len(data), summer.digest()

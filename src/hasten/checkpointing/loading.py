@@ -63,7 +63,13 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     if input_dir is not None:
         # As in save_state, the main process names the folder: a script that passes each process its
         # own (e.g. a per-process tempfile.TemporaryDirectory) reads back what save_state wrote.
-        return broadcast_from_main([os.path.abspath(os.path.expanduser(os.fspath(input_dir)))])[0]
+        folder = os.path.abspath(os.path.expanduser(os.fspath(input_dir)))
+        if accelerator.is_main_process:
+            try:
+                layout.recover(folder)  # a crash mid-replace may have left it under a temporary name
+            except OSError:
+                pass  # reported below as the folder being missing, on every process
+        return broadcast_from_main([folder])[0]
     if not pc.automatic_checkpoint_naming:
         raise ValueError(
             "load_state() without input_dir needs ProjectConfiguration(automatic_checkpoint_naming=True); "
@@ -73,7 +79,10 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     found: list[Any] = [None]
     if accelerator.is_main_process:
         try:
-            newest = layout.newest_complete(root)
+            layout.recover_all(root)
+            skipped: list[str] = []
+            newest = layout.newest_complete(root, skipped)
+            layout.warn_skipped(skipped)
             found[0] = newest[1] if newest else None
         except OSError as e:  # every process raises it, not the main one alone
             found[0] = e

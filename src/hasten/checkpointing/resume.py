@@ -106,10 +106,15 @@ class AutoResume:
         if acc.is_main_process:
             try:
                 if self.source == "auto":
-                    newest = layout.newest_complete(layout.auto_root(acc.project_configuration.project_dir))
+                    root = layout.auto_root(acc.project_configuration.project_dir)
+                    layout.recover_all(root)  # complete checkpoints a crash left under temporary names
+                    skipped: list[str] = []
+                    newest = layout.newest_complete(root, skipped)
+                    layout.warn_skipped(skipped)
                     folder = newest[1] if newest else None
                 else:
                     folder = os.path.abspath(os.path.expanduser(self.source))
+                    layout.recover(folder)
                 found[0] = (folder, layout.read_manifest(folder)["contents"] if folder else None)
             except Exception as e:  # noqa: BLE001 - raised on every process below, never on this one alone
                 found[0] = (None, f"resume={self.source!r}: {type(e).__name__}: {e}")
