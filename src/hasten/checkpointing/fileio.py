@@ -497,6 +497,29 @@ def verify(mapped: MappedFile, size: int, checksum: Optional[str], pool: Optiona
             )
 
 
+def _entry_problem(entry: Any, data_size: int) -> Optional[str]:
+    """What is wrong with one tensor entry of a safetensors header (None: nothing), checked before
+    any view is made: dtype known, shape of non-negative ints, offsets inside the data and matching
+    the shape's byte count."""
+    if not isinstance(entry, dict):
+        return "is not described by an object"
+    dtype = _CODES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        return f"has unknown dtype {entry.get('dtype')!r}"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"has an invalid shape {shape!r}"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        return f"has data offsets {offsets!r} outside the file's {data_size} data bytes"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if (offsets[1] - offsets[0]) != numel * torch.empty((), dtype=dtype).element_size():
+        return f"has {offsets[1] - offsets[0]} data bytes for shape {shape} of {entry['dtype']}"
+    return None
+
+
 class SafetensorsView:
     """Header and zero-copy tensor views of a mapped safetensors file."""
 
@@ -513,9 +536,19 @@ class SafetensorsView:
             header = json.loads(bytes(raw[8:8 + n].numpy().tobytes()))
         except ValueError as e:
             raise CheckpointCorruptError(f"{mapped.path!r} has an unreadable safetensors header: {e}") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise CheckpointCorruptError(f"{mapped.path!r} has a damaged safetensors header (not a JSON object)")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointCorruptError(f"{mapped.path!r} has a damaged safetensors header (metadata)")
+        self.metadata: dict[str, str] = metadata
         self.entries: dict[str, dict] = header
         self._data = raw[8 + n:]
+        for name, entry in header.items():
+            problem = _entry_problem(entry, self._data.numel())
+            if problem:
+                raise CheckpointCorruptError(
+                    f"{mapped.path!r} has a damaged safetensors header: tensor {name!r} {problem}")
 
     def shapes(self) -> dict[str, tuple]:
         return {k: tuple(v["shape"]) for k, v in self.entries.items()}
