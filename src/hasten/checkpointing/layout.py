@@ -48,6 +48,11 @@ class CheckpointCorruptError(RuntimeError):
     Defined here (torch-free) and exported by ``fileio``, its usual home."""
 
 
+class DamagedManifestError(CheckpointCorruptError, IncompleteCheckpointError):
+    """``manifest.json`` itself is damaged (unparseable, or its own checksum does not match): both a
+    corrupt file and an incomplete checkpoint, so callers catching either see it."""
+
+
 def new_token() -> str:
     return uuid.uuid4().hex
 
@@ -143,7 +148,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
     try:
         manifest = json.loads(_read_text(path))
     except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(
+        raise DamagedManifestError(
             f"{path!r} is damaged: it cannot be read as JSON ({type(e).__name__}: {e}); the checkpoint cannot be "
             "trusted, load an earlier one"
         ) from None
@@ -158,7 +163,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
         )
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise CheckpointCorruptError(f"{path!r} is damaged: it lists no files")
+        raise DamagedManifestError(f"{path!r} is damaged: it lists no files")
     outside = [(name, why) for name in files for why in [_outside(folder, name)] if why]
     if outside:
         raise IncompleteCheckpointError(
@@ -173,7 +178,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
     except ValueError:
         found = None
     if recorded != found:
-        raise CheckpointCorruptError(
+        raise DamagedManifestError(
             f"{path!r} is damaged: "
             + (f"its checksum {recorded!r} does not match its content ({found})" if recorded
                else "it has no checksum of its own (hasten writes one)")
@@ -181,7 +186,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
         )
     damaged = [name for name, info in files.items() if not isinstance(info, dict) or not isinstance(info.get("size"), int)]
     if damaged:
-        raise CheckpointCorruptError(f"{path!r} is damaged: no size for {damaged[:5]}")
+        raise DamagedManifestError(f"{path!r} is damaged: no size for {damaged[:5]}")
     missing, wrong = [], []
     for name, info in files.items():
         full = os.path.join(folder, name)
