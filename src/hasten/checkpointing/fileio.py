@@ -33,6 +33,8 @@ import torch
 
 
 BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
+# Threads that checksum a big file's parts beside the caller (the pool ``load_state`` passes has this many).
+HASH_THREADS = max(1, min(7, (os.cpu_count() or 2) - 1))
 _MASK = (1 << 64) - 1
 
 # safetensors dtype codes
@@ -146,11 +148,15 @@ def checksum_buffer(raw: torch.Tensor, pool: Optional[ThreadPoolExecutor] = None
     words = raw[:full].view(torch.int64) if full else torch.empty(0, dtype=torch.int64)
     tail = bytes(raw[full:].numpy().tobytes())
     nblocks = -(-words.numel() // BLOCK_WORDS)
-    if pool is not None and nblocks >= 2048:  # >= 8 MiB: worth a second thread
-        cut = (nblocks // 2) * BLOCK_WORDS
-        first = pool.submit(_block_sums, words[:cut])
-        rest = _block_sums(words[cut:])
-        sums = first.result() + rest
+    # >= 8 MiB a part: worth another thread (the sums are memory-bound and release the GIL)
+    parts = min(HASH_THREADS + 1, nblocks // 2048) if pool is not None else 1
+    if parts >= 2:
+        step = (nblocks // parts) * BLOCK_WORDS
+        cuts = [i * step for i in range(parts)] + [words.numel()]
+        futures = [pool.submit(_block_sums, words[cuts[i]:cuts[i + 1]]) for i in range(1, parts)]
+        sums = _block_sums(words[:cuts[1]])
+        for future in futures:
+            sums += future.result()
     else:
         sums = _block_sums(words)
     if tail:

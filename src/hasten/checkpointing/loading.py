@@ -14,7 +14,7 @@ from ..saving import CheckpointMismatchError
 from ..state import warn_once
 from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .collectives import broadcast_from_main, gather
-from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
+from .fileio import HASH_THREADS, Bounce, CheckpointCorruptError, quiet_frombuffer
 
 _KINDS = {
     "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
@@ -113,7 +113,7 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     folder = resolve_folder(acc, input_dir)
     if broadcast_from_main([accelerate_folder.is_accelerate_folder(folder)])[0]:
         return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
-    pool = ThreadPoolExecutor(2)
+    pool = ThreadPoolExecutor(max(2, HASH_THREADS))  # two files at once, a big file's checksum in parts
     try:
         return _load(acc, folder, allow_pickle, custom_later, checksums, pool)
     finally:
