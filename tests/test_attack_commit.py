@@ -380,6 +380,14 @@ def test_discovery_takes_only_names_hasten_writes(tmp_path):
     layout.wait_for_deletions()
     assert layout.is_complete(str(elsewhere)) and os.path.islink(os.path.join(root, "checkpoint_9"))
     assert os.path.isdir(os.path.join(root, "checkpoint_\u0669"))
+    # nor delete another library's checkpoint_N (an Accelerate folder, say) however many there are
+    os.makedirs(os.path.join(root, "checkpoint_0"))  # retention deleted hasten's checkpoint_0
+    open(os.path.join(root, "checkpoint_0", "model.safetensors"), "wb").close()
+    acc.save_state()
+    acc.save_state()
+    layout.wait_for_deletions()
+    assert os.path.exists(os.path.join(root, "checkpoint_0", "model.safetensors"))
+    assert [n for n, p in layout.numbered(root) if layout.is_complete(p)] == [3]
     # loading the link explicitly is refused, not followed
     with pytest.raises(ERRORS, match="symbolic link"):
         acc.load_state(os.path.join(root, "checkpoint_9"))

@@ -417,12 +417,13 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
 
     Runs only after ``keep`` is committed, and does nothing unless ``keep`` is complete (so retention
     never leaves fewer complete checkpoints than it found without a newer one in their place).
-    Incomplete folders count as they sort (by N); symbolic links are never counted nor deleted through.
+    Only hasten's folders count (a manifest of our format, complete or not), as they sort (by N);
+    another library's ``checkpoint_N`` and symbolic links are never counted nor deleted (through).
     Returns the deleted paths.
     """
     if total_limit is None or not is_complete(keep):
         return []
-    folders = numbered(root)
+    folders = [(n, p) for n, p in numbered(root) if _ours(p)]
     excess = len(folders) - total_limit
     deleted = []
     keep = os.path.abspath(keep)
@@ -436,6 +437,17 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
         deleted.append(path)
         excess -= 1
     return deleted
+
+
+def _ours(folder: str) -> bool:
+    """Whether ``folder`` was written by hasten's save_state: its manifest (a real file) says our format."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        if os.path.islink(path):
+            return False
+        return json.loads(_read_text(path)).get("format") == FORMAT
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
 
 
 def clean_leftovers(parent: str, keep: str, ours: Callable[[str], bool]) -> list[str]:
