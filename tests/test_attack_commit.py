@@ -75,7 +75,7 @@ def weight(model):
 
 # -- 1. fsync errors ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
-@pytest.mark.parametrize("where", ["data", "dirs"])
+@pytest.mark.parametrize("where", ["data", "dirs", "parent"])
 @pytest.mark.parametrize("auto", [True, False])
 def test_fsync_errors_fail_the_save_and_commit_nothing(tmp_path, monkeypatch, code, where, auto):
     acc, model, _ = make(tmp_path / "p" if auto else None, value=1.0)
@@ -87,8 +87,13 @@ def test_fsync_errors_fail_the_save_and_commit_nothing(tmp_path, monkeypatch, co
         import stat
 
         is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
-        manifest = os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("manifest.json")
-        if (is_dir if where == "dirs" else not is_dir and not manifest):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        manifest = os.path.basename(path).startswith("manifest.json")
+        if where == "parent":  # only the rename into place cannot be made durable: it is undone
+            hit = path == os.path.dirname(first)
+        else:
+            hit = is_dir if where == "dirs" else not is_dir and not manifest
+        if hit:
             raise OSError(code, os.strerror(code))
         return real(fd)
 
