@@ -308,9 +308,9 @@ def _rewrite_manifest(folder, change):
     path = os.path.join(folder, "manifest.json")
     manifest = json.load(open(path))
     change(manifest)
-    manifest.pop("checksum", None)
+    manifest.pop(layout.CHECKSUM_KEY, None)  # recomputed as an attacker would (SHA-256 of the canonical JSON)
     text = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    manifest["checksum"] = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    manifest[layout.CHECKSUM_KEY] = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
     json.dump(manifest, open(path, "w"))
 
 
@@ -398,3 +398,23 @@ def test_discovery_takes_only_names_hasten_writes(tmp_path):
     # loading the link explicitly is refused, not followed
     with pytest.raises(ERRORS, match="symbolic link"):
         acc.load_state(os.path.join(root, "checkpoint_9"))
+
+
+@pytest.mark.parametrize("change", ["no contents", "world_size text", "scheduler file unknown"])
+def test_crafted_manifest_with_a_valid_checksum_is_refused_naming_it(tmp_path, change):
+    acc, model, _ = make(None, value=3.0)
+    folder = acc.save_state(str(tmp_path / "c"))
+
+    def edit(manifest):
+        if change == "no contents":
+            del manifest["contents"]
+        elif change == "world_size text":
+            manifest["world_size"] = "2"
+        else:
+            manifest["contents"]["schedulers"][0]["file"] = "elsewhere.safetensors"
+
+    _rewrite_manifest(folder, edit)
+    acc, model, _ = make(None, value=0.0)
+    with pytest.raises(CheckpointCorruptError, match="manifest.json.*damaged or crafted"):
+        acc.load_state(folder)
+    assert weight(model) == 0.0

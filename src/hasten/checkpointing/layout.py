@@ -204,6 +204,48 @@ def read_manifest(folder: str) -> dict[str, Any]:
     return manifest
 
 
+def read_full_manifest(folder: str) -> dict[str, Any]:
+    """``read_manifest``, and every field that ``load_state`` reads is there with the right type
+    (tools that read only the model list, like merge-weights, use ``read_manifest``)."""
+    manifest = read_manifest(folder)
+    problem = _structure_problem(manifest)
+    if problem:
+        raise DamagedManifestError(f"{os.path.join(folder, MANIFEST)!r} is damaged or crafted: {problem}")
+    return manifest
+
+
+_INTS = ("world_size", "iteration", "step", "gradient_accumulation_steps")
+_LISTS = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects")
+
+
+def _structure_problem(manifest: dict[str, Any]) -> Optional[str]:
+    """What the loaders would trip over in a manifest whose checksum matches (one crafted, or written
+    by a buggy tool), as one sentence; None when its shape is what save_state writes."""
+    for key in _INTS:
+        if type(manifest.get(key)) is not int or manifest[key] < (1 if key != "iteration" and key != "step" else 0):
+            return f"{key!r} is {manifest.get(key)!r}, not a valid count"
+    if type(manifest.get("mid_accumulation")) is not bool:
+        return "'mid_accumulation' is not true or false"
+    contents = manifest.get("contents")
+    if not isinstance(contents, dict):
+        return "it has no 'contents'"
+    for key in _LISTS:
+        entries = contents.get(key)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            return f"'contents.{key}' is not a list of entries"
+        for entry in entries:
+            name = entry.get("file")
+            if name is not None and not isinstance(name, str):
+                return f"'contents.{key}' names {name!r} as a file"
+            # models and optimizers may live in a backend's files instead (their entry says which)
+            if key in ("schedulers", "custom_objects") and name not in manifest["files"]:
+                return f"'contents.{key}' names {name!r}, which is not among its files"
+    scaler = contents.get("scaler")
+    if scaler is not None and (not isinstance(scaler, str) or scaler not in manifest["files"]):
+        return f"'contents.scaler' names {scaler!r}, which is not among its files"
+    return None
+
+
 def _outside(folder: str, name: Any) -> Optional[str]:
     """Why the manifest's file ``name`` does not stay inside ``folder`` (None: it does): it must be a
     relative path without ``..`` none of whose parts is a symbolic link."""

@@ -128,7 +128,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     reader: Optional[restorer.Reader] = None
     saved_world = acc.num_processes
     try:
-        manifest = layout.read_manifest(folder)
+        manifest = layout.read_full_manifest(folder)
         reader = restorer.Reader(folder, manifest, pool)
         saved_world = int(manifest["world_size"])
         source = resume.saved_rank_for(acc.process_index, saved_world)

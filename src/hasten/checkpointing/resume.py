@@ -115,7 +115,7 @@ class AutoResume:
                 else:
                     folder = os.path.abspath(os.path.expanduser(self.source))
                     layout.recover(folder)
-                found[0] = (folder, layout.read_manifest(folder)["contents"] if folder else None)
+                found[0] = (folder, layout.read_full_manifest(folder)["contents"] if folder else None)
             except Exception as e:  # noqa: BLE001 - raised on every process below, never on this one alone
                 found[0] = (None, f"resume={self.source!r}: {type(e).__name__}: {e}")
         return broadcast_from_main(found)[0]
