@@ -418,3 +418,12 @@ def test_crafted_manifest_with_a_valid_checksum_is_refused_naming_it(tmp_path, c
     with pytest.raises(CheckpointCorruptError, match="manifest.json.*damaged or crafted"):
         acc.load_state(folder)
     assert weight(model) == 0.0
+
+
+def test_resume_from_a_folder_a_crash_hid_recovers_it(tmp_path):
+    acc, model, _ = make(None, value=4.0)
+    target = str(tmp_path / "ckpt")
+    acc.save_state(target)
+    os.rename(target, layout.temp_path(target, layout.new_token(), "old"))  # a crash between the two renames
+    _, model, counter = make(None, value=0.0, resume=target)
+    assert weight(model) == 4.0 and counter.value == 4.0

@@ -69,7 +69,8 @@ def check_resume(value: Any) -> Optional[str]:
     if isinstance(value, (str, os.PathLike)):
         if value == "auto":
             return "auto"
-        if not os.path.isdir(os.path.expanduser(os.fspath(value))):
+        path = os.path.abspath(os.path.expanduser(os.fspath(value)))
+        if not os.path.isdir(path) and not layout.find_leftover(path):  # a leftover: put back by locate()
             raise ValueError(f"resume={value!r} is neither 'auto' nor an existing checkpoint folder; pass "
                              "resume='auto' or the folder of a checkpoint written by save_state")
         return os.fspath(value)
