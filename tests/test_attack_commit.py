@@ -381,6 +381,7 @@ def test_discovery_takes_only_names_hasten_writes(tmp_path):
         shutil.copytree(elsewhere, os.path.join(root, name))
     os.symlink(elsewhere, os.path.join(root, "checkpoint_9"))
     assert layout.numbered(root) == [(0, first)]
+    assert layout.next_number(root, 0) == 10  # a name in use is never written over, link or not
     acc, model, _ = make(tmp_path / "p", value=0.0, total_limit=1, resume="auto")
     assert weight(model) == 1.0
     acc.save_state()  # retention (total_limit=1) must not delete through the link
@@ -394,7 +395,7 @@ def test_discovery_takes_only_names_hasten_writes(tmp_path):
     acc.save_state()
     layout.wait_for_deletions()
     assert os.path.exists(os.path.join(root, "checkpoint_0", "model.safetensors"))
-    assert [n for n, p in layout.numbered(root) if layout.is_complete(p)] == [3]
+    assert [n for n, p in layout.numbered(root) if layout.is_complete(p)] == [12]
     # loading the link explicitly is refused, not followed
     with pytest.raises(ERRORS, match="symbolic link"):
         acc.load_state(os.path.join(root, "checkpoint_9"))

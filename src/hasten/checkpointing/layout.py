@@ -88,7 +88,8 @@ def _real_dir(path: str) -> bool:
 
 def next_number(root: str, iteration: int) -> int:
     """The number of the next automatic checkpoint: ``iteration``, but never one already taken."""
-    taken = [n for n, _ in numbered(root)]
+    # every name in use counts, links and other libraries' folders included: never written over
+    taken = [int(m.group(1)) for m in map(_NUMBERED.fullmatch, os.listdir(root) if os.path.isdir(root) else []) if m]
     return max([iteration] + [n + 1 for n in taken])
 
 
