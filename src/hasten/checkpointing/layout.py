@@ -4,9 +4,17 @@ A checkpoint is a folder. It is written under a temporary name beside its target
 (``.checkpoint_7.tmp-<token>``), every file is fsynced by the process that wrote it, then the
 committing process writes ``manifest.json`` last and renames the folder into place (``commit`` runs
 these steps in order; this module holds the leaves it calls and calls nothing back). A folder is
-*complete* exactly when its manifest parses, has our format and version, and every file it lists is
-present with the recorded size; anything else (temporary folders, folders of other libraries, folders
-half-deleted by retention) is ignored by discovery and refused by loading.
+*complete* exactly when its manifest parses, has our format and version, its own checksum matches,
+every name it lists is a real file inside the folder (no ``..``, absolute path or symbolic link) and
+is present with the recorded size; anything else (temporary folders, folders of other libraries,
+folders half-deleted by retention) is ignored by discovery and refused by loading.
+
+Discovery takes only the names hasten writes (``checkpoint_`` + ASCII digits, no leading zero) that
+are real folders, never symbolic links. A crash mid-commit can leave a complete checkpoint under a
+temporary name with its final name missing; ``recover`` renames it back (discovery, load_state and
+save_state call it), and neither retention nor leftover cleaning deletes such a checkpoint. fsync
+errors other than "not supported" fail the save (``saving.fsync_fd``); a rename whose directory
+cannot be fsynced is undone.
 """
 
 from __future__ import annotations
