@@ -192,6 +192,7 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK = 64 << 20
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
 _SYNC_FILE_RANGE: list = []
 
 
@@ -406,7 +407,9 @@ class MappedFile:
             # page faults reading ahead a little at a time
             try:
                 os.posix_fadvise(self.fd(), 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
+                if sys.platform.startswith("linux") and self._map is not None:
+                    self._map.madvise(_MADV_POPULATE_READ)  # map every page in one call, not a fault each
+            except (OSError, ValueError):  # older kernels: the page faults do it
                 pass
         return checksum_buffer(self.raw, pool)
 
