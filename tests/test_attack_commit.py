@@ -428,3 +428,21 @@ def test_resume_from_a_folder_a_crash_hid_recovers_it(tmp_path):
     os.rename(target, layout.temp_path(target, layout.new_token(), "old"))  # a crash between the two renames
     _, model, counter = make(None, value=0.0, resume=target)
     assert weight(model) == 4.0 and counter.value == 4.0
+
+
+def test_a_version_1_manifest_without_its_own_checksum_still_loads(tmp_path):
+    """Checkpoints written before the manifest had a checksum keep loading (and resuming)."""
+    acc, model, _ = make(tmp_path / "p", value=4.0)
+    folder = acc.save_state()
+    path = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(path))
+    del manifest[layout.CHECKSUM_KEY]
+    manifest["format_version"] = 1
+    json.dump(manifest, open(path, "w"))
+    _, model, counter = make(tmp_path / "p", value=0.0, resume="auto")
+    assert weight(model) == 4.0 and counter.value == 4.0
+    manifest["format_version"] = 2  # a version 2 manifest must carry it
+    json.dump(manifest, open(path, "w"))
+    acc, model, _ = make(None, value=0.0)
+    with pytest.raises(CheckpointCorruptError, match="manifest.json.*no checksum of its own"):
+        acc.load_state(folder)

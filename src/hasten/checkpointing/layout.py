@@ -34,7 +34,9 @@ from ..saving import fsync_fd, fsync_path
 
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
-FORMAT_VERSION = 1
+# 2: the manifest carries its own checksum. Version 1 manifests (written before) are still read, without it.
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 CHECKPOINTS_DIR = "checkpoints"
 CHECKSUM_KEY = "manifest_checksum"
 # Only the names hasten writes: ASCII digits without leading zeros (``int()`` also takes "٩", "０7").
@@ -164,9 +166,10 @@ def read_manifest(folder: str) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IncompleteCheckpointError(f"{path!r} is not a hasten checkpoint manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in _READABLE_VERSIONS:
         raise IncompleteCheckpointError(
-            f"{folder!r} has checkpoint format version {version!r}, but this hasten reads version {FORMAT_VERSION}; "
+            f"{folder!r} has checkpoint format version {version!r}, but this hasten reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}; "
             + ("upgrade hasten to load it" if isinstance(version, int) and version > FORMAT_VERSION
                else "re-save it with this hasten's save_state")
         )
@@ -186,7 +189,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
         found = manifest_checksum(manifest)
     except ValueError:
         found = None
-    if recorded != found:
+    if recorded != found and (version >= 2 or recorded is not None):
         raise DamagedManifestError(
             f"{path!r} is damaged: "
             + (f"its checksum {recorded!r} does not match its content ({found})" if recorded
