@@ -201,15 +201,27 @@ def test_hidden_complete_checkpoints_are_recovered_not_deleted(tmp_path):
     acc, model, _ = make(None, value=0.0)
     assert acc.load_state(target) == target
     assert weight(model) == 4.0
-    # automatic naming: a complete temporary folder whose checkpoint_N is missing comes back too
-    acc, model, _ = make(tmp_path / "p", value=6.0, total_limit=1)
-    folder = acc.save_state()
-    os.rename(folder, layout.temp_path(folder, layout.new_token()))
-    acc, model, _ = make(tmp_path / "p", value=0.0, total_limit=1, resume="auto")
+    # the next save replaces it and leaves one checkpoint (the leftovers of the crash are cleaned)
+    acc, model, _ = make(None, value=5.0)
+    acc.save_state(target)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    acc, model, _ = make(None, value=0.0)
+    acc.load_state(target)
+    assert weight(model) == 5.0
+    # a save that never reached its rename (crash after its manifest) is not committed: not resumed from
+    acc, model, _ = make(tmp_path / "p", value=6.0, total_limit=2)
+    first = acc.save_state()
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    second = acc.save_state()
+    os.rename(second, layout.temp_path(second, layout.new_token()))
+    acc, model, _ = make(tmp_path / "p", value=0.0, total_limit=2, resume="auto")
     assert weight(model) == 6.0
-    acc.save_state()
+    assert acc.save_state() == second  # numbered after the committed one; the leftover is cleaned
     layout.wait_for_deletions()
-    assert [n for n, p in layout.numbered(layout.auto_root(str(tmp_path / "p")))] == [1]
+    root = layout.auto_root(str(tmp_path / "p"))
+    assert [n for n, p in layout.numbered(root)] == [0, 1] and first.endswith("checkpoint_0")
+    assert not [n for n in os.listdir(root) if n.startswith(".")]
 
 
 # -- 3. save_on_each_node with a sharded backend -------------------------------------------------------------

@@ -12,7 +12,9 @@ folders half-deleted by retention) is ignored by discovery and refused by loadin
 Discovery takes only the names hasten writes (``checkpoint_`` + ASCII digits, no leading zero) that
 are real folders, never symbolic links. A crash mid-commit can leave a complete checkpoint under a
 temporary name with its final name missing; ``recover`` renames it back (discovery, load_state and
-save_state call it), and neither retention nor leftover cleaning deletes such a checkpoint. fsync
+save_state call it) when a replace was under way, and neither retention nor leftover cleaning
+deletes such a checkpoint. A save that never reached its rename is not committed: its temporary
+folder stays a leftover, cleaned by a later save. fsync
 errors other than "not supported" fail the save (``saving.fsync_fd``); a rename whose directory
 cannot be fsynced is undone.
 """
@@ -408,14 +410,18 @@ def _durable(parent: str, undo: Callable[[], Any]) -> None:
 def recover(target: str) -> Optional[str]:
     """Put back a complete checkpoint that a crash left under a temporary name of ``target``.
 
-    Only when ``target`` is missing: a crash between the two renames of a replace without atomic
-    exchange (new one at ``.tmp-``, old one at ``.old-``), or after the manifest but before the
-    rename. The newest wins: a complete ``.tmp-`` folder (its manifest is written last, so it is a
-    finished save) over an ``.old-`` one. Returns the recovered path, or None.
+    Only when ``target`` is missing and an ``.old-`` copy shows that a replace was under way (a crash
+    between the two renames of a replace without atomic exchange: the committed checkpoint moved
+    aside, the new one complete beside it). The newest wins: the complete ``.tmp-`` folder (its
+    manifest is written last, so it is a finished save) over the ``.old-`` one. A lone ``.tmp-``
+    folder is a save that never committed: it stays a leftover, as after any interrupted save.
+    Returns the recovered path, or None.
     """
     if os.path.lexists(target):
         return None
     found = find_leftover(target)
+    if not any(_TEMP.fullmatch(os.path.basename(p)).group(2) == "old" for p in found):
+        return None
     found.sort(key=lambda p: (_TEMP.fullmatch(os.path.basename(p)).group(2) != "tmp", -os.path.getmtime(p)))
     for path in found:
         try:
