@@ -3,6 +3,7 @@
     python bench/checkpoint.py                    # ~200 MB model + Adam state, 6 interleaved rounds
     python bench/checkpoint.py --rounds 9 --mb 200 --dir /path/on/the/disk/to/test
     python bench/checkpoint.py --compare --mb 300   # hasten vs torch.save + fsync vs Accelerate
+    python bench/checkpoint.py --verify --rounds 7  # cost of load_state's default checksums
 
 Throughput: one process trains a ~200 MB model (fp32 Linear layers) one step with Adam, so the
 optimizer holds two more copies (~600 MB in all). Each round runs the saves, then the loads, each
@@ -16,9 +17,9 @@ group in rotating order:
     background thread has committed the checkpoint (``wait_for_checkpoint``);
   * safetensors load: ``load_file`` of both files and copying every tensor into the live model and
     optimizer (``load_file`` alone only maps the file; the copy is the actual reading);
-  * hasten load: ``accelerator.load_state`` (verifies the manifest and file sizes first, then
-    restores the same tensors plus the small states), and with ``verify="checksum"`` (one more
-    pass over the data to recompute every file's checksum);
+  * hasten load: ``accelerator.load_state`` (verifies the manifest, file sizes and checksums
+    first, then restores the same tensors plus the small states), and with ``verify="checksum"``
+    (the same: checksums are the default);
 Every save writes fresh files (the previous copy is deleted outside the timing, as when automatic
 naming starts a new folder and retention deletes old ones in the background). hasten writes big
 files past the page cache (O_DIRECT), so before each load from the page cache both folders are
@@ -302,6 +303,46 @@ def seek(samples: int = 1_000_000, batch: int = 32) -> dict:
     return {"batches_per_epoch": steps, "seconds_to_first_batch": out}
 
 
+def verify_cost(rounds: int, mb: int, base: str) -> dict:
+    """``load_state`` with its default verification (sizes and checksums of every file) against
+    ``verify="size"`` (sizes only), alternating in every round, from the page cache and cold."""
+    import torch
+
+    from hasten import Accelerator
+
+    torch.manual_seed(0)
+    width = 2048
+    layers = max(1, round(mb * 2**20 / (width * width * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    folder = acc.save_state(os.path.join(base, "ours"))
+    total = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(folder) for n in ns)
+    runs = {"verified": lambda: acc.load_state(folder), "sizes only": lambda: acc.load_state(folder, verify="size")}
+    times: dict = {f"{k}{c}": [] for k in runs for c in ("", " (cold)")}
+    for name in runs:  # warm-up
+        runs[name]()
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for cold in ("", " (cold)"):
+            for name in order:
+                _quiesce()
+                if cold:
+                    _evict(folder)
+                else:
+                    _read_all(folder)
+                start = time.perf_counter()
+                runs[name]()
+                times[name + cold].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"bytes": total, "rounds": rounds, "median_s": med, "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+            "ratio": {"page cache": med["verified"] / med["sizes only"],
+                      "cold": med["verified (cold)"] / med["sizes only (cold)"]}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="each group of operations rotates its order every round")
@@ -311,10 +352,24 @@ def main() -> None:
                         help="seconds to wait after sync() before each timed operation (default 1)")
     parser.add_argument("--compare", action="store_true",
                         help="hasten vs torch.save + fsync vs Accelerate save/load instead of the default runs")
+    parser.add_argument("--verify", action="store_true",
+                        help="only the cost of load_state's default verification (checksums) vs verify='size'")
     args = parser.parse_args()
     global SETTLE
     SETTLE = args.settle
     base = tempfile.mkdtemp(prefix="hasten-bench-ckpt-", dir=args.dir)
+    if args.verify:
+        try:
+            result = verify_cost(args.rounds, args.mb, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print(f"checkpoint: {result['bytes'] / 2**20:.0f} MiB (model + Adam), {result['rounds']} interleaved rounds")
+        for name, seconds in result["median_s"].items():
+            print(f"  load_state, {name:22s} {seconds:7.3f} s")
+        for name, ratio in result["ratio"].items():
+            print(f"  verified / sizes only, {name:12s} {ratio:5.2f}x")
+        print(json.dumps(result))
+        return
     if args.compare:
         try:
             result = compare(args.rounds, args.mb, base)

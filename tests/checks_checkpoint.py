@@ -8,6 +8,7 @@ from torch import nn
 
 from hasten import Accelerator
 from hasten.checkpointing.fileio import CheckpointCorruptError
+from hasten.checkpointing import layout
 from hasten.checkpointing.layout import IncompleteCheckpointError, wait_for_deletions
 from hasten.saving import CheckpointMismatchError
 from hasten.utils import ProjectConfiguration
@@ -121,6 +122,7 @@ def check_a_rank_file_missing_from_the_manifest_is_named():
         with open(path) as f:
             manifest = json.load(f)
         del manifest["files"]["rank_1.safetensors"]
+        manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # as a save that wrote it would
         with open(path, "w") as f:
             json.dump(manifest, f)
     acc.wait_for_everyone()
@@ -140,6 +142,7 @@ def check_resume_from_a_damaged_manifest_raises_on_every_process():
         with open(path) as f:
             manifest = json.load(f)
         del manifest["contents"]
+        manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # as a save that wrote it would
         with open(path, "w") as f:
             json.dump(manifest, f)
     acc.wait_for_everyone()

@@ -76,6 +76,9 @@ def tamper(folder: str, name: str, data: bytes) -> None:
     with open(path) as f:
         manifest = json.load(f)
     manifest["files"][name].update(size=len(data), checksum=None)
+    from hasten.checkpointing import layout
+
+    manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # and the manifest's own checksum
     with open(path, "w") as f:
         json.dump(manifest, f)
 

@@ -453,6 +453,7 @@ def test_malicious_pickle_in_a_checkpoint_is_never_executed(fresh_state, tmp_pat
     manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
     manifest["files"]["custom_checkpoint_0.pt"].update(size=len(payload), checksum=checksum_buffer(
         torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+    manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # the manifest's own checksum too
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     before = snapshot(model, opt)

@@ -11,6 +11,7 @@ also meant for light callers (the CLI writing configs) that must not pay for imp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -110,10 +111,30 @@ def write_atomically(path: PathLike, writer: Callable[[str], Any]) -> None:
         writer(tmp)
 
 
+# errnos with which fsync says "this file cannot be synchronised here" (fsync(2): EINVAL and EROFS for
+# objects that do not support it; ENOTSUP/ENOSYS from some FUSE and network filesystems, and
+# directories on some systems). Anything else (EIO, ENOSPC, EDQUOT, ...) means the data may not be
+# on the disk, and the save that asked must fail instead of committing it.
+_FSYNC_UNSUPPORTED = frozenset(getattr(errno, name) for name in ("EINVAL", "EROFS", "ENOTSUP", "EOPNOTSUPP", "ENOSYS")
+                               if hasattr(errno, name))
+
+
+def fsync_fd(fd: int, path: str) -> None:
+    """``os.fsync(fd)`` of ``path``; "not supported" errnos are ignored, any other error is raised
+    as an ``OSError`` naming ``path``."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno in _FSYNC_UNSUPPORTED:
+            return
+        raise OSError(e.errno, f"fsync of {path!r} failed ({e.strerror or e}): its data may not be on the disk",
+                      path) from None
+
+
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fsync_fd(fd, path)
     finally:
         os.close(fd)
 
@@ -121,16 +142,17 @@ def _fsync_file(path: str) -> None:
 def fsync_path(path: str) -> None:
     """fsync a file or a directory (a directory's fsync makes its renames and new entries durable).
 
-    Where it cannot be done (a directory on Windows, a filesystem that refuses) it is skipped.
+    Skipped only where it cannot be done (a directory on Windows, "not supported" errnos, see
+    ``fsync_fd``); any other failure (EIO, ENOSPC, ...) raises.
     """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        if os.name == "nt" and os.path.isdir(path):  # Windows cannot open a directory
+            return
+        raise
     try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
-        pass
+        fsync_fd(fd, path)
     finally:
         os.close(fd)
 

@@ -16,8 +16,9 @@ each node's first process with ``save_on_each_node``). The steps, in order:
    this run's interrupted saves;
 8. agree: every process learns whether the commit worked, so all raise the same error or none.
 
-On a failure before the rename the committing process removes the temporary folder: nothing is
-committed. ``layout`` (names, manifest file, atomic rename, removal) and ``saver``/``fileio``
+On a failure before the rename (an fsync error included: only "not supported" errnos are ignored)
+the committing process removes the temporary folder: nothing is committed; a rename that cannot be
+made durable is undone first (``layout.move_into_place``). ``layout`` (names, manifest file, atomic rename, removal) and ``saver``/``fileio``
 (writing files) are the leaves it calls; none of them calls back here.
 
 ``write_and_commit`` runs either inline (``save_state()``) or on a background thread

@@ -33,6 +33,8 @@ import torch
 
 
 BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
+# Threads that checksum a big file's parts beside the caller (the pool ``load_state`` passes has this many).
+HASH_THREADS = max(1, min(7, (os.cpu_count() or 2) - 1))
 _MASK = (1 << 64) - 1
 
 # safetensors dtype codes
@@ -48,8 +50,7 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 _CODES = {code: dtype for dtype, code in _DTYPES.items()}
 
 
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file does not have the size or checksum its manifest records."""
+from .layout import CheckpointCorruptError  # noqa: E402,F401 - defined torch-free, raised here
 
 
 # -- checksum -----------------------------------------------------------------------------------------
@@ -147,11 +148,15 @@ def checksum_buffer(raw: torch.Tensor, pool: Optional[ThreadPoolExecutor] = None
     words = raw[:full].view(torch.int64) if full else torch.empty(0, dtype=torch.int64)
     tail = bytes(raw[full:].numpy().tobytes())
     nblocks = -(-words.numel() // BLOCK_WORDS)
-    if pool is not None and nblocks >= 2048:  # >= 8 MiB: worth a second thread
-        cut = (nblocks // 2) * BLOCK_WORDS
-        first = pool.submit(_block_sums, words[:cut])
-        rest = _block_sums(words[cut:])
-        sums = first.result() + rest
+    # >= 8 MiB a part: worth another thread (the sums are memory-bound and release the GIL)
+    parts = min(HASH_THREADS + 1, nblocks // 2048) if pool is not None else 1
+    if parts >= 2:
+        step = (nblocks // parts) * BLOCK_WORDS
+        cuts = [i * step for i in range(parts)] + [words.numel()]
+        futures = [pool.submit(_block_sums, words[cuts[i]:cuts[i + 1]]) for i in range(1, parts)]
+        sums = _block_sums(words[:cuts[1]])
+        for future in futures:
+            sums += future.result()
     else:
         sums = _block_sums(words)
     if tail:
@@ -187,6 +192,7 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK = 64 << 20
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
 _SYNC_FILE_RANGE: list = []
 
 
@@ -207,11 +213,11 @@ def _kick_writeback(fd: int, offset: int, nbytes: int) -> None:
         function(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait
 
 
-def _fsync(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (e.g. certain FUSE mounts) refuse; the rename still orders writes
-        pass
+def _fsync(fd: int, path: str) -> None:
+    """fsync a file just written; an I/O error fails the save (see ``saving.fsync_fd``)."""
+    from ..saving import fsync_fd
+
+    fsync_fd(fd, path)
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
@@ -266,7 +272,7 @@ def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
                 _kick_writeback(f.fileno(), position, written)
                 position += written
                 view = view[written:]
-        _fsync(f.fileno())
+        _fsync(f.fileno(), path)
 
 
 # Big files bypass the page cache (O_DIRECT, Linux): the data goes from an aligned buffer to the
@@ -344,7 +350,7 @@ def _write_direct(path: str, pieces: list, size: int, summer: BlockSummer) -> bo
             flush(index, filled, position)
         wait()
         os.ftruncate(fd, size)
-        _fsync(fd)
+        _fsync(fd, path)
         return True
     except OSError as e:
         if e.errno != errno.EINVAL:  # a real failure (disk full, I/O error): report it
@@ -373,7 +379,7 @@ def write_bytes(path: str, data: bytes) -> tuple[int, str]:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        _fsync(f.fileno())
+        _fsync(f.fileno(), path)
     summer = BlockSummer()
     summer.update(data)
     return len(data), summer.digest()
@@ -396,6 +402,15 @@ class MappedFile:
             self.raw = torch.empty(0, dtype=torch.uint8)
 
     def checksum(self, pool: Optional[ThreadPoolExecutor] = None) -> str:
+        if self.size >= _DIRECT_MIN and hasattr(os, "posix_fadvise"):
+            # from the disk: ask for the whole file at once (large reads at disk speed) instead of
+            # page faults reading ahead a little at a time
+            try:
+                os.posix_fadvise(self.fd(), 0, 0, os.POSIX_FADV_WILLNEED)
+                if sys.platform.startswith("linux") and self._map is not None:
+                    self._map.madvise(_MADV_POPULATE_READ)  # map every page in one call, not a fault each
+            except (OSError, ValueError):  # older kernels: the page faults do it
+                pass
         return checksum_buffer(self.raw, pool)
 
     def copy_into(self, dest: torch.Tensor, source: torch.Tensor, bounce: Optional["Bounce"] = None) -> None:
@@ -498,6 +513,29 @@ def verify(mapped: MappedFile, size: int, checksum: Optional[str], pool: Optiona
             )
 
 
+def _entry_problem(entry: Any, data_size: int) -> Optional[str]:
+    """What is wrong with one tensor entry of a safetensors header (None: nothing), checked before
+    any view is made: dtype known, shape of non-negative ints, offsets inside the data and matching
+    the shape's byte count."""
+    if not isinstance(entry, dict):
+        return "is not described by an object"
+    dtype = _CODES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        return f"has unknown dtype {entry.get('dtype')!r}"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"has an invalid shape {shape!r}"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        return f"has data offsets {offsets!r} outside the file's {data_size} data bytes"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if (offsets[1] - offsets[0]) != numel * torch.empty((), dtype=dtype).element_size():
+        return f"has {offsets[1] - offsets[0]} data bytes for shape {shape} of {entry['dtype']}"
+    return None
+
+
 class SafetensorsView:
     """Header and zero-copy tensor views of a mapped safetensors file."""
 
@@ -514,9 +552,19 @@ class SafetensorsView:
             header = json.loads(bytes(raw[8:8 + n].numpy().tobytes()))
         except ValueError as e:
             raise CheckpointCorruptError(f"{mapped.path!r} has an unreadable safetensors header: {e}") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise CheckpointCorruptError(f"{mapped.path!r} has a damaged safetensors header (not a JSON object)")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointCorruptError(f"{mapped.path!r} has a damaged safetensors header (metadata)")
+        self.metadata: dict[str, str] = metadata
         self.entries: dict[str, dict] = header
         self._data = raw[8 + n:]
+        for name, entry in header.items():
+            problem = _entry_problem(entry, self._data.numel())
+            if problem:
+                raise CheckpointCorruptError(
+                    f"{mapped.path!r} has a damaged safetensors header: tensor {name!r} {problem}")
 
     def shapes(self) -> dict[str, tuple]:
         return {k: tuple(v["shape"]) for k, v in self.entries.items()}

@@ -4,30 +4,46 @@ A checkpoint is a folder. It is written under a temporary name beside its target
 (``.checkpoint_7.tmp-<token>``), every file is fsynced by the process that wrote it, then the
 committing process writes ``manifest.json`` last and renames the folder into place (``commit`` runs
 these steps in order; this module holds the leaves it calls and calls nothing back). A folder is
-*complete* exactly when its manifest parses, has our format and version, and every file it lists is
-present with the recorded size; anything else (temporary folders, folders of other libraries, folders
-half-deleted by retention) is ignored by discovery and refused by loading.
+*complete* exactly when its manifest parses, has our format and version, its own checksum matches,
+every name it lists is a real file inside the folder (no ``..``, absolute path or symbolic link) and
+is present with the recorded size; anything else (temporary folders, folders of other libraries,
+folders half-deleted by retention) is ignored by discovery and refused by loading.
+
+Discovery takes only the names hasten writes (``checkpoint_`` + ASCII digits, no leading zero) that
+are real folders, never symbolic links. A crash mid-commit can leave a complete checkpoint under a
+temporary name with its final name missing; ``recover`` renames it back (discovery, load_state and
+save_state call it) when a replace was under way, and neither retention nor leftover cleaning
+deletes such a checkpoint. A save that never reached its rename is not committed: its temporary
+folder stays a leftover, cleaned by a later save. fsync
+errors other than "not supported" fail the save (``saving.fsync_fd``); a rename whose directory
+cannot be fsynced is undone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 from typing import Any, Callable, Optional
 
-from ..saving import fsync_path
+from ..saving import fsync_fd, fsync_path
 
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
-FORMAT_VERSION = 1
+# 2: the manifest carries its own checksum. Version 1 manifests (written before) are still read, without it.
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 CHECKPOINTS_DIR = "checkpoints"
-_NUMBERED = re.compile(r"checkpoint_(\d+)")
-_TEMP = re.compile(r"\.(.+)\.(tmp|old|trash)-([0-9a-f]{32})(-node\d+)?")
+CHECKSUM_KEY = "manifest_checksum"
+# Only the names hasten writes: ASCII digits without leading zeros (``int()`` also takes "٩", "０7").
+_NUMBERED = re.compile(r"checkpoint_(0|[1-9][0-9]*)")
+_TEMP = re.compile(r"\.(.+)\.(tmp|old|trash)-([0-9a-f]{32})(-node[0-9]+)?")
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -36,6 +52,17 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class IncompleteCheckpointError(ValueError):
     """A folder that is not a complete hasten checkpoint of a version this hasten reads."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file (the manifest included) does not have the size or checksum recorded for it.
+
+    Defined here (torch-free) and exported by ``fileio``, its usual home."""
+
+
+class DamagedManifestError(CheckpointCorruptError, IncompleteCheckpointError):
+    """``manifest.json`` itself is damaged (unparseable, or its own checksum does not match): both a
+    corrupt file and an incomplete checkpoint, so callers catching either see it."""
 
 
 def new_token() -> str:
@@ -58,14 +85,23 @@ def numbered(root: str) -> list[tuple[int, str]]:
     found = []
     for name in os.listdir(root):
         match = _NUMBERED.fullmatch(name)
-        if match and os.path.isdir(os.path.join(root, name)):
+        if match and _real_dir(os.path.join(root, name)):  # a symbolic link is never taken (nor deleted through)
             found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
 
 
+def _real_dir(path: str) -> bool:
+    """A directory that is not a symbolic link."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def next_number(root: str, iteration: int) -> int:
     """The number of the next automatic checkpoint: ``iteration``, but never one already taken."""
-    taken = [n for n, _ in numbered(root)]
+    # every name in use counts, links and other libraries' folders included: never written over
+    taken = [int(m.group(1)) for m in map(_NUMBERED.fullmatch, os.listdir(root) if os.path.isdir(root) else []) if m]
     return max([iteration] + [n + 1 for n in taken])
 
 
@@ -84,44 +120,87 @@ def files_in(folder: str) -> list[str]:
 
 
 # -- manifest ----------------------------------------------------------------------------------------
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """The manifest's own checksum: SHA-256 of its canonical JSON without the checksum field, so a
+    damaged manifest is reported as such instead of as missing or wrong files."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _read_text(path: str) -> str:
+    """The manifest's text, never through a symbolic link (O_NOFOLLOW where the system has it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8")
+
+
 def read_manifest(folder: str) -> dict[str, Any]:
-    """The manifest of ``folder`` after checking that the folder is complete; raises otherwise."""
+    """The manifest of ``folder`` after checking that the folder is complete; raises otherwise.
+
+    Checked in this order: the folder and ``manifest.json`` are real (no symbolic links); the JSON
+    parses; format and version; every listed name stays inside the folder and is no link; the
+    manifest's own checksum; every listed file is present with its recorded size.
+    """
     path = os.path.join(folder, MANIFEST)
+    if os.path.islink(folder):
+        raise IncompleteCheckpointError(
+            f"{folder!r} is a symbolic link; hasten reads checkpoints only from real folders (a link may lead "
+            f"anywhere); pass the folder it points to ({os.path.realpath(folder)!r}) if you trust it"
+        )
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(f"checkpoint folder {folder!r} does not exist")
+    if os.path.islink(path):
+        raise IncompleteCheckpointError(f"{path!r} is a symbolic link; the checkpoint is damaged or crafted "
+                                        "(nothing was read)")
     if not os.path.isfile(path):
         raise IncompleteCheckpointError(
             f"{folder!r} has no {MANIFEST}: it is not a complete hasten checkpoint (an interrupted save, or a "
             "checkpoint written by another library); pass a folder written by hasten's save_state"
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise IncompleteCheckpointError(f"{path!r} cannot be read ({e}); the checkpoint is damaged") from None
+        manifest = json.loads(_read_text(path))
+    except (OSError, ValueError, RecursionError) as e:
+        raise DamagedManifestError(
+            f"{path!r} is damaged: it cannot be read as JSON ({type(e).__name__}: {e}); the checkpoint cannot be "
+            "trusted, load an earlier one"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IncompleteCheckpointError(f"{path!r} is not a hasten checkpoint manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in _READABLE_VERSIONS:
         raise IncompleteCheckpointError(
-            f"{folder!r} has checkpoint format version {version!r}, but this hasten reads version {FORMAT_VERSION}; "
+            f"{folder!r} has checkpoint format version {version!r}, but this hasten reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}; "
             + ("upgrade hasten to load it" if isinstance(version, int) and version > FORMAT_VERSION
                else "re-save it with this hasten's save_state")
         )
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise IncompleteCheckpointError(f"{path!r} lists no files; the checkpoint is damaged")
-    outside = [name for name in files if not _inside(folder, name)]
+        raise DamagedManifestError(f"{path!r} is damaged: it lists no files")
+    outside = [(name, why) for name in files for why in [_outside(folder, name)] if why]
     if outside:
         raise IncompleteCheckpointError(
             f"{path!r} names files outside the checkpoint folder {folder!r}: "
-            + ", ".join(repr(n) for n in outside[:5])
-            + "; a manifest written by save_state only names files inside it, so this one is damaged or crafted "
-            "(nothing was read)"
+            + ", ".join(f"{name!r} ({why})" for name, why in outside[:5])
+            + "; a manifest written by save_state only names real files inside it, so this one is damaged or "
+            "crafted (nothing was read)"
         )
-    damaged = [name for name, info in files.items() if not isinstance(info, dict)]
+    recorded = manifest.get(CHECKSUM_KEY)
+    try:
+        found = manifest_checksum(manifest)
+    except ValueError:
+        found = None
+    if recorded != found and (version >= 2 or recorded is not None):
+        raise DamagedManifestError(
+            f"{path!r} is damaged: "
+            + (f"its checksum {recorded!r} does not match its content ({found})" if recorded
+               else "it has no checksum of its own (hasten writes one)")
+            + "; the checkpoint cannot be trusted, load an earlier one"
+        )
+    damaged = [name for name, info in files.items() if not isinstance(info, dict) or not isinstance(info.get("size"), int)]
     if damaged:
-        raise IncompleteCheckpointError(f"{path!r} has no size for {damaged[:5]}; the checkpoint is damaged")
+        raise DamagedManifestError(f"{path!r} is damaged: no size for {damaged[:5]}")
     missing, wrong = [], []
     for name, info in files.items():
         full = os.path.join(folder, name)
@@ -139,31 +218,104 @@ def read_manifest(folder: str) -> dict[str, Any]:
     return manifest
 
 
-def _inside(folder: str, name: Any) -> bool:
-    """Whether the manifest's file ``name`` stays inside ``folder``: a relative path without ``..``
-    whose real location (symbolic links followed) is within the folder's."""
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name:
-        return False
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        return False
+def read_full_manifest(folder: str) -> dict[str, Any]:
+    """``read_manifest``, and every field that ``load_state`` reads is there with the right type
+    (tools that read only the model list, like merge-weights, use ``read_manifest``)."""
+    manifest = read_manifest(folder)
+    problem = _structure_problem(manifest)
+    if problem:
+        raise DamagedManifestError(f"{os.path.join(folder, MANIFEST)!r} is damaged or crafted: {problem}")
+    return manifest
+
+
+_INTS = ("world_size", "iteration", "step", "gradient_accumulation_steps")
+_LISTS = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects")
+
+
+def _structure_problem(manifest: dict[str, Any]) -> Optional[str]:
+    """What the loaders would trip over in a manifest whose checksum matches (one crafted, or written
+    by a buggy tool), as one sentence; None when its shape is what save_state writes."""
+    for key in _INTS:
+        if type(manifest.get(key)) is not int or manifest[key] < (1 if key != "iteration" and key != "step" else 0):
+            return f"{key!r} is {manifest.get(key)!r}, not a valid count"
+    if type(manifest.get("mid_accumulation")) is not bool:
+        return "'mid_accumulation' is not true or false"
+    contents = manifest.get("contents")
+    if not isinstance(contents, dict):
+        return "it has no 'contents'"
+    for key in _LISTS:
+        entries = contents.get(key)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            return f"'contents.{key}' is not a list of entries"
+        for entry in entries:
+            name = entry.get("file")
+            if name is not None and not isinstance(name, str):
+                return f"'contents.{key}' names {name!r} as a file"
+            # models and optimizers may live in a backend's files instead (their entry says which)
+            if key in ("schedulers", "custom_objects") and name not in manifest["files"]:
+                return f"'contents.{key}' names {name!r}, which is not among its files"
+    scaler = contents.get("scaler")
+    if scaler is not None and (not isinstance(scaler, str) or scaler not in manifest["files"]):
+        return f"'contents.scaler' names {scaler!r}, which is not among its files"
+    return None
+
+
+def _outside(folder: str, name: Any) -> Optional[str]:
+    """Why the manifest's file ``name`` does not stay inside ``folder`` (None: it does): it must be a
+    relative path without ``..`` none of whose parts is a symbolic link."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name or "\\" in name:
+        return "not a relative path"
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "not a plain relative path"
+    path = folder
+    for part in parts:
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            return f"{os.path.relpath(path, folder)} is a symbolic link"
     real = os.path.realpath(folder)
-    return os.path.commonpath([real, os.path.realpath(os.path.join(real, name))]) == real
+    if os.path.commonpath([real, os.path.realpath(os.path.join(real, name))]) != real:
+        return "resolves outside"
+    return None
+
+
+def _inside(folder: str, name: Any) -> bool:
+    """Whether the manifest's file ``name`` stays inside ``folder`` (see ``_outside``)."""
+    return _outside(folder, name) is None
 
 
 def is_complete(folder: str) -> bool:
     try:
         read_manifest(folder)
-    except (IncompleteCheckpointError, CheckpointNotFoundError):
+    except (IncompleteCheckpointError, CheckpointNotFoundError, CheckpointCorruptError, OSError):
         return False
     return True
 
 
-def newest_complete(root: str) -> Optional[tuple[int, str]]:
-    """``(N, path)`` of the complete checkpoint with the highest number in ``root``, if any."""
+def newest_complete(root: str, skipped: Optional[list] = None) -> Optional[tuple[int, str]]:
+    """``(N, path)`` of the complete checkpoint with the highest number in ``root``, if any.
+
+    ``skipped``: gets ``"path: why"`` for each newer numbered folder passed over (damaged, incomplete,
+    not hasten's), for the caller to warn about: a fallback to an older checkpoint must not be silent.
+    """
     for number, path in reversed(numbered(root)):
-        if is_complete(path):
-            return number, path
+        try:
+            read_manifest(path)
+        except (IncompleteCheckpointError, CheckpointNotFoundError, CheckpointCorruptError, OSError) as e:
+            if skipped is not None:
+                skipped.append(f"{path}: {e}")
+            continue
+        return number, path
     return None
+
+
+def warn_skipped(skipped: list[str]) -> None:
+    """Warn that discovery passed over newer folders (``newest_complete``'s ``skipped``)."""
+    if skipped:
+        import warnings
+
+        warnings.warn("passed over newer checkpoint folders that are not complete hasten checkpoints (damaged, "
+                      "interrupted, or not hasten's):\n  - " + "\n  - ".join(skipped), stacklevel=3)
 
 
 def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
@@ -171,11 +323,14 @@ def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
     by the commit protocol, right after: each fsync costs a device cache flush, even with nothing to write."""
     path = os.path.join(folder, MANIFEST)
     temp = path + ".tmp"
+    manifest = dict(manifest)
+    manifest.pop(CHECKSUM_KEY, None)
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
     with open(temp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+        json.dump(manifest, f, indent=1, sort_keys=True, allow_nan=False)
         f.write("\n")
         f.flush()
-        os.fsync(f.fileno())
+        fsync_fd(f.fileno(), temp)
     os.replace(temp, path)
 
 
@@ -199,32 +354,95 @@ def _exchange(a: str, b: str) -> bool:
 
 def move_into_place(temp: str, target: str, token: str) -> None:
     """Move the finished folder ``temp`` to ``target`` atomically (replacing an older checkpoint there)
-    and make the rename durable. ``temp``'s own entries must be durable already (``fsync_path``)."""
+    and make the rename durable. ``temp``'s own entries must be durable already (``fsync_path``).
+
+    If the rename cannot be made durable (the directory's fsync fails), it is undone before the
+    error is raised: the old checkpoint is back under ``target`` and the new one under ``temp``.
+    """
     parent = os.path.dirname(target)
     if os.path.lexists(target):
-        if os.path.isdir(target) and not os.listdir(target):
+        if _real_dir(target) and not os.listdir(target):
             os.rmdir(target)
-        elif not (os.path.isdir(target) and os.path.isfile(os.path.join(target, MANIFEST))):
+        elif not (_real_dir(target) and os.path.isfile(os.path.join(target, MANIFEST))):
             raise FileExistsError(
                 f"save_state: {target!r} exists and is not a hasten checkpoint; hasten replaces only its own "
                 "checkpoints, so pick another output_dir or remove it"
             )
     if not os.path.lexists(target):
         os.rename(temp, target)
-        fsync_path(parent)
+        _durable(parent, undo=lambda: os.rename(target, temp))
         return
     if _exchange(temp, target):  # temp now holds the old checkpoint
-        fsync_path(parent)
+        _durable(parent, undo=lambda: _exchange(temp, target))
         remove_tree(temp, token, background=True)
         return
     # No atomic swap here: move the old one aside first. A crash between the renames leaves the new
-    # checkpoint complete under its temporary name and the old one under ".old-"; find_leftover()
-    # reports both.
+    # checkpoint complete under its temporary name and the old one under ".old-"; ``recover`` (run
+    # by discovery, load_state and save_state) renames the new one back into place.
     old = temp_path(target, token, "old")
     os.rename(target, old)
-    os.rename(temp, target)
-    fsync_path(parent)
+    try:
+        os.rename(temp, target)
+    except OSError:
+        os.rename(old, target)
+        raise
+
+    def undo() -> None:
+        os.rename(target, temp)
+        os.rename(old, target)
+
+    _durable(parent, undo)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _durable(parent: str, undo: Callable[[], Any]) -> None:
+    """fsync ``parent`` after a rename; on failure undo the rename, then raise."""
+    try:
+        fsync_path(parent)
+    except OSError:
+        try:
+            undo()
+        except OSError:
+            pass
+        raise
+
+
+def recover(target: str) -> Optional[str]:
+    """Put back a complete checkpoint that a crash left under a temporary name of ``target``.
+
+    Only when ``target`` is missing and an ``.old-`` copy shows that a replace was under way (a crash
+    between the two renames of a replace without atomic exchange: the committed checkpoint moved
+    aside, the new one complete beside it). The newest wins: the complete ``.tmp-`` folder (its
+    manifest is written last, so it is a finished save) over the ``.old-`` one. A lone ``.tmp-``
+    folder is a save that never committed: it stays a leftover, as after any interrupted save.
+    Returns the recovered path, or None.
+    """
+    if os.path.lexists(target):
+        return None
+    found = find_leftover(target)
+    if not any(_TEMP.fullmatch(os.path.basename(p)).group(2) == "old" for p in found):
+        return None
+    found.sort(key=lambda p: (_TEMP.fullmatch(os.path.basename(p)).group(2) != "tmp", -os.path.getmtime(p)))
+    for path in found:
+        try:
+            os.rename(path, target)
+        except OSError:
+            continue
+        fsync_path(os.path.dirname(target))
+        return target
+    return None
+
+
+def recover_all(root: str) -> list[str]:
+    """``recover`` every automatically named checkpoint in ``root`` that left only hidden copies."""
+    if not os.path.isdir(root):
+        return []
+    names = set()
+    for entry in os.listdir(root):
+        match = _TEMP.fullmatch(entry)
+        if match and match.group(2) in ("tmp", "old") and not match.group(4) and automatic_name(match.group(1)):
+            names.add(match.group(1))
+    return [p for p in (recover(os.path.join(root, n)) for n in sorted(names)) if p]
 
 
 def remove_tree(folder: str, token: Optional[str] = None, background: bool = False) -> None:
@@ -257,24 +475,39 @@ def wait_for_deletions() -> None:
 def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[str]:
     """Delete the oldest ``checkpoint_N`` folders beyond ``total_limit``; never ``keep`` (the new one).
 
-    Runs only after ``keep`` is committed. Incomplete folders count as they sort (by N).
+    Runs only after ``keep`` is committed, and does nothing unless ``keep`` is complete (so retention
+    never leaves fewer complete checkpoints than it found without a newer one in their place).
+    Only hasten's folders count (a manifest of our format, complete or not), as they sort (by N);
+    another library's ``checkpoint_N`` and symbolic links are never counted nor deleted (through).
     Returns the deleted paths.
     """
-    if total_limit is None:
+    if total_limit is None or not is_complete(keep):
         return []
-    folders = numbered(root)
+    folders = [(n, p) for n, p in numbered(root) if _ours(p)]
     excess = len(folders) - total_limit
     deleted = []
     keep = os.path.abspath(keep)
-    for _, path in folders:
+    keep_number = next((n for n, p in folders if os.path.abspath(p) == keep), None)
+    for number, path in folders:
         if excess <= 0:
             break
-        if os.path.abspath(path) == keep:
+        if os.path.abspath(path) == keep or (keep_number is not None and number > keep_number):
             continue
         remove_tree(path, background=True)
         deleted.append(path)
         excess -= 1
     return deleted
+
+
+def _ours(folder: str) -> bool:
+    """Whether ``folder`` was written by hasten's save_state: its manifest (a real file) says our format."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        if os.path.islink(path):
+            return False
+        return json.loads(_read_text(path)).get("format") == FORMAT
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
 
 
 def clean_leftovers(parent: str, keep: str, ours: Callable[[str], bool]) -> list[str]:
@@ -283,6 +516,7 @@ def clean_leftovers(parent: str, keep: str, ours: Callable[[str], bool]) -> list
     ``keep``: the token of the save in progress. ``ours(name)``: whether a leftover for the
     checkpoint called ``name`` belongs to this run; others are left alone, since another job
     saving beside ours (a sweep writing ``runs/a`` and ``runs/b``) may be writing them right now.
+    A complete leftover whose checkpoint is missing is put back (``recover``), never deleted.
     """
     removed = []
     if not os.path.isdir(parent):
@@ -292,6 +526,12 @@ def clean_leftovers(parent: str, keep: str, ours: Callable[[str], bool]) -> list
         if not match or match.group(3) == keep or not ours(match.group(1)):
             continue
         path = os.path.join(parent, name)
+        if not _real_dir(path):
+            continue
+        if not match.group(4) and recover(os.path.join(parent, match.group(1))):
+            continue  # it was this one (or a newer copy) that came back; the rest is removed next time
+        if not os.path.lexists(path):
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
@@ -309,8 +549,8 @@ def find_leftover(target: str) -> list[str]:
     out = []
     for entry in os.listdir(parent):
         match = _TEMP.fullmatch(entry)
-        if match and match.group(1) == name and match.group(2) in ("tmp", "old"):
+        if match and match.group(1) == name and match.group(2) in ("tmp", "old") and not match.group(4):
             path = os.path.join(parent, entry)
-            if is_complete(path):
+            if _real_dir(path) and is_complete(path):
                 out.append(path)
     return out

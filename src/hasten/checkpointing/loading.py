@@ -14,7 +14,7 @@ from ..saving import CheckpointMismatchError
 from ..state import warn_once
 from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .collectives import broadcast_from_main, gather
-from .fileio import Bounce, CheckpointCorruptError, quiet_frombuffer
+from .fileio import HASH_THREADS, Bounce, CheckpointCorruptError, quiet_frombuffer
 
 _KINDS = {
     "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
@@ -63,7 +63,13 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     if input_dir is not None:
         # As in save_state, the main process names the folder: a script that passes each process its
         # own (e.g. a per-process tempfile.TemporaryDirectory) reads back what save_state wrote.
-        return broadcast_from_main([os.path.abspath(os.path.expanduser(os.fspath(input_dir)))])[0]
+        folder = os.path.abspath(os.path.expanduser(os.fspath(input_dir)))
+        if accelerator.is_main_process:
+            try:
+                layout.recover(folder)  # a crash mid-replace may have left it under a temporary name
+            except OSError:
+                pass  # reported below as the folder being missing, on every process
+        return broadcast_from_main([folder])[0]
     if not pc.automatic_checkpoint_naming:
         raise ValueError(
             "load_state() without input_dir needs ProjectConfiguration(automatic_checkpoint_naming=True); "
@@ -73,7 +79,10 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     found: list[Any] = [None]
     if accelerator.is_main_process:
         try:
-            newest = layout.newest_complete(root)
+            layout.recover_all(root)
+            skipped: list[str] = []
+            newest = layout.newest_complete(root, skipped)
+            layout.warn_skipped(skipped)
             found[0] = newest[1] if newest else None
         except OSError as e:  # every process raises it, not the main one alone
             found[0] = e
@@ -104,7 +113,7 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     folder = resolve_folder(acc, input_dir)
     if broadcast_from_main([accelerate_folder.is_accelerate_folder(folder)])[0]:
         return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
-    pool = ThreadPoolExecutor(2)
+    pool = ThreadPoolExecutor(max(2, HASH_THREADS))  # two files at once, a big file's checksum in parts
     try:
         return _load(acc, folder, allow_pickle, custom_later, checksums, pool)
     finally:
@@ -119,7 +128,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     reader: Optional[restorer.Reader] = None
     saved_world = acc.num_processes
     try:
-        manifest = layout.read_manifest(folder)
+        manifest = layout.read_full_manifest(folder)
         reader = restorer.Reader(folder, manifest, pool)
         saved_world = int(manifest["world_size"])
         source = resume.saved_rank_for(acc.process_index, saved_world)

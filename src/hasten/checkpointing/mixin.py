@@ -125,6 +125,7 @@ class CheckpointMixin:
                           stacklevel=2)
         if not pc.automatic_checkpoint_naming and output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        self._refuse_sharded_on_each_node()
         pending = self._auto_resume.unresolved() if self._auto_resume is not None else None
         if pending:
             raise RuntimeError(pending + "; saving now would overwrite the run's history")
@@ -214,15 +215,38 @@ class CheckpointMixin:
                     warnings.warn("save_state(output_dir) is ignored with automatic_checkpoint_naming", stacklevel=3)
                 root = layout.auto_root(pc.project_dir)
                 os.makedirs(root, exist_ok=True)
+                layout.recover_all(root)  # before numbering: a recovered checkpoint keeps its number
                 number = layout.next_number(root, pc.iteration)
                 return os.path.join(root, f"checkpoint_{number}"), number, token
             target = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             if os.path.exists(target) and not os.path.isdir(target):
                 return f"save_state: output_dir={output_dir!r} is a file; pass a folder path"
+            layout.recover(target)  # the checkpoint a crash mid-replace hid comes back, then is replaced
             return target, None, token
         except Exception as e:  # noqa: BLE001 - every process raises it (a lone raise would leave the others waiting)
             return f"save_state: {type(e).__name__}: {e}"
+
+    def _refuse_sharded_on_each_node(self) -> None:
+        """``save_on_each_node`` on several machines with a sharded backend: refused before anything is
+        written or deleted, on every process alike (each sees the same configuration; no collective).
+
+        Sharded files (DCP shards, DeepSpeed engine files) are written by every process and read back
+        by every process; split over per-node folders, no node would hold a loadable checkpoint, and
+        retention would already have deleted the older good ones."""
+        pc = self.project_configuration
+        if not (pc.save_on_each_node and self.state.num_machines > 1):
+            return
+        backend = self.strategy.checkpoint_backend()
+        if backend is None:
+            return
+        name = getattr(backend, "NAME", None) or "torch.distributed.checkpoint"
+        raise ValueError(
+            f"save_state: ProjectConfiguration(save_on_each_node=True) on {self.state.num_machines} machines cannot "
+            f"save a sharded ({name}) checkpoint: every process writes its own shards and needs all of them back, so "
+            "per-node folders would hold unloadable pieces. Save to a filesystem shared by all machines with "
+            "save_on_each_node=False (nothing was written and no checkpoint was deleted)"
+        )
 
     def _node_folder(self, target: str, token: str) -> tuple[str, bool, int]:
         """(folder, writes shared files, node) with ``save_on_each_node`` on several machines: a
@@ -257,20 +281,20 @@ class CheckpointMixin:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, *,
-                   verify: str = "size", **load_model_func_kwargs: Any) -> str:
+                   verify: str = "checksum", **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 
         Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
         ``project_dir/checkpoints`` is used, and the numbering of later saves continues after it.
         Before anything changes, on every process: the manifest (format version, file list), every
-        file's size, and every saved object against the live one (count, class, tensor names and
-        shapes). ``verify="checksum"`` also recomputes each file's checksum, which detects damage
-        that keeps the size (bit rot, a bad copy) at the cost of one more pass over the data; the
-        default relies on the commit protocol (every file is fsynced before the manifest exists).
+        file's size and checksum (every byte is read once more; see bench/checkpoint.py for the cost),
+        and every saved object against the live one (count, class, tensor names and shapes); any
+        damage raises one error naming the file, on every process, before anything changes.
+        ``verify="size"`` skips the checksums (faster, for checkpoints you just wrote yourself).
         Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
         """
         self.wait_for_checkpoint()
         if verify not in ("checksum", "size"):
-            raise ValueError(f"load_state(verify={verify!r}): use 'size' (the default) or 'checksum'")
+            raise ValueError(f"load_state(verify={verify!r}): use 'checksum' (the default) or 'size'")
         load_model_func_kwargs["_verify_checksums"] = verify == "checksum"
         return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)

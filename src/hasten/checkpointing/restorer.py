@@ -17,7 +17,7 @@ import torch
 
 from ..saving import ALIASES_KEY
 from . import codec
-from .fileio import Bounce, MappedFile, SafetensorsView, verify
+from .fileio import Bounce, CheckpointCorruptError, MappedFile, SafetensorsView, verify
 from .layout import IncompleteCheckpointError
 from .saver import CLASS_KEY, SKELETON_KEY
 
@@ -51,7 +51,14 @@ class Reader:
     def mapped(self, name: str) -> MappedFile:
         if name not in self._mapped:
             self.listed(name)
-            self._mapped[name] = MappedFile(os.path.join(self.folder, name))
+            path = os.path.join(self.folder, name)
+            if os.path.islink(path):  # read_manifest refused links; one made since is refused here too
+                raise IncompleteCheckpointError(f"{path!r} is a symbolic link; hasten reads only real files of a "
+                                                "checkpoint folder (nothing was read)")
+            try:
+                self._mapped[name] = MappedFile(path)
+            except OSError as e:
+                raise IncompleteCheckpointError(f"{path!r} cannot be read ({e.strerror or e})") from None
         return self._mapped[name]
 
     def verify(self, names: list[str], checksums: bool = True) -> None:
@@ -69,8 +76,13 @@ class Reader:
         if name.endswith(".pt"):
             return _unpickle(self, name, allow_pickle), None
         view = self.view(name)
-        skeleton = json.loads(view.metadata.get(SKELETON_KEY, "null"))
-        return codec.decode(skeleton, view.tensors()), view.metadata.get(CLASS_KEY)
+        try:
+            skeleton = json.loads(view.metadata.get(SKELETON_KEY, "null"))
+            return codec.decode(skeleton, view.tensors()), view.metadata.get(CLASS_KEY)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+            raise CheckpointCorruptError(
+                f"{os.path.join(self.folder, name)!r} is damaged: its state cannot be decoded ({type(e).__name__}: {e})"
+            ) from None
 
     def close(self) -> None:
         for mapped in self._mapped.values():

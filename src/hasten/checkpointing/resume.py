@@ -69,7 +69,8 @@ def check_resume(value: Any) -> Optional[str]:
     if isinstance(value, (str, os.PathLike)):
         if value == "auto":
             return "auto"
-        if not os.path.isdir(os.path.expanduser(os.fspath(value))):
+        path = os.path.abspath(os.path.expanduser(os.fspath(value)))
+        if not os.path.isdir(path) and not layout.find_leftover(path):  # a leftover: put back by locate()
             raise ValueError(f"resume={value!r} is neither 'auto' nor an existing checkpoint folder; pass "
                              "resume='auto' or the folder of a checkpoint written by save_state")
         return os.fspath(value)
@@ -106,11 +107,16 @@ class AutoResume:
         if acc.is_main_process:
             try:
                 if self.source == "auto":
-                    newest = layout.newest_complete(layout.auto_root(acc.project_configuration.project_dir))
+                    root = layout.auto_root(acc.project_configuration.project_dir)
+                    layout.recover_all(root)  # complete checkpoints a crash left under temporary names
+                    skipped: list[str] = []
+                    newest = layout.newest_complete(root, skipped)
+                    layout.warn_skipped(skipped)
                     folder = newest[1] if newest else None
                 else:
                     folder = os.path.abspath(os.path.expanduser(self.source))
-                found[0] = (folder, layout.read_manifest(folder)["contents"] if folder else None)
+                    layout.recover(folder)
+                found[0] = (folder, layout.read_full_manifest(folder)["contents"] if folder else None)
             except Exception as e:  # noqa: BLE001 - raised on every process below, never on this one alone
                 found[0] = (None, f"resume={self.source!r}: {type(e).__name__}: {e}")
         return broadcast_from_main(found)[0]
