@@ -413,7 +413,7 @@ def test_discovery_takes_only_names_hasten_writes(tmp_path):
         acc.load_state(os.path.join(root, "checkpoint_9"))
 
 
-@pytest.mark.parametrize("change", ["no contents", "world_size text", "scheduler file unknown"])
+@pytest.mark.parametrize("change", ["no contents", "world_size text", "scheduler file unknown", "file checksum null"])
 def test_crafted_manifest_with_a_valid_checksum_is_refused_naming_it(tmp_path, change):
     acc, model, _ = make(None, value=3.0)
     folder = acc.save_state(str(tmp_path / "c"))
@@ -423,6 +423,8 @@ def test_crafted_manifest_with_a_valid_checksum_is_refused_naming_it(tmp_path, c
             del manifest["contents"]
         elif change == "world_size text":
             manifest["world_size"] = "2"
+        elif change == "file checksum null":  # would let that file load unverified
+            manifest["files"]["model.safetensors"]["checksum"] = None
         else:
             manifest["contents"]["schedulers"][0]["file"] = "elsewhere.safetensors"
 

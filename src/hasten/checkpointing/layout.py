@@ -201,6 +201,11 @@ def read_manifest(folder: str) -> dict[str, Any]:
     damaged = [name for name, info in files.items() if not isinstance(info, dict) or not isinstance(info.get("size"), int)]
     if damaged:
         raise DamagedManifestError(f"{path!r} is damaged: no size for {damaged[:5]}")
+    # Version 2 records every file's checksum (the commit computes any a writer left out): a manifest
+    # without one would let its file load unverified.
+    unchecked = [name for name, info in files.items() if version >= 2 and not isinstance(info.get("checksum"), str)]
+    if unchecked:
+        raise DamagedManifestError(f"{path!r} is damaged or crafted: no checksum for {unchecked[:5]}")
     missing, wrong = [], []
     for name, info in files.items():
         full = os.path.join(folder, name)
