@@ -190,6 +190,7 @@ class DeepSpeedCheckpoint:
                 elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
                 names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
                 self.checked.append(refuse_foreign_pickles(path, names))
+                problems.extend(_partition_problems(self.checked[-1], self._engine(module)))
                 continue
             if not problems:
                 try:
@@ -284,6 +285,28 @@ def _read(name: str) -> Any:
 
 def _files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(path), "*.pt")))
+
+
+def _partition_problems(files: dict[str, Any], engine: Any) -> list[str]:
+    """ZeRO-3 partition files whose fp32 partitions differ in size from this run's: DeepSpeed would only
+    find out inside ``load_checkpoint``, on the damaged rank alone, while the others go on into its
+    collectives. (ZeRO-1/2 store partitions without their padding, so their sizes are DeepSpeed's to judge.)"""
+    live = getattr(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat", None)
+    if live is None:
+        return []
+    want = [int(t.numel()) for t in live]
+    problems = []
+    for path, content in files.items():
+        state = content.get("optimizer_state_dict") if isinstance(content, dict) else None
+        saved = state.get("fp32_flat_groups") if isinstance(state, dict) else None
+        if saved is None:
+            continue
+        sizes = [int(t.numel()) if isinstance(t, torch.Tensor) else None for t in saved] \
+            if isinstance(saved, (list, tuple)) else None
+        if sizes != want:
+            problems.append(f"{path}: its fp32 partitions hold {sizes} elements where this run's hold {want}; the "
+                            "file is damaged or belongs to another run")
+    return problems
 
 
 def own_files(path: str, rank: int) -> list[str]:
