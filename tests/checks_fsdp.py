@@ -1,6 +1,7 @@
 """FSDP2 inside each rank (see distributed.py and test_fsdp.py): equivalence with one process,
 bf16, transformer-layer wrapping, exact resume, loads across layouts, rank-0 loading, bad input."""
 
+import json
 import os
 
 import torch
@@ -327,6 +328,15 @@ def check_save_model_streams_full_weights():
         if name.endswith(".safetensors"):
             got.update(load_file(os.path.join(folder, name)))
     assert set(got) == set(full) and all(torch.equal(got[k], full[k]) for k in full)
+    # The streamed index is save_model's: each file's checksum and its own, verified by hasten's loader.
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert set(index["metadata"]["hasten_checksums"]) == {n for n in names if n.endswith(".safetensors")}
+    from hasten import load_checkpoint_in_model
+
+    plain = _model()
+    load_checkpoint_in_model(plain, folder)
+    assert all(torch.equal(plain.state_dict()[k], full[k].cpu()) for k in full)
     return names
 
 

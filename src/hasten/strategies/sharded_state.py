@@ -67,12 +67,11 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
 
     Every process must call it (each tensor is all-gathered); only ``is_main_process`` writes.
     """
-    import json
     import os
     import uuid
 
-    from ..saving import (ALIASES_KEY, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID_KEY, parse_size,
-                          write_atomically, write_weights_file)
+    from ..saving import (ALIASES_KEY, CHECKSUMS_KEY, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID_KEY,
+                          _index_text, atomic_write, parse_size, write_weights_file)
 
     limit = parse_size(max_shard_size)
     state = model.state_dict()
@@ -98,7 +97,7 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
     save_id = uuid.uuid4().hex
     if is_main_process:
         os.makedirs(directory, exist_ok=True)
-    weight_map, total = {}, 0
+    weight_map, total, checksums = {}, 0, {}
     for filename, names in zip(files, groups):
         shard = {}
         for name in names:
@@ -109,12 +108,15 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
                 total += shard[name].nbytes
             del full
         if is_main_process:
-            write_weights_file(os.path.join(directory, filename), shard, aliases, save_id if count > 1 else None)
+            checksums[filename] = write_weights_file(os.path.join(directory, filename), shard, aliases,
+                                                     save_id if count > 1 else None)
         weight_map.update({n: filename for n in names})
         del shard
     if is_main_process and count > 1:
-        index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id, **({ALIASES_KEY: aliases} if aliases else {})},
+        # The same index as save_model's: each file's checksum, and the index's own.
+        index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id, CHECKSUMS_KEY: checksums,
+                              **({ALIASES_KEY: aliases} if aliases else {})},
                  "weight_map": weight_map}
-        write_atomically(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME),
-                         lambda tmp: open(tmp, "w").write(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+        with atomic_write(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w") as f:
+            f.write(_index_text(index))
     return files
