@@ -32,6 +32,7 @@ from .state import warn_once
 from .strategies import build_strategy, foreign_wrapper
 from .tracking.mixin import TrackingMixin
 from .views import SettingsViewsMixin
+from .utils.other import unwrap_compiled
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -206,7 +207,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         compiling = dynamo is not None and not dynamo.disable
         if self.fp8 is not None:
             self.strategy.convert_fp8(model, self.fp8)
-            self.fp8.speed_up(model, compiled=compiling or hasattr(model, "_orig_mod"))
+            self.fp8.speed_up(model, compiled=compiling or unwrap_compiled(model) is not model)
         self.precision.wrap_forward(model)
         # In place, before wrapping (the wrappers' hooks stay on the call path). Without repeated blocks:
         # whole, through the wrapper, as Accelerate (in place, the autocast hooks would be traced).
@@ -300,19 +301,20 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         with contextlib.ExitStack() as stack:
             if skip_sync:
                 for model in models:
-                    stack.enter_context(self.strategy.no_sync(model))
+                    # The strategy checks the DDP/FSDP module: under torch.compile it sits in the wrapper.
+                    stack.enter_context(self.strategy.no_sync(unwrap_compiled(model)))
             yield
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Skip gradient synchronisation in backward passes run inside this block."""
-        with self.strategy.no_sync(model):
+        with self.strategy.no_sync(unwrap_compiled(model)):
             yield
 
     def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Context manager: a backward inside it synchronises gradients across processes, even
         within ``no_sync``/``accumulate`` micro-steps (the flags are restored on exit)."""
-        return self.strategy.trigger_sync_in_backward(model)
+        return self.strategy.trigger_sync_in_backward(unwrap_compiled(model))
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
@@ -345,7 +347,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         else:
             even_batches = self.even_batches
         try:
-            with Join(list(joinables), enable=not even_batches, throw_on_early_termination=False):
+            with Join([unwrap_compiled(j) for j in joinables], enable=not even_batches, throw_on_early_termination=False):
                 yield
         finally:
             for dl in changed:
@@ -438,8 +440,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
     # -- models and weights ---------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
         """The user's module inside the wrappers that ``prepare`` added."""
-        compiled = model if hasattr(model, "_orig_mod") else None
-        inner = model._orig_mod if compiled is not None else model
+        inner = unwrap_compiled(model)
+        compiled = model if inner is not model else None
         inner = self.strategy.unwrap_model(inner)
         while foreign_wrapper(inner) in ("DistributedDataParallel", "DataParallel"):
             inner = inner.module

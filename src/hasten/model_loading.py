@@ -260,11 +260,13 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
 def _unwrap(model: Any) -> Any:
     import torch
 
+    from .utils.other import unwrap_compiled
+
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif unwrap_compiled(model) is not model:
+            model = unwrap_compiled(model)
         else:
             return model
 

@@ -31,6 +31,22 @@ def is_compiled_module(module: nn.Module) -> bool:
     return wrapper is not None and isinstance(module, wrapper)
 
 
+def unwrap_compiled(module: Any) -> Any:
+    """The module inside ``torch.compile``'s wrapper (or inside Accelerate's ``compile_regions`` copy,
+    which keeps the original as ``_orig_mod``); any other object as it is.
+
+    The one place that strips compilation: strategies ask about the DDP/FSDP module under it (a
+    compiled DDP model must still get ``no_sync``), and unwrapping helpers start from here.
+    """
+    if not isinstance(module, nn.Module):
+        return module
+    if is_compiled_module(module):
+        return module._orig_mod
+    if "_orig_mod" in module.__dict__ and has_compiled_regions(module):
+        return module.__dict__["_orig_mod"]
+    return module
+
+
 def _compiled_in_place(module: nn.Module) -> bool:
     # nn.Module.compile() (what hasten's compile_regions uses) leaves the module itself and sets this.
     return getattr(module, "_compiled_call_impl", None) is not None
@@ -89,12 +105,8 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
     ``recursive=True`` also replaces every child that is such a container by its ``.module``. FSDP2 and
     tensor parallelism change the module in place (no container), so they are returned as they are.
     """
-    compiled = model if is_compiled_module(model) else None
-    if compiled is None and "_orig_mod" in model.__dict__ and has_compiled_regions(model):
-        compiled = model  # Accelerate's compile_regions copy keeps the original module there
-        model = model.__dict__["_orig_mod"]
-    elif compiled is not None:
-        model = model._orig_mod
+    inner = unwrap_compiled(model)
+    compiled, model = (model if inner is not model else None), inner
     while _is_container(model):
         model = model.module
     if recursive:

@@ -1,0 +1,30 @@
+"""Issue 24 item 3: a compiled prepared model (``dynamo_backend``) keeps ``accumulate``/``no_sync``:
+DDP all-reduces once per accumulation window, FSDP2 reduces only on the window's last micro-step.
+2 real gloo processes with the ``eager`` dynamo backend (fast on CPU)."""
+
+import pytest
+
+from distributed import run_checks
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_checks("checks_nosync_compile", world_size=2)
+
+
+def test_ddp_without_compile_all_reduces_once_per_window(two):
+    assert two.assert_passed("check_ddp_eager_counts_one_allreduce_per_window") == [[1, 1], [1, 1]]
+
+
+def test_ddp_compiled_all_reduces_once_per_window(two):
+    assert two.assert_passed("check_ddp_compiled_counts_one_allreduce_per_window") == [[1, 1], [1, 1]]
+
+
+def test_ddp_compiled_no_sync_skips_and_trigger_sync_forces(two):
+    assert two.assert_passed("check_ddp_compiled_no_sync_and_trigger_sync") == [[0, 1], [0, 1]]
+
+
+def test_fsdp2_compiled_reduces_only_on_the_last_micro_step(two):
+    expected = [False, False, False, True]
+    assert two.assert_passed("check_fsdp2_eager_micro_steps_keep_grads_unreduced") == [expected, expected]
+    assert two.assert_passed("check_fsdp2_compiled_micro_steps_keep_grads_unreduced") == [expected, expected]
