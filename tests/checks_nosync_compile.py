@@ -99,3 +99,30 @@ def check_fsdp2_eager_micro_steps_keep_grads_unreduced():
 
 def check_fsdp2_compiled_micro_steps_keep_grads_unreduced():
     return _fsdp2_reduced("eager")
+
+
+def check_deepspeed_clip_without_gradient_clipping_names_the_flag():
+    """Issue 24 item 2: ZeRO-2 without ``gradient_clipping`` and a loop that calls
+    ``clip_grad_norm_(params, 1.0)``: every rank raises one ValueError naming the launch flag and the
+    config key, at the first call; a matching value (``--gradient_clipping 1.0``) trains."""
+    from checks_fsdp import _data, _model
+    from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
+
+    seen = {}
+    for clip in (None, 1.0):
+        reset_state()
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=clip))
+        model = _model()
+        model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                         torch.utils.data.DataLoader(_data(), batch_size=2))
+        try:
+            for x, y in loader:
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            seen[str(clip)] = float(norm) > 0
+        except ValueError as e:
+            seen[str(clip)] = str(e)
+        acc.free_memory()
+    return seen

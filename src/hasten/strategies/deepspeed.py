@@ -235,10 +235,15 @@ class DeepSpeedStrategy(Strategy):
         engine = self.engines[0]
         configured = float(engine.gradient_clipping() or 0.0)
         if float(norm_type) != 2.0 or abs(configured - float(max_norm)) > 1e-12:
+            # The engine clips inside engine.step(), which already ran in accelerator.backward, and its
+            # clip value is fixed when the engine is built: the value must come from the launch or config.
+            # The config is the same on every rank, so every rank raises this same error here.
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) but DeepSpeed clips in its own step at "
-                f"gradient_clipping={configured} (L2 norm); set DeepSpeedPlugin(gradient_clipping={max_norm}) or "
-                f"\"gradient_clipping\": {max_norm} in the DeepSpeed config"
+                f"gradient_clipping={configured} (L2 norm{'; 0 means off' if not configured else ''}), set before "
+                f"prepare(): launch with `hasten launch --gradient_clipping {max_norm}`, or pass "
+                f"DeepSpeedPlugin(gradient_clipping={max_norm}), or put \"gradient_clipping\": {max_norm} in the "
+                "DeepSpeed config"
             )
         norm = engine.get_global_grad_norm()
         return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
