@@ -104,14 +104,21 @@ def check_fsdp2_compiled_micro_steps_keep_grads_unreduced():
 def check_deepspeed_clip_without_gradient_clipping_names_the_flag():
     """Issue 24 item 2: ZeRO-2 without ``gradient_clipping`` and a loop that calls
     ``clip_grad_norm_(params, 1.0)``: every rank raises one ValueError naming the launch flag and the
-    config key, at the first call; a matching value (``--gradient_clipping 1.0``) trains."""
+    config key, at the first call; with the variable that ``--gradient_clipping 1.0`` sets, the loop trains."""
     from checks_fsdp import _data, _model
     from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
+
+    import os
 
     seen = {}
     for clip in (None, 1.0):
         reset_state()
-        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=clip))
+        if clip is not None:  # what `hasten launch --gradient_clipping 1.0` sets
+            os.environ["HASTEN_GRADIENT_CLIPPING"] = str(clip)
+        try:
+            acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+        finally:
+            os.environ.pop("HASTEN_GRADIENT_CLIPPING", None)
         model = _model()
         model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                          torch.utils.data.DataLoader(_data(), batch_size=2))
