@@ -38,3 +38,16 @@ def test_deepspeed_clip_grad_norm_without_gradient_clipping_is_one_error_naming_
     assert isinstance(message, str), seen
     assert "--gradient_clipping 1.0" in message and '"gradient_clipping": 1.0' in message, message
     assert seen[0]["1.0"] is True, seen  # with the flag the loop trains
+
+
+def test_unwrap_compiled_is_the_one_way_to_strip_torch_compile():
+    import torch
+    from torch import nn
+
+    from hasten.utils.other import extract_model_from_parallel, unwrap_compiled
+
+    inner = nn.Linear(2, 2)
+    compiled = torch.compile(inner, backend="eager")
+    assert unwrap_compiled(compiled) is inner
+    assert unwrap_compiled(inner) is inner and unwrap_compiled("x") == "x"
+    assert extract_model_from_parallel(compiled, keep_torch_compile=False) is inner

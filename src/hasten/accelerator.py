@@ -32,7 +32,6 @@ from .state import warn_once
 from .strategies import build_strategy, foreign_wrapper
 from .tracking.mixin import TrackingMixin
 from .views import SettingsViewsMixin
-from .utils.other import unwrap_compiled
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -41,6 +40,7 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .utils.other import unwrap_compiled
 
 
 class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
