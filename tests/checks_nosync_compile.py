@@ -43,7 +43,8 @@ def _ddp_allreduces(backend, windows: int = 2) -> list:
                 opt.zero_grad()
         per_window.append(len(calls) - before)
     assert ddp is wrapper.module
-    return per_window
+    weights = torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist()
+    return {"per_window": per_window, "weights": weights}
 
 
 def check_ddp_eager_counts_one_allreduce_per_window():
