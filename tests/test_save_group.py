@@ -66,3 +66,57 @@ def test_save_group_exists_before_any_save_with_the_groups_timeout(two):
     use is made then, with that timeout, not at the first save with gloo's default 30 minutes."""
     for value in two.assert_passed("check_save_group_is_made_with_the_process_group"):
         assert value == {"exists": True, "timeout": 120.0, "same_after_save": True}
+
+
+# -- hang reports (issue 24 item 9) ---------------------------------------------------------------
+@pytest.mark.parametrize("backend, nccl", [("nccl", True), ("cuda:nccl,cpu:gloo", True), ("cpu:gloo,cuda:nccl", True),
+                                           ("gloo", False), ("cpu:gloo,cuda:gloo", False), ("", False)])
+def test_the_flight_recorder_reader_finds_nccl_in_a_multi_backend_group(backend, nccl):
+    from hasten.commands import _heartbeat
+
+    assert _heartbeat.uses_nccl(backend) is nccl
+
+
+_SIGNAL_SCRIPT = r"""
+import os, signal, sys, tempfile, time
+sys.path.insert(0, {src!r})
+from hasten.commands import _heartbeat
+calls = []
+before = {before}
+if before:
+    signal.signal(signal.SIGUSR1, lambda *a: calls.append(1))
+folder = tempfile.mkdtemp()
+hb = _heartbeat.Heartbeat(folder, "0")
+if not before:
+    signal.signal(signal.SIGUSR1, lambda *a: calls.append(1))
+hb.beat()
+import json
+owned = json.load(open(os.path.join(folder, "beat0.json"))).get("stack_signal")
+if owned is not False:  # what the watchdog does: signal only a rank whose SIGUSR1 dumps stacks
+    os.kill(os.getpid(), signal.SIGUSR1)
+for _ in range(100):
+    time.sleep(0.01)
+hb.stacks.flush()
+print(json.dumps({{"calls": len(calls), "stack": os.path.getsize(os.path.join(folder, "stack0.txt")) > 0,
+                  "owned": owned}}))
+"""
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_sigusr1_of_the_script_is_kept(before):
+    """A SIGUSR1 handler the script set before the heartbeat is chained after the stack dump; one it
+    sets later replaces the dump, and the heartbeat says so, so the watchdog does not signal the
+    rank (a script's SIGUSR1 often means 'save and requeue')."""
+    import json
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT.format(src=src, before=before)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    value = json.loads(out.stdout.strip().splitlines()[-1])
+    if before:
+        assert value == {"calls": 1, "stack": True, "owned": True}
+    else:
+        assert value == {"calls": 0, "stack": False, "owned": False}

@@ -167,6 +167,9 @@ def build_report(beats: dict[int, dict], idle: dict[int, float], timeout: float,
     lines.append(f"hasten: {diagnose(places)}")
     stacks = [os.path.join(folder, f"stack{r}.txt") for r in sorted(beats)]
     lines.append(f"hasten: Python stacks of every thread: {', '.join(stacks)}")
+    kept = [str(r) for r, b in sorted(beats.items()) if not b.get("stack_signal", True)]
+    if kept:
+        lines.append(f"hasten: no stacks from rank {', '.join(kept)}: its script handles SIGUSR1 itself")
     recorders = [b["fr"] for _, b in sorted(beats.items()) if b.get("fr") and not str(b["fr"]).startswith("error")]
     if recorders:
         lines.append(f"hasten: torch flight recorder (collectives entered, with sizes): {', '.join(recorders)}")
@@ -252,7 +255,8 @@ class Watchdog:
         beats = read_beats(self.folder)
         for beat in beats.values():
             pid = beat.get("pid")
-            if not beat.get("done") and isinstance(pid, int) and pid > 0:  # never 0: the whole process group
+            # never 0 (the whole process group); never a process whose script took SIGUSR1 for itself
+            if not beat.get("done") and beat.get("stack_signal", True) and isinstance(pid, int) and pid > 0:
                 try:
                     os.kill(pid, signal.SIGUSR1)
                 except OSError:
