@@ -120,3 +120,56 @@ def test_sigusr1_of_the_script_is_kept(before):
         assert value == {"calls": 1, "stack": True, "owned": True}
     else:
         assert value == {"calls": 0, "stack": False, "owned": False}
+
+
+def test_a_rank_in_a_long_fsync_is_not_a_hang(tmp_path, monkeypatch):
+    """The watchdog on hand-written heartbeats: a rank whose main thread sits in fsync (a slow disk,
+    a network filesystem) past the timeout is doing I/O, and the rank waiting for it is not hung."""
+    import json
+
+    from hasten import progress
+    from hasten.commands import hangs
+
+    monkeypatch.setattr(hangs, "DUMP_WAIT_S", 0.1)
+
+    def beat(rank, **fields):
+        data = {"rank": rank, "pid": None, "ticks": 5, "changes": 1, "steps": 0, "batches": 0, "sync_s": 0.0,
+                "t": 0.0, "done": False}
+        data.update(fields)
+        (tmp_path / f"beat{rank}.json").write_text(json.dumps(data))
+
+    dog = hangs.Watchdog(str(tmp_path), 10.0, "test", 2, stop=lambda: None, warn=lambda _: None)
+    beat(0, where=progress.FILE_IO)
+    beat(1, where="gather")
+    dog.check(0.0)
+    assert not dog.check(5.0) and not dog.check(500.0)  # I/O is not a hang
+    beat(0, where=None)  # the fsync returned and rank 0 went quiet: the clock starts again
+    assert not dog.check(505.0)
+    assert dog.check(511.0)
+
+
+def test_fsync_marks_the_main_thread_as_in_file_io(tmp_path):
+    """``fsync_fd`` on the main thread says "file I/O" while it runs and restores the phase after;
+    from another thread (a background save) it leaves the training thread's phase alone."""
+    import threading
+
+    from hasten import progress
+    from hasten.saving import fsync_fd
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    seen = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        progress.STATE.where = "gather"
+        fsync_fd(fd, str(path))
+        seen.append(progress.STATE.where)
+        thread = threading.Thread(target=fsync_fd, args=(fd, str(path)))
+        thread.start()
+        thread.join()
+        seen.append(progress.STATE.where)
+    finally:
+        os.close(fd)
+        progress.STATE.where = None
+    assert seen == ["gather", "gather"]
+    assert progress.FILE_IO == "file I/O"

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..progress import FILE_IO
+
 HANG_EXIT_STATUS = 124  # like GNU timeout: distinct from failures (1, the script's own) and signals (128+n)
 DEFAULT_HANG_TIMEOUT = 300.0
 CHECK_S = 1.0
@@ -223,7 +225,8 @@ class Watchdog:
         beats = read_beats(self.folder)
         for rank, beat in beats.items():
             sign = (beat.get("pid"), beat.get("ticks"), beat.get("changes"))
-            if self._seen.get(rank, (None,))[0] != sign:
+            # a process waiting for the disk (a long fsync) is not hung: its clock stays at now
+            if self._seen.get(rank, (None,))[0] != sign or beat.get("where") == FILE_IO:
                 self._seen[rank] = (sign, now)
         if self._armed_at is None:
             if any(b.get("ticks", 0) > 0 or b.get("entered") for b in beats.values()):
