@@ -5,7 +5,8 @@
   gloo addresses);
 - ``quiesce_gloo_workers``: before the script ends, every gloo worker thread has let go of the work
   it ran (a worker still doing so after the interpreter began to finalize aborts the process);
-- ``tear_down_at_exit``: the group hasten opened goes down while the interpreter still runs.
+- ``tear_down_at_exit``: the group hasten opened goes down while the interpreter still runs;
+- ``save_group``: the gloo group background saves exchange on, made with the process group.
 """
 
 from __future__ import annotations
@@ -119,3 +120,49 @@ def tear_down_at_exit(world: Any) -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the script's work is done either way
         pass
+
+
+_SAVE_GROUP: list = []  # [(default group, its save group)]
+
+
+def _timeout_of(group: Any) -> Optional[timedelta]:
+    """The timeout ``group`` was made with (the user's), or None where torch does not say."""
+    try:
+        return group._get_backend(group._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def save_group(timeout: Optional[timedelta] = None) -> Any:
+    """The gloo group that background saves exchange on, apart from the training's collectives.
+
+    Collective on first use for a process group: hasten makes it right after it opens the process
+    group (every process is there), so a gloo connectivity problem of an NCCL job shows at start,
+    not hours in at the first background save; a group the user opened gets it at the first
+    background save. Its timeout is ``timeout``, else the process group's (the user's), not gloo's
+    default 30 minutes. One per process group, shared by every ``Accelerator`` of the process (a
+    script that builds them in a loop must not leak a group with its threads and sockets each
+    time). None alone.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if not (_SAVE_GROUP and _SAVE_GROUP[0][0] is world):
+        timeout = timeout or _timeout_of(world)
+        _SAVE_GROUP[:] = [(world, dist.new_group(backend="gloo", timeout=timeout))]
+    return _SAVE_GROUP[0][1]
+
+
+def release_save_group() -> None:
+    """Destroy the save group at the end of the script, while the interpreter still runs.
+
+    Gloo's worker threads drop their reference to a finished collective (and so to its tensors)
+    a moment after the caller has the result. If that happens once the interpreter is finalizing,
+    the thread cannot take the GIL and the process aborts ("terminate called without an active
+    exception"). Destroying the group now joins those threads first.
+    """
+    if not _SAVE_GROUP:
+        return
+    world, group = _SAVE_GROUP.pop()
+    if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group(group)

@@ -11,13 +11,16 @@ nothing reads them.
 from __future__ import annotations
 
 import functools
+import threading
+from contextlib import contextmanager
 from datetime import timedelta
 from time import perf_counter
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 LOADER = "dataloader"
 BACKWARD = "backward"
 OPTIMIZER = "optimizer.step"
+FILE_IO = "file I/O"  # a long fsync: the watchdog does not count it as a hang
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,6 +68,25 @@ def leave(token: tuple[Optional[str], float]) -> None:
         state.sync_since = None
     state.where = outer
     state.ticks += 1
+
+
+@contextmanager
+def file_io() -> Iterator[None]:
+    """Mark the main thread as waiting for the disk (``fsync``): slow storage is not a hang, and the
+    watchdog leaves such a process alone. Other threads (a background save) do not touch the
+    training thread's phase."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    state = STATE
+    outer = state.where
+    state.where = FILE_IO
+    state.ticks += 1
+    try:
+        yield
+    finally:
+        state.where = outer
+        state.ticks += 1
 
 
 def collective(op: str) -> Callable[[F], F]:

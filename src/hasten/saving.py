@@ -122,8 +122,11 @@ _FSYNC_UNSUPPORTED = frozenset(getattr(errno, name) for name in ("EINVAL", "EROF
 def fsync_fd(fd: int, path: str) -> None:
     """``os.fsync(fd)`` of ``path``; "not supported" errnos are ignored, any other error is raised
     as an ``OSError`` naming ``path``."""
+    from .progress import file_io
+
     try:
-        os.fsync(fd)
+        with file_io():
+            os.fsync(fd)
     except OSError as e:
         if e.errno in _FSYNC_UNSUPPORTED:
             return

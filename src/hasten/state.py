@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
-from .group_lifetime import round_store, tear_down_at_exit
+from .group_lifetime import round_store, save_group, tear_down_at_exit
 from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
@@ -201,6 +201,7 @@ class PartialState(SharedDict):
                 kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=topo.rank, world_size=topo.world_size, **kwargs)
         atexit.register(tear_down_at_exit, dist.group.WORLD)
+        save_group(kwargs.get("timeout"))  # now, with the user's timeout: not mid-run at the first background save
 
     def open_one_process_group(self, backend: Optional[str] = None, **kwargs: Any) -> None:
         """A process group of this one process (FSDP2 and DTensor need one even then), in memory: no

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from ..group_lifetime import release_save_group, save_group  # noqa: F401 - the save's group, here for callers
 from ..saving import fsync_path
 from . import fileio, layout, saver
 from .collectives import ProcessGroupGone, gather
@@ -215,37 +216,6 @@ class Background:
 
 _ALL: "weakref.WeakSet[Background]" = weakref.WeakSet()
 _AT_EXIT: list = []
-_SAVE_GROUP: list = []  # [(default group, its save group)]
-
-
-def save_group() -> Any:
-    """The gloo group that background saves exchange on, apart from the training's collectives.
-
-    One per process group, shared by every ``Accelerator`` of the process (a script that builds
-    them in a loop must not leak a group with its threads and sockets each time); every process
-    creates it at its first background save, which they reach together. None alone.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    world = dist.group.WORLD
-    if not (_SAVE_GROUP and _SAVE_GROUP[0][0] is world):
-        _SAVE_GROUP[:] = [(world, dist.new_group(backend="gloo"))]
-    return _SAVE_GROUP[0][1]
-
-
-def release_save_group() -> None:
-    """Destroy the save group at the end of the script, while the interpreter still runs.
-
-    Gloo's worker threads drop their reference to a finished collective (and so to its tensors)
-    a moment after the caller has the result. If that happens once the interpreter is finalizing,
-    the thread cannot take the GIL and the process aborts ("terminate called without an active
-    exception"). Destroying the group now joins those threads first.
-    """
-    if not _SAVE_GROUP:
-        return
-    world, group = _SAVE_GROUP.pop()
-    if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
-        dist.destroy_process_group(group)
 
 
 def wait_all() -> None:

@@ -90,7 +90,11 @@ def write(folder: str, state: dict[str, Any], group: Any = None) -> dict[str, st
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save(state, storage_writer=writer, process_group=group)
+    # One process has nothing to exchange. DCP would still run its object collectives on the default
+    # group, the training's: from a background save's thread that drives the training's communicator
+    # (NCCL on CUDA) from two threads at once. Several processes get the save's own group.
+    alone = group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    dcp.save(state, storage_writer=writer, process_group=group, no_dist=alone)
     # DCP names each process's file after its rank in the group (``__<rank>_0.distcp``); its rank 0
     # writes ``.metadata``. Files nobody claims are checksummed by the committing process.
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0

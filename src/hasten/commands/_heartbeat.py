@@ -7,7 +7,8 @@ count of changes of the main thread's innermost frame (a rank computing in Pytho
 whether it has entered a collective yet (torch's flight recorder, looked at only until then),
 and, once the counters stall, where the main thread is (top user frame, torch.distributed call,
 backward). ``SIGUSR1`` makes faulthandler write every thread's stack to ``stack<rank>.txt``, even
-when native code holds the GIL. When the launcher leaves a ``dump`` file, the thread also writes
+when native code holds the GIL (then a SIGUSR1 handler the script had set runs; one it sets later
+wins, and the watchdog no longer sends the signal). When the launcher leaves a ``dump`` file, the thread also writes
 torch's flight recorder (the collectives this process entered, with sizes) to ``fr<rank>.json``.
 """
 
@@ -85,10 +86,16 @@ def _flight_recorder(only_active: bool = False) -> Optional[bytes]:
 
     c10d = torch._C._distributed_c10d
     dump = None
-    if dist.get_backend() == "nccl":
+    if uses_nccl(str(dist.get_backend())):
         dump = getattr(c10d, "_dump_nccl_trace_json", None)
     dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
     return dump(includeCollectives=True, onlyActive=only_active) if dump else None
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether a process group's backend string names NCCL: ``"nccl"``, or one entry of a
+    per-device list such as ``"cuda:nccl,cpu:gloo"`` (FSDP with CPU offload)."""
+    return any(part.rpartition(":")[2].strip() == "nccl" for part in backend.split(","))
 
 
 def entered_a_collective() -> bool:
@@ -110,7 +117,11 @@ class Heartbeat:
         self.done = False
         self.lock = threading.Lock()
         self.stacks = open(os.path.join(folder, f"stack{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
-        faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True, chain=False)
+        # A handler set before us (Python's) still runs after the dump. One the script sets later
+        # replaces the dump: the beat then says so, and the watchdog leaves that process alone
+        # (a script's SIGUSR1 often means "save and requeue").
+        self.usr1 = signal.getsignal(signal.SIGUSR1)
+        faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True, chain=callable(self.usr1))
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="hasten-heartbeat", daemon=True).start()
@@ -158,6 +169,7 @@ class Heartbeat:
                 record["fr"] = self._dump_recorder()
                 self.dumped = request
             record["dumped"] = self.dumped
+            record["stack_signal"] = signal.getsignal(signal.SIGUSR1) is self.usr1  # SIGUSR1 still dumps stacks
             _write_json(self.path, record)
 
     def _dump_recorder(self) -> Optional[str]:

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..progress import FILE_IO
+
 HANG_EXIT_STATUS = 124  # like GNU timeout: distinct from failures (1, the script's own) and signals (128+n)
 DEFAULT_HANG_TIMEOUT = 300.0
 CHECK_S = 1.0
@@ -167,6 +169,9 @@ def build_report(beats: dict[int, dict], idle: dict[int, float], timeout: float,
     lines.append(f"hasten: {diagnose(places)}")
     stacks = [os.path.join(folder, f"stack{r}.txt") for r in sorted(beats)]
     lines.append(f"hasten: Python stacks of every thread: {', '.join(stacks)}")
+    kept = [str(r) for r, b in sorted(beats.items()) if not b.get("stack_signal", True)]
+    if kept:
+        lines.append(f"hasten: no stacks from rank {', '.join(kept)}: its script handles SIGUSR1 itself")
     recorders = [b["fr"] for _, b in sorted(beats.items()) if b.get("fr") and not str(b["fr"]).startswith("error")]
     if recorders:
         lines.append(f"hasten: torch flight recorder (collectives entered, with sizes): {', '.join(recorders)}")
@@ -220,7 +225,8 @@ class Watchdog:
         beats = read_beats(self.folder)
         for rank, beat in beats.items():
             sign = (beat.get("pid"), beat.get("ticks"), beat.get("changes"))
-            if self._seen.get(rank, (None,))[0] != sign:
+            # a process waiting for the disk (a long fsync) is not hung: its clock stays at now
+            if self._seen.get(rank, (None,))[0] != sign or beat.get("where") == FILE_IO:
                 self._seen[rank] = (sign, now)
         if self._armed_at is None:
             if any(b.get("ticks", 0) > 0 or b.get("entered") for b in beats.values()):
@@ -252,7 +258,8 @@ class Watchdog:
         beats = read_beats(self.folder)
         for beat in beats.values():
             pid = beat.get("pid")
-            if not beat.get("done") and isinstance(pid, int) and pid > 0:  # never 0: the whole process group
+            # never 0 (the whole process group); never a process whose script took SIGUSR1 for itself
+            if not beat.get("done") and beat.get("stack_signal", True) and isinstance(pid, int) and pid > 0:
                 try:
                     os.kill(pid, signal.SIGUSR1)
                 except OSError:
