@@ -149,6 +149,61 @@ def test_skipped_step_is_still_reported_when_read(fresh_state):
     assert acc.scaler.get_scale() == 512.0
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
+    opt.zero_grad()
     acc.backward(model(torch.randn(2, 4)).sum())
     opt.step()
     assert not opt.step_was_skipped
+
+
+def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
+    """D's backward and step, then G's (the usual GAN loop): the scale each loss was scaled with is
+    the one its gradients are unscaled with, as in a hand-written loop updating before each new loss."""
+    gen, disc = _models()
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    batches = _batches()
+
+    def run(m, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return m(x).float()
+
+    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
+    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **_SCALER)
+    ref_scales = []
+    for x in batches:
+        _, loss_d = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_d).backward()
+        scaler.unscale_(ref_d)
+        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
+        scaler.step(ref_d)
+        scaler.update()
+        ref_d.zero_grad()
+        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_g).backward()
+        scaler.step(ref_g)
+        scaler.update()
+        ref_g.zero_grad()
+        ref_d.zero_grad()
+        ref_scales.append(scaler.get_scale())
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**_SCALER)])
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    gen, disc, opt_g, opt_d = acc.prepare(gen, disc, opt_g, opt_d)
+    scales = []
+    for x in batches:
+        _, loss_d = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_d)
+        acc.clip_grad_norm_(disc.parameters(), 1.0)
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g, _ = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        scales.append(acc.scaler.get_scale())
+    assert scales == ref_scales
+    for mine, ref in ((gen, ref_gen), (disc, ref_disc)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
