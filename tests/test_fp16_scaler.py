@@ -207,3 +207,26 @@ def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
     for mine, ref in ((gen, ref_gen), (disc, ref_disc)):
         for p, q in zip(mine.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_due_update_is_in_the_saved_scaler_state(fresh_state):
+    """Two prepared optimizers, one stepped: the update waits for the next loss, but a checkpoint
+    taken now holds the updated scale, as a hand-written loop's ``update()`` would."""
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ref = copy.deepcopy(model)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=1)])
+    model, opt, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1))
+    x = torch.randn(2, 4)
+    acc.backward(model(x).sum())
+    opt.step()
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        scaler.scale(ref(x).float().sum()).backward()
+    scaler.step(ref_opt)
+    scaler.update()
+    assert acc.precision.state_dict() == scaler.state_dict()
+    acc.backward(model(x).sum())  # the next loss: now the live scaler has updated too
+    assert acc.scaler.state_dict() == scaler.state_dict()

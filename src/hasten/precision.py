@@ -202,11 +202,33 @@ class Precision:
         return scale is not None and self.scaler._scale is not None and self.scaler._scale < scale
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        """The scaler's state as the next loss will see it: an update still due is applied (to a
+        copy, since other optimizers may still step this iteration), so a resumed run loses none."""
+        if self.scaler is None:
+            return {}
+        if not len(self._stepped):
+            return self.scaler.state_dict()
+        return _settled_state(self.scaler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def _settled_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """``scaler.state_dict()`` after the ``update()`` that is due, computed on copies (the scaler
+    itself cannot update yet, nor be copied mid-iteration); the same kernel ``update()`` runs."""
+    state = scaler.state_dict()
+    if not state or scaler._scale is None or scaler._growth_tracker is None:
+        return state
+    found = [flag for opt in scaler._per_optimizer_states.values() for flag in opt["found_inf_per_device"].values()]
+    if not found:
+        return state
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    torch._amp_update_scale_(scale, tracker, _found_any(found).to(scale.device), state["growth_factor"],
+                             state["backoff_factor"], state["growth_interval"])
+    state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
+    return state
 
 
 def _found_any(found: list[torch.Tensor]) -> torch.Tensor:
