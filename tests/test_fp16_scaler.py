@@ -230,3 +230,45 @@ def test_a_due_update_is_in_the_saved_scaler_state(fresh_state):
     assert acc.precision.state_dict() == scaler.state_dict()
     acc.backward(model(x).sum())  # the next loss: now the live scaler has updated too
     assert acc.scaler.state_dict() == scaler.state_dict()
+
+
+def _sync_free(step) -> bool:
+    """Whether ``step()`` runs with CUDA's sync debug mode set to raise on any host sync."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return True
+    except RuntimeError as err:
+        if "synchroniz" not in str(err).lower():
+            raise
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_fused_adamw_fp16_step_has_no_host_sync_on_cuda(fresh_state):
+    """The GPU form of the host-read test: a second fused AdamW step under ``set_sync_debug_mode``."""
+    torch.manual_seed(0)
+    ref_model = torch.nn.Linear(64, 64).cuda()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(8, 64, device="cuda")
+    for _ in range(2):  # the first step builds the optimizer state
+        ref_opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            scaler.scale(ref_model(x).float().pow(2).mean()).backward()
+        steps_clean = _sync_free(lambda: (scaler.step(ref_opt), scaler.update()))
+    if not steps_clean:
+        pytest.skip("torch's own fused scaler step syncs in this torch build")
+
+    acc = Accelerator(mixed_precision="fp16")
+    model = torch.nn.Linear(64, 64)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    for _ in range(2):
+        opt.zero_grad()
+        acc.backward(model(x).pow(2).mean())
+        clean = _sync_free(opt.step)
+    assert clean
+    assert not opt.step_was_skipped  # the verdict is still there when read
