@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -35,7 +35,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.precision = precision
         self.gradient_state = GradientState()
         self.device_placement = device_placement
-        self._step_was_skipped = False
+        # A bool, or the scaler's 0-d inf/NaN flag (nonzero: skipped), read only when asked: reading
+        # it is a host sync that a fused optimizer's scaler step does not otherwise need.
+        self._step_was_skipped: Union[bool, torch.Tensor] = False
+        if precision is not None and precision.scaler is not None:
+            precision.track(optimizer)
         if device_placement:
             _move_state_to(optimizer, PartialState().device)
 
@@ -101,12 +105,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last sync step was skipped because fp16 gradients overflowed."""
-        return self._step_was_skipped
+        """Whether the last sync step was skipped because fp16 gradients overflowed (reads the device flag)."""
+        return bool(self._step_was_skipped)
 
     @property
     def is_overflow(self) -> bool:  # Accelerate's older name
-        return self._step_was_skipped
+        return self.step_was_skipped
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"

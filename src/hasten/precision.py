@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -66,6 +66,15 @@ class Precision:
             self.scaler = torch.amp.GradScaler(device.type, **kw)
         # Optimizers already unscaled this step; weak, so a freed optimizer's id reused by a new one never counts.
         self._unscaled: weakref.WeakSet = weakref.WeakSet()
+        # torch's rule for several optimizers: one ``scaler.update()`` per iteration, after every
+        # optimizer stepped. ``_stepped`` holds those stepped since the last update, ``_round``
+        # those stepped since every prepared one (``_tracked``) last did; the update runs when the
+        # round completes, or else before the next loss is scaled, so a loss is never scaled with
+        # one scale and unscaled with another (an optimizer stepped every few iterations, or
+        # backward and step interleaved per optimizer).
+        self._stepped: weakref.WeakSet = weakref.WeakSet()
+        self._round: weakref.WeakSet = weakref.WeakSet()
+        self._tracked: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def enabled(self) -> bool:
@@ -116,15 +125,33 @@ class Precision:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_unscaled"] = None  # a WeakSet does not pickle; the unscale record is per step anyway
+        # WeakSets do not pickle; the unscale and step records are per iteration anyway.
+        state["_unscaled"] = state["_stepped"] = state["_round"] = state["_tracked"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._unscaled = weakref.WeakSet()
+        self._stepped = weakref.WeakSet()
+        self._round = weakref.WeakSet()
+        self._tracked = weakref.WeakSet()
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer`` among those that step once per iteration (see ``optimizer_step``)."""
+        self._tracked.add(optimizer)
+
+    def _update(self) -> None:
+        """End the iteration: the scaler's one update, and a fresh unscale record for every optimizer."""
+        self.scaler.update()
+        self._stepped.clear()
+        self._unscaled.clear()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        if self.scaler is None:
+            return loss
+        if len(self._stepped):  # a new iteration's loss: the previous one's update is due
+            self._update()
+        return self.scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizer`` once per step; later calls are no-ops."""
@@ -139,33 +166,77 @@ class Precision:
             return 1.0
         return float(self.scaler.get_scale())
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
-        """Step ``optimizer`` through the scaler; returns True if the step was skipped (inf/NaN).
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Union[bool, torch.Tensor]:
+        """Step ``optimizer`` through the scaler; returns whether the step was skipped (inf/NaN).
 
         The verdict is the scaler's own: the inf/NaN checks it recorded for this optimizer. Whether
         ``optimizer.step`` ran says nothing for optimizers that unscale inside ``step`` (fused
-        AdamW, ``_step_supports_amp_scaling``): they are always called and skip internally.
+        AdamW, ``_step_supports_amp_scaling``): they are always called and skip internally. The
+        verdict is returned as a 0-d tensor (nonzero: skipped), not read here: reading it is a host
+        sync, which torch's scaler path for those optimizers does not have.
+
+        ``scaler.update()`` runs once per iteration (torch's rule): when every prepared optimizer
+        has stepped, else before the next loss is scaled. Updating after each optimizer would
+        forget the others' unscale (a second unscale later) and grow the scale once per optimizer.
         """
         if self.scaler is None:
             optimizer.step(closure) if closure is not None else optimizer.step()
             return False
-        scale = self.scaler._scale.clone() if self.scaler._scale is not None else None  # no device sync
+        if optimizer in self._stepped:  # stepped again with no backward between: a new iteration
+            self._update()
         self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
         checks = self.scaler._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device")
-        self.scaler.update()
-        self._unscaled.discard(optimizer)
+        self._stepped.add(optimizer)
+        self._round.add(optimizer)
         if checks:
-            return bool(sum(float(found.item()) for found in checks.values()))
+            verdict: Union[bool, torch.Tensor] = _found_any(list(checks.values()))
+            if all(opt in self._round for opt in self._tracked):
+                self._round.clear()
+                self._update()
+            return verdict
         # An optimizer that ran the checks itself (the older grad_scaler= contract) left none here;
-        # the scaler then backed off exactly when it found inf/NaN.
-        return scale is not None and self.scaler.get_scale() < float(scale)
+        # the scaler then backs off exactly when it found inf/NaN, so its update is needed now.
+        self._round.clear()
+        scale = self.scaler._scale.clone() if self.scaler._scale is not None else None  # no device sync
+        self._update()
+        return scale is not None and self.scaler._scale is not None and self.scaler._scale < scale
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        """The scaler's state as the next loss will see it: an update still due is applied (to a
+        copy, since other optimizers may still step this iteration), so a resumed run loses none."""
+        if self.scaler is None:
+            return {}
+        if not len(self._stepped):
+            return self.scaler.state_dict()
+        return _settled_state(self.scaler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def _settled_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """``scaler.state_dict()`` after the ``update()`` that is due, computed on copies (the scaler
+    itself cannot update yet, nor be copied mid-iteration); the same kernel ``update()`` runs."""
+    state = scaler.state_dict()
+    if not state or scaler._scale is None or scaler._growth_tracker is None:
+        return state
+    found = [flag for opt in scaler._per_optimizer_states.values() for flag in opt["found_inf_per_device"].values()]
+    if not found:
+        return state
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    torch._amp_update_scale_(scale, tracker, _found_any(found).to(scale.device), state["growth_factor"],
+                             state["backoff_factor"], state["growth_interval"])
+    state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
+    return state
+
+
+def _found_any(found: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the per-device inf/NaN flags, on the first one's device, without a host sync."""
+    total = found[0].clone()
+    for flag in found[1:]:
+        total += flag.to(total.device, non_blocking=True)
+    return total
 
 
 class _OuterRegions:
