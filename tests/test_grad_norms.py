@@ -90,3 +90,53 @@ def test_fsdp2_grad_norm_same_collectives_whichever_gradients_exist(two):
     values = two.assert_passed("check_grad_norm_with_gradients_on_one_rank_only")
     assert values[0]["norm"] == values[1]["norm"]
     assert values[0]["norm"] == pytest.approx(values[0]["expected"], rel=1e-5) and values[0]["norm"] > 0
+
+
+# -- issue 24 item 4: FSDP2 does not move the whole model to the device before sharding ----------------
+
+class _RecordsMoves(nn.Module):
+    """A model that notes every whole-module move (``Module.to``/``cuda``/``_apply``) made on it: under
+    FSDP2 the only moves must be fully_shard's, shard by shard, so the full model never sits on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.register_buffer("scale", torch.ones(1))
+        self.moves: list[str] = []
+
+    def _apply(self, fn, recurse=True):  # every Module.to / cuda / half ... goes through here
+        self.moves.append(getattr(fn, "__name__", repr(fn)))
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale
+
+
+@pytest.fixture
+def one_process_fsdp(fresh_state):
+    yield
+    from hasten.state import PartialState
+
+    if PartialState._shared_state and PartialState().initialized:
+        PartialState().destroy_process_group()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_prepare_makes_no_whole_model_move(one_process_fsdp, offload):
+    """On CPU this shows that prepare() never calls Module.to (or any _apply) on the whole model under FSDP2,
+    while every parameter and buffer still ends where training needs it; on CUDA the shards reach the GPU
+    through fully_shard's own per-module move (peak GPU memory: bench/gpu_check.py measures it)."""
+    from hasten import Accelerator
+    from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
+
+    acc = Accelerator(fsdp_plugin=Plugin(fsdp_version=2, cpu_offload=offload, auto_wrap_policy="SIZE_BASED_WRAP",
+                                         min_num_params=30))
+    model = _RecordsMoves()
+    model = acc.prepare(model)
+    assert model.moves == [], model.moves
+    home = "cpu" if offload else acc.device.type
+    assert all(p.to_local().device.type == home for p in model.parameters())
+    assert all(b.device.type == acc.device.type for b in model.buffers())
+    model(torch.randn(2, 4, device=acc.device)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
