@@ -262,7 +262,7 @@ def _place_unsharded(model: nn.Module, device: torch.device) -> None:
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
+        for param in module.parameters(recurse=False):
             if not isinstance(param, DTensor) and not param.is_meta and param.device != device:
                 with torch.no_grad():
                     param.data = param.data.to(device)  # same Parameter: optimizers built on it still hold it
