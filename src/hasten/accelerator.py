@@ -201,7 +201,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         by_user = self.strategy.keeps_user_sharding(model)  # fully_shard / parallelize_module by the user
         if device_placement is None:
             device_placement = self.device_placement
-        if device_placement and not by_user and not any(p.is_meta for p in model.parameters()):
+        placed_by_strategy = self.strategy.places_model_itself and not evaluation_mode
+        if device_placement and not by_user and not placed_by_strategy and not any(p.is_meta for p in model.parameters()):
             model = model.to(self.device)
         dynamo = self.state.dynamo_plugin
         compiling = dynamo is not None and not dynamo.disable

@@ -111,8 +111,14 @@ class Strategy:
         return out
 
     # -- the model ------------------------------------------------------------------------------
+    # Whether ``wrap_model`` puts the model on the device itself, so ``prepare`` must not move it whole
+    # first (FSDP2: fully_shard moves one module's states at a time; a whole-model move would need
+    # the full model in GPU memory, the very thing CPU offload and cpu_ram_efficient_loading avoid).
+    places_model_itself = False
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Return the model as it should be trained (``model`` is already on the device)."""
+        """Return the model as it should be trained (``model`` is already on the device, unless
+        ``places_model_itself``)."""
         return model
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:

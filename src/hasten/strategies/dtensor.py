@@ -157,7 +157,7 @@ class DTensorStrategy(Strategy):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         pending = self.pending_grads()
         grads = [pending.get(id(p), p.grad) for p in params]
-        return local_norm([g for g in grads if g is not None], norm_type)
+        return local_norm(grads, norm_type, params=params)
 
     def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -191,68 +191,108 @@ def _replicas(tensor: torch.Tensor, world: int) -> int:
     return count * (world // spec.mesh.size())
 
 
+def _norm_groups(grads: list[torch.Tensor], weights: list[int]) -> dict[tuple, list[torch.Tensor]]:
+    """Non-empty local shards of ``grads`` by (device, dtype, weight): one foreach kernel each."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g, weight in zip(grads, weights):
+        local = _local(g).detach()
+        if local.numel():  # an uneven shard can be empty; the inf norm of nothing has no identity
+            groups.setdefault((local.device, local.dtype, weight), []).append(local)
+    return groups
+
+
+def _partial_norm(grads: list[torch.Tensor], weights: list[int], norm_type: float,
+                  device: torch.device) -> torch.Tensor:
+    """This process's part of the norm of ``grads`` as one fp32 scalar on ``device``: the max of the
+    absolute values (inf), else the sum of ``|x| ** norm_type`` with each tensor's sum divided by its
+    weight (how many processes hold it). Per-tensor norms come from ``torch._foreach_norm`` (one kernel
+    per device and dtype, accumulated in fp32, no fp64 copy of the gradients)."""
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, dtype, weight), tensors in _norm_groups(grads, weights).items():
+        # bf16/fp16: accumulate in fp32 (a norm in bf16 keeps 3 digits); fp32/fp64 as they are
+        wide = torch.float32 if dtype.itemsize < 4 and dtype.is_floating_point else None
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide)).to(device, torch.float32)
+        if inf:
+            total = torch.maximum(total, norms.max())
+        else:
+            part = norms.pow(norm_type).sum()
+            total = total + (part / weight if weight != 1 else part)
+    return total
+
+
+def _finish(total: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
 def clip_global_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their norm over every shard and every process; returns that norm.
 
     Each process adds up its local shards, counting elements it shares with other processes
-    (replicated placements) once over the job, so one all-reduce gives the true global norm.
+    (replicated placements) once over the job, so one all-reduce gives the true global norm. Every
+    process takes part in exactly that one all-reduce whichever gradients it has (a parameter's
+    gradient may be None on one rank only, e.g. a branch only its data reached): the number of
+    collectives depends on nothing rank-local.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
+    if not params:  # the same on every rank: one model, one parameter list
+        return torch.tensor(0.0)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = _local(grads[0]).device if grads else torch.device("cpu")
+    grads = [p.grad for p in params if p.grad is not None]
+    device = _local(params[0]).device  # not the first gradient's: that one may be missing on this rank
+    total = _partial_norm(grads, [_replicas(g, world) for g in grads], norm_type, device)
+    if world > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    total = _finish(total, norm_type)
     if not grads:
-        return torch.tensor(0.0, device=device)
-    if math.isinf(norm_type):
-        total = torch.stack([_local(g).detach().abs().max().float() if _local(g).numel() else
-                             torch.tensor(0.0, device=device) for g in grads]).max()
-        if world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    else:
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            local = _local(g).detach()
-            if local.numel():
-                part = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
-                total += part / _replicas(g, world)
-        if world > 1:
-            dist.all_reduce(total)
-        total = (total ** (1.0 / norm_type)).float()
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = _local(g)
-        local.mul_(coef.to(local.device, local.dtype))
+        by_device.setdefault((local.device, local.dtype), []).append(local)
+    for (dev, _), tensors in by_device.items():
+        torch._foreach_mul_(tensors, coef.to(dev))
     return total
 
 
-def local_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of ``grads`` as this process holds them: plain tensors as they are, DTensors whole
-    over the mesh dimensions they are sharded on (one all-reduce per mesh and dimension; replicated
-    and partial dimensions are this process's own values)."""
+def _sharded_dims(tensor: Optional[torch.Tensor]) -> tuple:
+    """(mesh, dimensions ``tensor`` is sharded on); (None, ()) for a plain tensor."""
+    spec = getattr(tensor, "_spec", None)
+    return (None, ()) if spec is None else \
+        (spec.mesh, tuple(d for d, p in enumerate(spec.placements) if p.is_shard()))
+
+
+def local_norm(grads: list[Optional[torch.Tensor]], norm_type: float = 2.0,
+               params: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+    """The norm of ``grads`` (None: no gradient) as this process holds them: plain tensors as they are,
+    DTensors whole over the mesh dimensions they are sharded on (one all-reduce per mesh and dimension;
+    replicated and partial dimensions are this process's own values).
+
+    The all-reduces are those of the layouts of ``params`` (the parameters the gradients belong to, the
+    same on every rank), not of the gradients present here, so every rank takes part in the same
+    collectives even where a gradient exists on one rank only. Without ``params`` the gradients' own
+    layouts are used (then the caller must pass the same layouts on every rank)."""
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    device = _local(grads[0]).device if grads else torch.device("cpu")
-    parts: dict[tuple, torch.Tensor] = {}  # (mesh, sharded dims) -> this process's sum (or max)
-    for g in grads:
-        local = _local(g).detach()
-        spec = getattr(g, "_spec", None)
-        key = (None, ()) if spec is None else \
-            (spec.mesh, tuple(d for d, p in enumerate(spec.placements) if p.is_shard()))
-        if inf:
-            value = local.abs().max().double() if local.numel() else torch.zeros((), dtype=torch.float64, device=device)
-        else:
-            value = torch.linalg.vector_norm(local.double(), norm_type) ** norm_type
-        parts[key] = torch.maximum(parts[key], value) if inf and key in parts else parts.get(key, 0) + value
+    layouts = [_sharded_dims(t) for t in (params if params is not None else grads) if t is not None]
+    present = [g for g in grads if g is not None]
+    sample = params[0] if params else (present[0] if present else None)
+    device = _local(sample).device if sample is not None else torch.device("cpu")
+    keys = list(dict.fromkeys([(None, ())] + layouts))  # ordered the same on every rank
+    by_key: dict[tuple, list[torch.Tensor]] = {key: [] for key in keys}
+    for g in present:
+        by_key.setdefault(_sharded_dims(g), []).append(g)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for (mesh, dims), value in parts.items():
-        value = value.to(device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (mesh, dims), members in by_key.items():
+        value = _partial_norm(members, [1] * len(members), norm_type, device)
         for dim in dims:
             if mesh.size(dim) > 1:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, value) if inf else total + value
-    return (total if inf else total ** (1.0 / norm_type)).float()
+    return _finish(total, norm_type)
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -114,8 +114,11 @@ class FSDP2Strategy(DTensorStrategy):
     def offloads_to_cpu(self) -> bool:
         return offloads_to_cpu(self.plugin.cpu_offload)
 
+    places_model_itself = True  # fully_shard moves each module's states to the mesh's device as it shards
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = super().wrap_model(model)
+        _place_unsharded(model, self.state.device)
         from ..fp8 import gathers_in_float8
 
         if gathers_in_float8(model):
@@ -250,6 +253,22 @@ class FSDP2Strategy(DTensorStrategy):
         """FSDP2 keeps micro-step gradients unsharded beside each parameter until the sync step (the
         sharded ``.grad`` is still None)."""
         return _unreduced_grads([ref() for ref in self._sharded_models if ref() is not None])
+
+
+def _place_unsharded(model: nn.Module, device: torch.device) -> None:
+    """Move what fully_shard left where the user built it (ignored modules' parameters and buffers) to
+    ``device``, one tensor at a time. Sharded (DTensor) parameters stay where FSDP2 put them (host
+    memory under CPU offload); meta tensors wait for the rank-0 fill."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not isinstance(param, DTensor) and not param.is_meta and param.device != device:
+                with torch.no_grad():
+                    param.data = param.data.to(device)  # same Parameter: optimizers built on it still hold it
+        for name, buffer in module.named_buffers(recurse=False):
+            if not buffer.is_meta and buffer.device != device:
+                setattr(module, name, buffer.to(device))
 
 
 def _unreduced_grads(models: list[nn.Module]) -> dict[int, torch.Tensor]:
