@@ -1,0 +1,110 @@
+"""Issue 24, items 13 and 11.
+
+13: a parallel layout (``--parallelism_config_*``) that cannot fit the job is refused by ``hasten launch``
+    before anything starts: one line on stderr, exit 2, no traceback, no process, no torch import.
+11: a save that fails on one rank only (its ``makedirs``) makes every rank raise the same error, and
+    no rank is left waiting in a collective (2 real gloo processes, fault injected in rank 1).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hasten.commands.cli import build_parser, main
+from hasten.commands.launch import build_plan
+from scripts.launch_common import LEAKY_NAMES, LEAKY_PREFIXES, clean_env, hasten, script
+
+
+@pytest.fixture
+def cli(monkeypatch, tmp_path):
+    """No launcher/scheduler variables from the outside; no config file unless a test writes one; no GPU."""
+    for key in list(os.environ):
+        if key.startswith(LEAKY_PREFIXES) or key in LEAKY_NAMES:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("HASTEN_CONFIG_FILE", str(tmp_path / "absent.yaml"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return tmp_path
+
+
+def one_line_error(capsys, argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert err.startswith("hasten: error: "), err
+    assert err.strip().count("\n") == 0, f"more than one line:\n{err}"
+    assert "Traceback" not in err
+    return err
+
+
+def plan_for(*argv):
+    return build_plan(build_parser().parse_args(["launch", *argv]), os.environ)
+
+
+# -- item 13: layout sizes checked by hasten launch -------------------------------------------
+@pytest.mark.parametrize("argv, fragments", [
+    (["--num_processes", "2", "--parallelism_config_tp_size", "3"],
+     ["tp_size 3 (command line --parallelism_config_tp_size)", "= 3 processes", "runs 2",
+      "num_processes 2 (command line --num_processes)", "--num_processes 3"]),
+    (["--num_processes", "4", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "3"],
+     ["dp_shard_size 2", "tp_size 3", "= 6 processes", "runs 4"]),
+    (["--num_processes", "1", "--parallelism_config_tp_size", "2"], ["= 2 processes", "runs 1"]),
+    (["--num_processes", "2", "--parallelism_config_cp_size", "2"],
+     ["cp_size 2 (command line --parallelism_config_cp_size)", "needs GPUs", "CPU",
+      "--parallelism_config_dp_shard_size 2"]),
+    (["--num_processes", "2", "--parallelism_config_sp_size", "2"], ["sp_size 2", "not available"]),
+    (["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_tp_size", "2"],
+     ["dp_replicate_size 2", "tp_size 2", "dp_shard_size 1", "--parallelism_config_dp_shard_size 2"]),
+])
+def test_layout_that_cannot_fit_is_one_line_exit_2(cli, capsys, argv, fragments):
+    err = one_line_error(capsys, ["launch", "--cpu", *argv, "train.py"])
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_layout_from_config_file_and_environment_is_checked_naming_the_source(cli, capsys, monkeypatch):
+    cfg = cli / "cfg.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n"
+                   "parallelism_config:\n  parallelism_config_tp_size: 3\n")
+    err = one_line_error(capsys, ["launch", "--config_file", str(cfg), "train.py"])
+    assert f"tp_size 3 (config file {cfg}: parallelism_config.parallelism_config_tp_size)" in err, err
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    err = one_line_error(capsys, ["launch", "--cpu", "--num_processes", "2", "train.py"])
+    assert "cp_size 2 (environment PARALLELISM_CONFIG_CP_SIZE)" in err and "needs GPUs" in err, err
+
+
+def test_layouts_that_fit_are_accepted(cli):
+    assert plan_for("--cpu", "--num_processes", "2", "--parallelism_config_tp_size", "2", "train.py").num_processes == 2
+    four = plan_for("--cpu", "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
+                    "--parallelism_config_tp_size", "2", "train.py")
+    assert four.child_env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    # All sizes 1 on several processes: nothing asked, the strategy's default layout (as the ranks decide).
+    plan_for("--cpu", "--num_processes", "2", "--use_parallelism_config", "train.py")
+    plan_for("--cpu", "--num_processes", "2", "--parallelism_config_tp_size", "1", "train.py")
+    # The count is over all machines (Accelerate's num_processes).
+    plan_for("--cpu", "--num_machines", "2", "--main_process_ip", "1.2.3.4", "--num_processes", "4",
+             "--parallelism_config_tp_size", "4", "train.py")
+    # dp_replicate alone (plain replication) fits by its product.
+    plan_for("--cpu", "--num_processes", "2", "--parallelism_config_dp_replicate_size", "2", "train.py")
+
+
+def test_real_command_starts_nothing_and_imports_no_torch(tmp_path):
+    """The real `hasten launch`: exit 2, one line, and the script never ran (it would write a file)."""
+    env = clean_env(tmp_path / "absent.yaml", CUDA_VISIBLE_DEVICES="")
+    for sizes in (["--parallelism_config_tp_size", "3"], ["--parallelism_config_cp_size", "2"]):
+        rc, out, err, _ = hasten(["launch", "--cpu", "--num_processes", "2", *sizes, script("launch_env.py"),
+                                  tmp_path], env, timeout=60)
+        assert rc == 2, (rc, out, err)
+        assert err.startswith("hasten: error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".json")], "a process started"
+    code = ("import sys\nfrom hasten.commands.cli import main\n"
+            "assert main(['launch', '--cpu', '--num_processes', '2', '--parallelism_config_tp_size', '3', 'x.py']) == 2\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            "print('ok')\n")
+    (tmp_path / "x.py").write_text("")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
