@@ -108,3 +108,77 @@ def test_real_command_starts_nothing_and_imports_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
                           cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
+
+
+# -- item 11: a save that fails on one process only -------------------------------------------
+AGREE_TIMEOUT = 150  # a rank left in a collective would wait for the group's 120 s timeout
+
+
+def _run_ranks(tmp_path, checks, machines=1):
+    """2 real gloo processes running ``checks`` of tests/checks_agree.py; ``machines=2``: one process per
+    'machine' (torchrun's variables as two nodes would set them). Returns the report."""
+    import json
+    import time
+
+    from devices import process_env
+    from distributed import HERE, free_port
+
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, **process_env(2))
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   HASTEN_TEST_TMP=str(tmp_path), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([HERE, env.get("PYTHONPATH", "")]))
+        if machines == 2:
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+        else:
+            env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        log = open(tmp_path / f"log{rank}.txt", "w")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "distributed.py"), "checks_agree",
+                                       str(tmp_path), str(rank), *checks], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=HERE))
+    deadline = time.monotonic() + AGREE_TIMEOUT
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    out = []
+    for rank in range(2):
+        path, seen = tmp_path / f"rank{rank}.jsonl", {}
+        if path.exists():
+            seen = {item["name"]: item for item in map(json.loads, path.read_text().splitlines())}
+        log = (tmp_path / f"log{rank}.txt").read_text()
+        for name in checks:
+            assert name in seen, f"rank {rank} never finished {name} (left in a collective?); log:\n{log[-3000:]}"
+            assert seen[name]["ok"], f"{name} failed on rank {rank}:\n{seen[name]['error']}"
+        out.append({name: seen[name]["value"] for name in checks})
+    return out
+
+
+def _same_error(values, *fragments):
+    assert values[0]["error"] == values[1]["error"], values
+    error = values[0]["error"]
+    for fragment in fragments:
+        assert fragment in error, (fragment, error)
+    return values[0]
+
+
+def test_one_process_failing_its_save_makes_every_process_raise_the_same_error(tmp_path):
+    checks = ["check_save_state_folder_fails_on_rank_1_with_a_collective_hook",
+              "check_save_model_of_user_sharded_model_fails_on_the_writer",
+              "check_save_model_of_user_sharded_model_write_fails_midway"]
+    ranks = _run_ranks(tmp_path, checks)
+    hook = _same_error([r[checks[0]] for r in ranks], "process 1:", "injected")
+    assert hook["left"] == [], hook  # nothing committed, no temporary folder left
+    _same_error([r[checks[1]] for r in ranks], "process 0:", "injected", "weights")
+    midway = [r[checks[2]] for r in ranks]
+    _same_error(midway, "process 0:", "injected", "model-00002-of-00003.safetensors")
+    assert [m["files"] for m in midway] == [2, 0]  # the writer stopped writing at its failure; the others never write
+
+
+def test_one_node_failing_its_folder_makes_every_process_raise_the_same_error(tmp_path):
+    check = "check_save_state_node_folder_fails_on_one_node"
+    ranks = _run_ranks(tmp_path, [check], machines=2)
+    value = _same_error([r[check] for r in ranks], "process 1:", "injected", "-node1")
+    assert value["left"] == [], value
