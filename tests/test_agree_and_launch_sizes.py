@@ -101,7 +101,8 @@ def test_real_command_starts_nothing_and_imports_no_torch(tmp_path):
         assert err.startswith("hasten: error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
         assert not [f for f in os.listdir(tmp_path) if f.endswith(".json")], "a process started"
     code = ("import sys\nfrom hasten.commands.cli import main\n"
-            "assert main(['launch', '--cpu', '--num_processes', '2', '--parallelism_config_tp_size', '3', 'x.py']) == 2\n"
+            "argv = ['launch', '--cpu', '--num_processes', '2', '--parallelism_config_tp_size', '3', 'x.py']\n"
+            "assert main(argv) == 2\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
             "print('ok')\n")
     (tmp_path / "x.py").write_text("")
