@@ -53,6 +53,16 @@ def raise_if_any(results: list, kind: type, head: str) -> None:
         raise kind(head + "\n  - " + "\n  - ".join(unique))
 
 
+def agree(problem: Optional[str], head: str, group: Any = None) -> None:
+    """Raise ``RuntimeError(head + every process's problem)`` on every process if any process has one.
+
+    A collective that every process reaches whatever failed on it (``problem``: this process's
+    message, None when all went well), placed before the next collective a failed process would
+    otherwise skip: one lone raise would leave the others waiting, or mismatch their collectives.
+    """
+    raise_if_any([[p] if p else [] for p in gather(problem, group)], RuntimeError, head)
+
+
 @dataclass
 class SaveJob:
     """Where one process writes and what the committing process records; fixed when the save starts."""

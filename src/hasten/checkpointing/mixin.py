@@ -138,6 +138,7 @@ class CheckpointMixin:
         writes_shared, node = self.is_main_process, 0
         if pc.save_on_each_node and self.state.num_machines > 1:
             folder, writes_shared, node = self._node_folder(target, token)
+        self._agree_on_folder(folder, writes_shared)
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
         contents: dict[str, Any] = {}
         write_shards = listing = None
@@ -145,7 +146,6 @@ class CheckpointMixin:
         group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
-            os.makedirs(folder, exist_ok=True)
             backend = self.strategy.checkpoint_backend()  # None: one full file per model/optimizer
             dcp_format = backend is not None
             if dcp_format:
@@ -248,21 +248,60 @@ class CheckpointMixin:
             "save_on_each_node=False (nothing was written and no checkpoint was deleted)"
         )
 
+    def _agree_on_folder(self, folder: str, writes_shared: bool) -> None:
+        """Create this process's temporary folder; every process learns whether every one could, before
+        anything collective (a save hook, a sharded model's gathers): a process that failed alone would
+        skip those and leave the others waiting. On a failure every process raises the same error and
+        nothing is left behind."""
+        problem = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except Exception as e:  # noqa: BLE001 - every process must learn it
+            problem = f"process {self.process_index}: {type(e).__name__}: {e}"
+        try:
+            commit.agree(problem, "save_state failed; nothing was committed:")
+        except RuntimeError:
+            if writes_shared and problem is None:
+                layout.remove_tree(folder)
+            raise
+
     def _node_folder(self, target: str, token: str) -> tuple[str, bool, int]:
         """(folder, writes shared files, node) with ``save_on_each_node`` on several machines: a
-        folder per node, unless the filesystem turns out to be shared (then one folder, as usual)."""
+        folder per node, unless the filesystem turns out to be shared (then one folder, as usual).
+        Each step that may fail on one node is followed by an agreement, never by a lone raise."""
         node = self.state.topology.node_rank
         mine = layout.temp_path(target, token) + f"-node{node}"
+        problem = None
         if self.is_local_main_process:
-            os.makedirs(mine, exist_ok=True)
-        self.wait_for_everyone()
-        shared = [None]
+            try:
+                os.makedirs(mine, exist_ok=True)
+            except Exception as e:  # noqa: BLE001 - every process must learn it
+                problem = f"process {self.process_index}: {type(e).__name__}: {e}"
+        try:
+            commit.agree(problem, "save_state failed; nothing was committed:")  # also: every node's folder exists now
+        except RuntimeError:
+            if self.is_local_main_process and problem is None:
+                layout.remove_tree(mine)
+            raise
+        shared: list = [None]
         if self.is_main_process:
             prefix = os.path.basename(layout.temp_path(target, token)) + "-node"
-            shared[0] = any(n.startswith(prefix) and n != prefix + "0" for n in os.listdir(os.path.dirname(target)))
-        if broadcast_from_main(shared)[0]:
+            try:
+                shared[0] = any(n.startswith(prefix) and n != prefix + "0"
+                                for n in os.listdir(os.path.dirname(target)))
+            except Exception as e:  # noqa: BLE001 - sent to every process below
+                shared[0] = f"save_state failed; nothing was committed:\n  - process 0: {type(e).__name__}: {e}"
+        shared = broadcast_from_main(shared)
+        if isinstance(shared[0], str):
             if self.is_local_main_process:
-                os.rmdir(mine)
+                layout.remove_tree(mine)
+            raise RuntimeError(shared[0])
+        if shared[0]:
+            if self.is_local_main_process:
+                try:
+                    os.rmdir(mine)
+                except OSError:  # an empty folder left behind: no reason to fail this process alone
+                    pass
             return layout.temp_path(target, token), self.is_main_process, 0
         return mine, self.is_local_main_process, node
 

@@ -20,6 +20,7 @@ from ..topology import DEFAULT_PORT
 from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
+from .launch_layout import check_layout
 from .launch_settings import CONFIG, DEFAULT, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
 from .plan import Plan
 
@@ -92,6 +93,7 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     gpu_ids = _gpu_ids(res, device)
     procs = _count_processes(res, device, gpus, gpu_ids, machines, env.get("CUDA_VISIBLE_DEVICES"))
     per_node = procs // machines
+    check_layout(res, procs, device)  # a layout that cannot fit: refused here, not in every rank
     backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
     tee, log_dir, restarts = res["tee"], res["log_dir"], res["max_restarts"]
     if tee is not None and not _TEE.match(tee):

@@ -4,9 +4,10 @@ models."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -95,28 +96,53 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
     count = len(groups)
     files = [SAFE_WEIGHTS_NAME] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
     save_id = uuid.uuid4().hex
-    if is_main_process:
-        os.makedirs(directory, exist_ok=True)
+    # A failure of the writer (folder, disk) is kept, not raised: the other processes are in the
+    # gathers below, which it must still join; at the end every process raises the same error.
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    failure: Optional[Exception] = None
+    writes = is_main_process
+
+    def attempt(step: Callable[[], Any]) -> Any:
+        nonlocal failure, writes
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - reported to every process below
+            if not several:
+                raise
+            failure, writes = e, False
+            return None
+
+    if writes:
+        attempt(lambda: os.makedirs(directory, exist_ok=True))
     weight_map, total, checksums = {}, 0, {}
     for filename, names in zip(files, groups):
         shard = {}
         for name in names:
             value = kept[name]
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            if is_main_process:
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value  # every process, always
+            if writes:
                 shard[name] = full.detach().to("cpu").contiguous()
                 total += shard[name].nbytes
             del full
-        if is_main_process:
-            checksums[filename] = write_weights_file(os.path.join(directory, filename), shard, aliases,
-                                                     save_id if count > 1 else None)
+        if writes:
+            checksums[filename] = attempt(lambda f=filename, s=shard: write_weights_file(
+                os.path.join(directory, f), s, aliases, save_id if count > 1 else None))
         weight_map.update({n: filename for n in names})
         del shard
-    if is_main_process and count > 1:
+    if writes and count > 1:
         # The same index as save_model's: each file's checksum, and the index's own.
         index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id, CHECKSUMS_KEY: checksums,
                               **({ALIASES_KEY: aliases} if aliases else {})},
                  "weight_map": weight_map}
-        with atomic_write(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w") as f:
-            f.write(_index_text(index))
+
+        def write_index() -> None:
+            with atomic_write(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w") as f:
+                f.write(_index_text(index))
+
+        attempt(write_index)
+    if several:
+        from ..checkpointing.commit import agree
+
+        problem = f"process {dist.get_rank()}: {type(failure).__name__}: {failure}" if failure else None
+        agree(problem, f"save_model could not write the weights to {directory}:")
     return files
