@@ -42,7 +42,7 @@ def _reference(gen, disc, batches):
     scaler = torch.amp.GradScaler("cpu", **_SCALER)
 
     def run(m, x):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
             return m(x).float()
 
     scales = []
@@ -122,7 +122,7 @@ def test_fused_optimizer_step_reads_nothing_from_the_device(fresh_state):
     # torch's own scaler path for a fused optimizer is sync-free: the baseline this must match.
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
         loss = ref_model(x).float().pow(2).mean()
     scaler.scale(loss).backward()
     assert _fused_step(lambda: (scaler.step(ref_opt), scaler.update())) == []
@@ -163,7 +163,7 @@ def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
     batches = _batches()
 
     def run(m, x):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
             return m(x).float()
 
     ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
@@ -223,7 +223,7 @@ def test_a_due_update_is_in_the_saved_scaler_state(fresh_state):
 
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
         scaler.scale(ref(x).float().sum()).backward()
     scaler.step(ref_opt)
     scaler.update()
