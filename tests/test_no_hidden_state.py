@@ -35,9 +35,9 @@ ALLOWED = {
     ("hooks.py", 'module.__dict__.pop("_old_forward", None)'): "Accelerate's public hook attributes",
     ("hooks.py", 'module.__dict__.pop("forward", None)'): "Accelerate's public hook attributes",
     ("hooks.py", '"_hf_hook" not in module.__dict__'): "Accelerate's public hook attributes",
-    ("utils/other.py", '"_orig_mod" in model.__dict__'):
+    ("utils/other.py", '"_orig_mod" in module.__dict__'):
         "Accelerate's compile_regions convention: the copy keeps the original module in _orig_mod",
-    ("utils/other.py", 'model.__dict__["_orig_mod"]'): "Accelerate's compile_regions convention",
+    ("utils/other.py", 'module.__dict__["_orig_mod"]'): "Accelerate's compile_regions convention",
     ("utils/other.py", 'compiled.__dict__["_orig_mod"] = model'): "Accelerate's compile_regions convention",
     ("data/dispatch.py", 'self.__dict__.get("sampler")'):
         "DataLoader's own public attribute, absent for some datasets (getattr would hit DataLoader's checks)",
