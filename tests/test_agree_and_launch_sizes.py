@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from hasten.commands.cli import build_parser, main
-from hasten.commands.launch import build_plan
 from scripts.launch_common import LEAKY_NAMES, LEAKY_PREFIXES, clean_env, hasten, script
+from test_cli import one_line_error, plan_for  # the CLI's one-line-error convention, checked the same way
 
 
 @pytest.fixture
@@ -28,20 +27,6 @@ def cli(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
     return tmp_path
-
-
-def one_line_error(capsys, argv):
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, (argv, err)
-    assert err.startswith("hasten: error: "), err
-    assert err.strip().count("\n") == 0, f"more than one line:\n{err}"
-    assert "Traceback" not in err
-    return err
-
-
-def plan_for(*argv):
-    return build_plan(build_parser().parse_args(["launch", *argv]), os.environ)
 
 
 # -- item 13: layout sizes checked by hasten launch -------------------------------------------
