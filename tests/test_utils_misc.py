@@ -66,18 +66,19 @@ def _oom_above(limit, error):
     RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried"),
 ], ids=["OutOfMemoryError", "cuda", "xpu", "mps", "cpu"])
-def test_batch_size_halves_until_it_fits(error):
-    train, tried = _oom_above(16, error)
+def test_batch_size_shrinks_by_a_tenth_until_it_fits(error):
+    """Accelerate's rule (``int(size * 0.9)``), so a migrated script settles on the same batch size."""
+    train, tried = _oom_above(60, error)
     decorated = find_executable_batch_size(train, starting_batch_size=128)
-    assert decorated("model", scale=2) == (32, "model")
-    assert tried == [128, 64, 32, 16]
-    assert decorated("model") == (16, "model")  # the size that fitted is remembered
-    assert tried[4:] == [16]
+    assert decorated("model", scale=2) == (116, "model")
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58]
+    assert decorated("model") == (58, "model")  # the size that fitted is remembered
+    assert tried[8:] == [58]
 
 
 def test_batch_size_decorator_forms_and_custom_reduction():
     train, tried = _oom_above(100, torch.OutOfMemoryError("out of memory"))
-    assert find_executable_batch_size(train)("m") == (64, "m")  # default start 128
+    assert find_executable_batch_size(train)("m") == (92, "m")  # default start 128, as Accelerate gives
     sizes = iter([120, 90, 60])
     train, tried = _oom_above(100, torch.OutOfMemoryError("out of memory"))
     decorated = find_executable_batch_size(starting_batch_size=150, reduce_batch_size_fn=lambda: next(sizes))(train)
@@ -89,7 +90,7 @@ def test_batch_size_reaching_zero_raises():
     with pytest.raises(RuntimeError, match="every batch size down to 1") as info:
         find_executable_batch_size(train, starting_batch_size=8)("m")
     assert "started at 8" in str(info.value)
-    assert tried == [8, 4, 2, 1]
+    assert tried == [8, 7, 6, 5, 4, 3, 2, 1]
 
 
 @pytest.mark.parametrize("call", [lambda f: f(64, "m"), lambda f: f("m", batch_size=64)], ids=["positional", "keyword"])

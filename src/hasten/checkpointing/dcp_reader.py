@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import unpickling
+from ..contained import why_outside
 from .fileio import CheckpointCorruptError
 
 
@@ -30,11 +31,12 @@ def _file_size(folder: str, name: Any, what: str) -> int:
     """The size of the shard file ``name`` that ``.metadata`` names, refusing anything but a plain file
     directly inside ``folder``: an absolute path, ``..``, a separator, or a symbolic link would let a
     crafted ``.metadata`` read files outside the checkpoint."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name or os.path.isabs(name)):
+    why = why_outside(folder, name, nested=False)
+    if why:
         raise CheckpointCorruptError(
-            f"{what} names the shard file {name!r}, which is not a plain file name inside {folder!r}; DCP writes "
-            "only such names, so the metadata is damaged or crafted (nothing was read)")
+            f"{what} names the shard file {name!r} in {folder!r}: {why}; DCP writes only plain names of real files "
+            "inside the folder, so the metadata is damaged or crafted (nothing was read; copy real files in "
+            "instead of linking them)")
     full = os.path.join(folder, name)
     try:
         info = os.lstat(full)
@@ -173,6 +175,13 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values weights-only."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:  # the one archive check hasten uses for every file, before torch.load sees the bytes
+            unpickling.check_torch_bytes(value.getbuffer(), f"checkpoint value {fqn}", "torch.save value")
+        except unpickling.ForbiddenPickle as e:
+            raise unpickling.ForbiddenPickle(
+                f"the checkpoint value {fqn!r} is not what a checkpoint save stores, so it was tampered with; hasten "
+                f"refused it and nothing in it ran ({str(e).split(': it ', 1)[-1].split(';')[0]})") from None
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
@@ -180,17 +189,13 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
             why = next((line for line in lines if "WeightsUnpickler error" in line), lines[-1] if lines else "")
             why = why.split(". Please")[0]  # torch's advice (allow the global process-wide) does not apply here
             raise unpickling.ForbiddenPickle(
-                f"the checkpoint value {read_item.dest_index.fqn!r} holds more than tensors and plain Python values, "
+                f"the checkpoint value {fqn!r} holds more than tensors and plain Python values, "
                 f"which a checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and "
                 f"nothing in it ran ({why})") from None
-        except Exception as e:  # noqa: BLE001 - a TorchScript archive, a truncated or foreign value
-            refused = "TorchScript" in str(e)
-            error = unpickling.ForbiddenPickle if refused else CheckpointCorruptError
-            raise error(
-                f"the checkpoint value {read_item.dest_index.fqn!r} is "
-                + ("a TorchScript archive, which a checkpoint save never stores; hasten refused it and nothing in it "
-                   "ran" if refused else f"damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            ) from None
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign value
+            raise CheckpointCorruptError(
+                f"the checkpoint value {fqn!r} is damaged ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})") from None
         # The parent stores the value where it belongs; it is given a pickle of what was just read safely.
         safe = io.BytesIO()
         torch.save(loaded, safe)

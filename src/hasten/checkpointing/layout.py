@@ -32,6 +32,7 @@ import threading
 import uuid
 from typing import Any, Callable, Optional
 
+from ..contained import why_outside
 from ..saving import fsync_fd, fsync_path
 
 MANIFEST = "manifest.json"
@@ -178,7 +179,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise DamagedManifestError(f"{path!r} is damaged: it lists no files")
-    outside = [(name, why) for name in files for why in [_outside(folder, name)] if why]
+    outside = [(name, why) for name in files for why in [why_outside(folder, name)] if why]
     if outside:
         raise IncompleteCheckpointError(
             f"{path!r} names files outside the checkpoint folder {folder!r}: "
@@ -265,28 +266,9 @@ def _structure_problem(manifest: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _outside(folder: str, name: Any) -> Optional[str]:
-    """Why the manifest's file ``name`` does not stay inside ``folder`` (None: it does): it must be a
-    relative path without ``..`` none of whose parts is a symbolic link."""
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name or "\\" in name:
-        return "not a relative path"
-    parts = name.split("/")
-    if any(part in ("", ".", "..") for part in parts):
-        return "not a plain relative path"
-    path = folder
-    for part in parts:
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            return f"{os.path.relpath(path, folder)} is a symbolic link"
-    real = os.path.realpath(folder)
-    if os.path.commonpath([real, os.path.realpath(os.path.join(real, name))]) != real:
-        return "resolves outside"
-    return None
-
-
 def _inside(folder: str, name: Any) -> bool:
-    """Whether the manifest's file ``name`` stays inside ``folder`` (see ``_outside``)."""
-    return _outside(folder, name) is None
+    """Whether the manifest's file ``name`` stays inside ``folder`` (``contained.why_outside``)."""
+    return why_outside(folder, name) is None
 
 
 def is_complete(folder: str) -> bool:

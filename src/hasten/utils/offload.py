@@ -19,6 +19,7 @@ import re
 import stat
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
+from ..contained import why_outside
 from ..saving import _prepare, atomic_write, write_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -149,17 +150,12 @@ def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tenso
 
 
 def _inside(folder: str, name: str, what: str) -> str:
-    """The path of ``<name>.dat`` in ``folder``, refusing names that climb out of it."""
-    if not isinstance(name, str) or "\0" in name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
-    path = os.path.join(folder, f"{name}.dat")
-    if os.path.islink(path):
-        raise ValueError(f"{what} {name!r}: {path!r} is a symbolic link, which could lead outside the offload folder; "
-                         "copy the real file in")
-    real = os.path.realpath(folder)
-    if os.path.commonpath([real, os.path.realpath(path)]) != real:
-        raise ValueError(f"{what} {name!r} points outside the offload folder {folder!r}")
-    return path
+    """The path of ``<name>.dat`` in ``folder``, refusing names that leave it (``contained.why_outside``)."""
+    why = why_outside(folder, name, suffix=".dat")
+    if why:
+        raise ValueError(f"{what} {name!r} names a file outside the offload folder {folder!r} ({why}); only "
+                         "plain names of real files inside it are read or written (copy a linked file in instead)")
+    return os.path.join(folder, f"{name}.dat")
 
 
 def _read_raw_array(folder: str, name: str, entry: Mapping[str, Any]) -> "torch.Tensor":
