@@ -200,7 +200,7 @@ def test_summary_line_without_a_monitor():
     line = summary_line(2, 61.0, {"samples_per_sec": 1234.5, "items_per_sec": 5e4, "flops_per_sec": 2.5e12,
                                   "mfu": 0.4123, "step_time_median": 0.0123, "step_time_p90": 0.015,
                                   "slowest_rank": 1, "peak_memory_bytes": 3 * 2**30})
-    assert line == ("hasten: 2 processes, wall 61.0 s; 1.23e+03 samples/s, 5e+04 items/s, 2.5 TFLOP/s, MFU 41.2%, "
+    assert line == ("hasten: 2 processes, wall 61.0 s; 1,234 samples/s, 50,000 items/s, 2.5 TFLOP/s, MFU 41.2%, "
                     "step 12.3 ms median, 15.0 ms p90 (slowest: rank 1), peak memory 3.00 GiB")
 
 
