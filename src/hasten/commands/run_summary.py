@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-SUMMARY_ENV = "HASTEN_THROUGHPUT_SUMMARY"  # the same name as hasten.utils.throughput_monitor's
+SUMMARY_ENV = "HASTEN_THROUGHPUT_SUMMARY"  # the launcher names the file; ThroughputMonitor writes it
 
 
 def read_summary(path: str) -> Optional[dict[str, Any]]:

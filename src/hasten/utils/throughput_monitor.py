@@ -15,12 +15,10 @@ import tempfile
 import warnings
 from typing import Any, Optional, Union
 
+from ..commands.run_summary import SUMMARY_ENV  # torch-free; the launcher reads what the main process writes
 from .environment import get_env
 from .throughput import Metrics, Throughput, Window, rates
 
-# The launcher names a file here; the main process writes the job's latest figures to it, and
-# `hasten launch` reads it after the processes exit for its summary line.
-SUMMARY_ENV = "HASTEN_THROUGHPUT_SUMMARY"
 PEAK_ENV = "AVAILABLE_FLOPS"  # HASTEN_AVAILABLE_FLOPS (or ACCELERATE_AVAILABLE_FLOPS)
 
 # The job's figures, in every process's compute() when more than one process runs.
