@@ -47,6 +47,26 @@ def test_measure_flops_matches_a_hand_count_on_meta_and_real_models():
     assert all(torch.equal(a, p) for a, p in zip(before, real.parameters()))
 
 
+def test_measure_flops_of_a_transformers_model_built_on_meta():
+    """A GPT-2 from a config: per token and layer the four projections are 12*d*d multiply-adds, the head d*V;
+    attention adds Q.K^T and A.V, 2*T*d each per token and layer. Backward is twice forward (the embedding
+    has weights, so even the first layer's input gets a gradient). Meta and real weights count the same."""
+    transformers = pytest.importorskip("transformers")
+    from hasten.utils import measure_flops
+
+    batch, seq, width, layers, vocab = 4, 32, 64, 2, 256
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq,
+                                     bos_token_id=0, eos_token_id=0)
+    forward = 2 * batch * seq * (layers * 12 * width * width + width * vocab) + layers * 4 * batch * seq * seq * width
+    counts = []
+    for device in ("meta", reference_device()):
+        with torch.device(device):
+            model = transformers.GPT2LMHeadModel(config)
+            ids = torch.randint(0, vocab, (batch, seq))
+        counts.append(measure_flops(model, lambda: model(ids, labels=ids), lambda out: out.loss))
+    assert counts == [3 * forward, 3 * forward]
+
+
 def test_mfu_from_measured_flops_and_an_injected_clock():
     from hasten.utils import Throughput, measure_flops
 
