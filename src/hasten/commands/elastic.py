@@ -12,10 +12,11 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from typing import TYPE_CHECKING, Optional
 
 from . import failures as failure_report
-from . import hangs
+from . import hangs, run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
@@ -66,11 +67,21 @@ def run_elastic(plan: "Plan") -> int:
     records = tempfile.mkdtemp(prefix="hasten-failures-")
     os.environ["HASTEN_FAILURE_DIR"] = records
     watchdog = _start_watchdog(plan)
+    figures_folder = tempfile.mkdtemp(prefix="hasten-summary-")
+    figures_file, _ = run_summary.summary_path(figures_folder, os.environ)
+    os.environ[run_summary.SUMMARY_ENV] = figures_file  # a ThroughputMonitor in the script writes there
+    started = time.monotonic()
     try:
         status = _run_agent(plan, config, entrypoint, args, node, records, logs, watchdog)
+        if status == 0 and watchdog.report is None and not plan.quiet:
+            figures = run_summary.read_summary(figures_file)
+            processes = (figures or {}).get("processes") or plan.nproc_per_node * plan.num_machines
+            print(run_summary.summary_line(processes, time.monotonic() - started, figures), file=sys.stderr,
+                  flush=True)
     finally:
         watchdog.close()
         shutil.rmtree(records, ignore_errors=True)
+        shutil.rmtree(figures_folder, ignore_errors=True)
     if watchdog.report is not None:
         print(watchdog.report, file=sys.stderr, flush=True)  # its folder is kept: the stacks are in it
         return hangs.HANG_EXIT_STATUS

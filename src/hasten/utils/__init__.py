@@ -28,6 +28,10 @@ _EXPORTS = {
         "find_executable_batch_size", "release_memory", "clear_device_cache", "should_reduce_batch_size",
     )},
     "tqdm": ".tqdm",
+    # throughput and MFU (Lightning Fabric's names)
+    **{name: ".flops" for name in ("measure_flops", "peak_flops", "get_available_flops", "PEAK_FLOPS")},
+    "Throughput": ".throughput",
+    "ThroughputMonitor": ".throughput_monitor",
     "FullyShardedDataParallelPlugin": ".fsdp_plugin",
     "DeepSpeedPlugin": ".deepspeed_plugin",
     "ParallelismConfig": ".parallelism_config",
