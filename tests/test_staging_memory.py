@@ -99,7 +99,7 @@ def test_a_growing_registered_object_remakes_only_its_own_staging(fresh_state, t
 
     first = save("c0")
     everything = sum(nbytes for _, nbytes in first)
-    assert everything > 600_000  # the model and its AdamW moments
+    assert everything > 400_000  # the model and its AdamW moments
     for i in range(1, 5):
         growing.grow(1)  # 4 bytes more at every save
         made = save(f"c{i}")

@@ -143,6 +143,8 @@ class CheckpointMixin:
         contents: dict[str, Any] = {}
         write_shards = listing = None
         background = self._checkpoints.background_save() if not blocking else None
+        if background is not None:  # read at every save: a lowered limit releases what no longer fits
+            background.stager.limit = getattr(pc, "staging_memory_limit", None)
         group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang
