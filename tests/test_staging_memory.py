@@ -73,13 +73,18 @@ def _assert_each_checkpoint_reloads(acc, model, opt, growing, saved):
 
 @pytest.fixture
 def allocations(monkeypatch):
-    """Every staging arena made: (the files it holds, its bytes)."""
-    made = []
+    """Every staging arena made: (the files it holds, its bytes); ``.arenas``: weak references to them."""
+
+    class Made(list):
+        arenas: list = []
+
+    made = Made()
 
     class Counted(staging.Arena):
         def __init__(self, layout, *args, **kwargs):
             super().__init__(layout, *args, **kwargs)
             made.append(({key[0] if isinstance(key, tuple) else key for key, *_ in layout}, self.nbytes))
+            made.arenas.append(weakref.ref(self))
 
     monkeypatch.setattr(staging, "Arena", Counted)
     return made
@@ -114,7 +119,8 @@ def test_a_growing_registered_object_remakes_only_its_own_staging(fresh_state, t
     _assert_each_checkpoint_reloads(acc, model, opt, growing, saved)
 
 
-def test_the_staging_memory_limit_caps_what_is_kept_and_every_checkpoint_stays_exact(fresh_state, tmp_path):
+def test_the_staging_memory_limit_caps_what_is_kept_and_every_checkpoint_stays_exact(fresh_state, tmp_path,
+                                                                                      allocations):
     from hasten.utils import ProjectConfiguration
 
     limit = 300 * 1024  # room for the model's part, not for its AdamW moments as well
@@ -131,6 +137,10 @@ def test_the_staging_memory_limit_caps_what_is_kept_and_every_checkpoint_stays_e
             assert 0 < stager.kept_bytes <= limit
         _step(acc, model, opt)
         acc.wait_for_checkpoint()
+    # what did not fit was made for its save alone: freed once written; only the kept arenas live on
+    alive = [ref() for ref in allocations.arenas if ref() is not None]
+    kept = list(stager._arenas.values())
+    assert len(allocations.arenas) > len(kept) and len(alive) == len(kept) and all(a in kept for a in alive)
     told = [str(w.message) for w in caught if "staging_memory_limit" in str(w.message)]
     assert len(told) == 1, told  # said once, not at every save
     assert "pageable" in told[0] and str(limit) in told[0]

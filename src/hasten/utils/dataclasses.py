@@ -233,6 +233,7 @@ class ProjectConfiguration:
     total_limit: Optional[int] = None
     iteration: int = 0
     save_on_each_node: bool = False
+    _: KW_ONLY  # hasten's own settings follow, so Accelerate's positional calls keep their meaning
     staging_memory_limit: Optional[Union[int, str]] = None
 
     def set_directories(self, project_dir: Optional[str] = None) -> None:
