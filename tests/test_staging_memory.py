@@ -147,11 +147,16 @@ def test_the_staging_memory_limit_caps_what_is_kept_and_every_checkpoint_stays_e
     _assert_each_checkpoint_reloads(acc, model, opt, growing, saved)
 
 
-def test_a_zero_limit_keeps_nothing_between_saves(fresh_state, tmp_path):
-    from hasten.utils import ProjectConfiguration
-
-    acc, model, opt, growing = _prepare(ProjectConfiguration(staging_memory_limit=0))
+def test_a_limit_lowered_to_zero_between_saves_releases_the_kept_buffers(fresh_state, tmp_path):
+    acc, model, opt, growing = _prepare()
     _step(acc, model, opt)
+    acc.save_state(str(tmp_path / "kept"), blocking=False)
+    arenas = [weakref.ref(a) for a in acc._checkpoints.background.stager._arenas.values()]
+    _step(acc, model, opt)
+    acc.project_configuration.staging_memory_limit = "lots"
+    with pytest.raises(ValueError, match="staging_memory_limit"):  # refused before the save starts
+        acc.save_state(str(tmp_path / "bad"), blocking=False)
+    acc.project_configuration.staging_memory_limit = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         acc.save_state(str(tmp_path / "c"), blocking=False)
@@ -159,6 +164,8 @@ def test_a_zero_limit_keeps_nothing_between_saves(fresh_state, tmp_path):
     _step(acc, model, opt)
     assert acc._checkpoints.background.stager.kept_bytes == 0
     acc.wait_for_checkpoint()
+    assert arenas and all(ref() is None for ref in arenas)
+    assert not (tmp_path / "bad").exists()
     _assert_each_checkpoint_reloads(acc, model, opt, growing, [(str(tmp_path / "c"), expected)])
 
 

@@ -258,12 +258,17 @@ def _staging_limit(value: Any) -> Optional[int]:
     """``ProjectConfiguration.staging_memory_limit`` in bytes (None: no limit), else the variable's."""
     from .environment import get_env
 
-    where = "ProjectConfiguration(staging_memory_limit=...)"
-    if value is None:
-        value, where = get_env("STAGING_MEMORY_LIMIT"), "HASTEN_STAGING_MEMORY_LIMIT"
-        if value is None:
-            return None
-        value = int(value) if value.strip().isdigit() else value
+    if value is not None:
+        return staging_limit_bytes(value)
+    raw = get_env("STAGING_MEMORY_LIMIT")
+    if raw is None:
+        return None
+    return staging_limit_bytes(int(raw) if raw.strip().isdigit() else raw, "HASTEN_STAGING_MEMORY_LIMIT")
+
+
+def staging_limit_bytes(value: Any, where: str = "ProjectConfiguration(staging_memory_limit=...)") -> int:
+    """A staging memory limit in bytes, from an int or a size such as ``"8GiB"``; anything else
+    (a negative number, a bool, an unreadable string) raises a ValueError naming ``where``."""
     if not isinstance(value, bool):
         from .device_map import convert_file_size_to_int
 
