@@ -117,6 +117,11 @@ class CheckpointMixin:
         """
         rng_state = rng.capture()  # first: nothing below may move a generator before it is recorded
         pc = self.project_configuration
+        staging_limit = getattr(pc, "staging_memory_limit", None)
+        if not blocking and staging_limit is not None:  # also a value set after construction, before any collective
+            from ..utils.dataclasses import staging_limit_bytes
+
+            staging_limit = staging_limit_bytes(staging_limit)
         if not safe_serialization:
             warnings.warn("save_state(safe_serialization=False): hasten checkpoints always store weights as "
                           "safetensors", stacklevel=2)
@@ -143,6 +148,8 @@ class CheckpointMixin:
         contents: dict[str, Any] = {}
         write_shards = listing = None
         background = self._checkpoints.background_save() if not blocking else None
+        if background is not None:  # read at every save: a lowered limit releases what no longer fits
+            background.stager.limit = staging_limit
         group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
         try:  # everything up to the exchange may fail on one process only: report, do not hang

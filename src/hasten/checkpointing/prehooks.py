@@ -58,7 +58,10 @@ class CheckpointSession:
             self.background.wait()
 
     def release(self) -> None:
-        """Drop the background saver and its staging buffers (after ``wait``)."""
+        """Drop the background saver and its staging buffers (after ``wait``): unpinned now, freed
+        once nothing refers to them (they are not handed out beyond the save that used them)."""
+        if self.background is not None:
+            self.background.stager.release()
         self.background = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,21 +1,32 @@
 """Host copies of a checkpoint's tensors for ``save_state(blocking=False)``, reused from save to save.
 
 A background save must snapshot the state before it returns (training goes on and changes the
-parameters in place), and it should return fast. Three things make the copy fast:
+parameters in place), and it should return fast. Four things make the copy fast and its memory
+bounded:
 
-* one flat host buffer per *layout* (the names, shapes, dtypes and devices of the staged tensors),
-  allocated on the first save and reused by every later save with the same layout, so a save copies
-  into memory touched before (fresh pages cost a page fault each, several times the copy itself)
-  and a layout change (a new optimizer state after the first step) reallocates once;
-* for CUDA tensors the buffer is page-locked (registered with the CUDA driver, as PyTorch's DCP
+* one host allocation (an *arena*) per *part* of the checkpoint (a file of a full-state save: a
+  model, an optimizer, a registered object, the process's own state; a top-level entry of a sharded
+  save's state), allocated on the first save and reused by every later save, so a save copies into
+  memory touched before (fresh pages cost a page fault each, several times the copy itself). A
+  layout change (names, shapes, dtypes, devices) in one part re-makes that part only, and only when
+  it no longer fits: every arena is whole pages, a part that outgrew its arena gets 1/8 more room
+  (a registered object that grows a little at every save is re-made rarely), one that shrank below
+  half of it is re-made smaller;
+* for CUDA tensors an arena is page-locked (registered with the CUDA driver, as PyTorch's DCP
   stager does, rather than taken from the caching host allocator, which rounds every block up to a
   power of two), so the device-to-host copies run asynchronously at PCIe speed, all queued at once
-  and followed by ONE synchronisation of the streams that ran them;
-* the buffer of a save still being written is never overwritten: staging first waits for the
-  writer thread that reads it.
+  (every part) and followed by ONE synchronisation of the streams that ran them;
+* the arenas of a save still being written are never overwritten or freed: staging (and
+  ``release``) first waits for the writer thread that reads them;
+* ``ProjectConfiguration(staging_memory_limit=...)`` caps the bytes kept between saves. Parts are
+  kept in checkpoint order while they fit; a part past the limit is copied into pageable memory
+  made for that save alone and freed once it is written (correct, but slower: fresh pages every
+  save, and CUDA tensors copied synchronously), and a warning says so once. ``release`` (called by
+  ``Accelerator.free_memory``) unpins and drops every arena.
 
 CPU tensors are copied too (the snapshot must not change under the writer), into pageable memory:
-nothing asks for pinned memory on a machine without CUDA, where that would fail.
+nothing asks for pinned memory on a machine without CUDA, where that would fail. The limit counts
+these host bytes as well.
 """
 
 from __future__ import annotations
@@ -48,28 +59,45 @@ def _unpin(flat: torch.Tensor, start: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(start)
 
 
-class Arena:
-    """One host allocation holding a view for each tensor of a layout."""
+def _layout_bytes(layout: tuple) -> int:
+    return sum(_round_up(_numel(shape) * dtype.itemsize, _ALIGN) for _, shape, dtype, _ in layout)
 
-    def __init__(self, layout: tuple, pinned: bool) -> None:
-        self.layout = layout
-        offsets, total = [], 0
-        for _, shape, dtype, _ in layout:
-            offsets.append(total)
-            total += _round_up(_numel(shape) * dtype.itemsize, _ALIGN)
-        self.nbytes = total
+
+class Arena:
+    """One page-aligned host allocation of ``nbytes`` (whole pages), with a view for each tensor of
+    a layout that fits in it (``relayout`` changes the layout without allocating)."""
+
+    def __init__(self, layout: tuple, pinned: bool, capacity: int = 0) -> None:
+        self.nbytes = _round_up(max(capacity, _layout_bytes(layout)), _PAGE)
+        self.wants_pinned = pinned  # as asked: a failed page-locking is not retried at every save
         self.pinned = False
         self._finalizer: Optional[weakref.finalize] = None
         # Page-aligned, whole pages: a registered range never shares a page with another allocation.
-        raw = torch.empty(_round_up(total, _PAGE) + _PAGE, dtype=torch.uint8)
+        raw = torch.empty(self.nbytes + _PAGE, dtype=torch.uint8)
         skip = -raw.data_ptr() % _PAGE
-        flat = raw[skip:skip + _round_up(total, _PAGE)]
-        if pinned and flat.numel():
-            self.pinned = self._pin(flat)
+        self.flat = raw[skip:skip + self.nbytes]
+        if pinned and self.nbytes:
+            self.pinned = self._pin(self.flat)
+        self.layout: tuple = ()
         self.views: dict[Any, torch.Tensor] = {}
-        for (key, shape, dtype, _), offset in zip(layout, offsets):
+        self.relayout(layout)
+
+    def holds(self, layout: tuple, pinned: bool) -> bool:
+        """Whether ``layout`` can reuse this arena: it fits, it does not waste more than half of it,
+        and it wants the same kind of memory."""
+        need = _layout_bytes(layout)
+        return pinned == self.wants_pinned and need <= self.nbytes <= max(2 * _round_up(need, _PAGE), _PAGE)
+
+    def relayout(self, layout: tuple) -> None:
+        """Views for ``layout`` (which ``holds`` accepted) over the same memory."""
+        if layout == self.layout:
+            return
+        views, offset = {}, 0
+        for key, shape, dtype, _ in layout:
             nbytes = _numel(shape) * dtype.itemsize
-            self.views[key] = flat[offset:offset + nbytes].view(dtype).view(shape)
+            views[key] = self.flat[offset:offset + nbytes].view(dtype).view(shape)
+            offset += _round_up(nbytes, _ALIGN)
+        self.layout, self.views = layout, views
 
     def _pin(self, flat: torch.Tensor) -> bool:
         # Touched first by a parallel fill: registering faults every page in, one thread at a time.
@@ -78,14 +106,14 @@ class Arena:
         if error != 0:
             warnings.warn(f"save_state(blocking=False): page-locking {flat.numel() / 2**30:.1f} GiB of staging memory "
                           f"failed (CUDA error {error}); staging into pageable memory, which copies from the GPU "
-                          "more slowly", stacklevel=5)
+                          "more slowly", stacklevel=6)
             return False
         self._finalizer = weakref.finalize(self, _unpin, flat, flat.data_ptr())
         self._finalizer.atexit = False  # never call into CUDA while the interpreter shuts down
         return True
 
     def release(self) -> None:
-        """Unregister the memory now (it is freed once no staged tensor refers to it)."""
+        """Unregister the memory now (it is freed once nothing refers to the arena or its views)."""
         if self._finalizer is not None:
             self._finalizer()
 
@@ -100,62 +128,116 @@ def _numel(shape: tuple) -> int:
 class Stager:
     """Copies of a checkpoint's tensors in host memory, reused from one save to the next.
 
-    ``stage`` handles the per-file tensors of a full-state save, ``stage_tree`` the nested states
-    (DTensor shards included) of a sharded save; each keeps its own arena.
+    ``stage`` handles the per-file tensors of a full-state save (a part per file), ``stage_tree``
+    the nested states (DTensor shards included) of a sharded save (a part per top-level entry).
+    ``limit``: the bytes the kept arenas may hold (None: no limit); the caller sets it from
+    ``ProjectConfiguration.staging_memory_limit`` before each save.
     """
 
     def __init__(self) -> None:
-        self._arenas: dict[str, Arena] = {}
+        self._arenas: dict[tuple[str, str], Arena] = {}  # (slot, part) -> the arena kept for it
         self.reader: Optional[threading.Thread] = None  # the writer thread of the last staged save
+        self.limit: Optional[int] = None
+        self._told_limit = False
 
-    # Names kept for callers and checks that look at the buffers.
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes held between saves (what ``limit`` caps)."""
+        return sum(arena.nbytes for arena in self._arenas.values())
+
+    # Names kept for callers and checks that look at the buffers (the kept ones).
     @property
     def buffers(self) -> dict[Any, torch.Tensor]:
-        arena = self._arenas.get("items")
-        return dict(arena.views) if arena is not None else {}
+        return self._views("items")
 
     @property
     def tree_buffers(self) -> dict[Any, torch.Tensor]:
-        arena = self._arenas.get("tree")
-        return dict(arena.views) if arena is not None else {}
+        return self._views("tree")
 
-    def _copy_all(self, slot: str, pairs: list[tuple[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
-        """Copy each ``(key, tensor)`` into the arena of ``slot`` (a new one when the layout changed)."""
+    def _views(self, slot: str) -> dict[Any, torch.Tensor]:
+        return {key: view for (kind, _), arena in self._arenas.items() if kind == slot for key, view in arena.views.items()}
+
+    def _wait_for_reader(self) -> None:
         if self.reader is not None:  # its writer may still read the buffers we are about to overwrite
             self.reader.join()
             self.reader = None
-        tensors = [(key, t.detach()) for key, t in pairs]
-        layout = tuple((key, tuple(t.shape), t.dtype, t.device.type) for key, t in tensors)
-        arena = self._arenas.get(slot)
-        if arena is None or arena.layout != layout:
-            if arena is not None:
-                arena.release()
-            del arena
-            self._arenas.pop(slot, None)
-            arena = self._arenas[slot] = Arena(layout, wants_pinned(t.device.type for _, t in tensors))
-        devices = set()
-        for key, tensor in tensors:
-            on_cuda = tensor.device.type == "cuda"
-            arena.views[key].copy_(tensor, non_blocking=on_cuda and arena.pinned)
-            if on_cuda:
-                devices.add(tensor.device)
+
+    def release(self) -> None:
+        """Unpin and drop every kept arena, once the writer reading them is done."""
+        self._wait_for_reader()
+        arenas, self._arenas = self._arenas, {}
+        for arena in arenas.values():
+            arena.release()
+
+    def _arena_for(self, slot: str, part: str, layout: tuple, room: Optional[int]) -> tuple[Arena, bool]:
+        """The arena ``part`` is copied into, and whether it is kept (False: made for this save only,
+        past the limit). ``room``: the bytes it may keep (None: any)."""
+        pinned = wants_pinned(device for *_, device in layout)
+        name = (slot, part)
+        arena = self._arenas.get(name)
+        if arena is not None and arena.holds(layout, pinned) and (room is None or arena.nbytes <= room):
+            arena.relayout(layout)
+            return arena, True
+        outgrown = arena is not None and _layout_bytes(layout) > arena.nbytes
+        if arena is not None:  # freed before its replacement is allocated
+            self._arenas.pop(name).release()
+        del arena
+        need = _round_up(_layout_bytes(layout), _PAGE)
+        capacity = _round_up(need + need // 8, _PAGE) if outgrown else need  # a growing part grows again
+        if room is not None and capacity > room:
+            capacity = need
+        if room is not None and capacity > room:
+            return Arena(layout, pinned=False), False
+        self._arenas[name] = Arena(layout, pinned, capacity)
+        return self._arenas[name], True
+
+    def _copy_all(self, slot: str, parts: dict[str, list[tuple[Any, torch.Tensor]]]) -> dict[Any, torch.Tensor]:
+        """Copy each part's ``(key, tensor)`` pairs into its arena; returns the views by key."""
+        self._wait_for_reader()
+        for name in [n for n in self._arenas if n[0] == slot and n[1] not in parts]:  # parts this save lacks
+            self._arenas.pop(name).release()
+        room = None if self.limit is None else self.limit - sum(a.nbytes for n, a in self._arenas.items() if n[0] != slot)
+        views: dict[Any, torch.Tensor] = {}
+        devices, spilled = set(), 0
+        for part, pairs in parts.items():
+            tensors = [(key, t.detach()) for key, t in pairs]
+            layout = tuple((key, tuple(t.shape), t.dtype, t.device.type) for key, t in tensors)
+            arena, kept = self._arena_for(slot, part, layout, room)
+            if room is not None:
+                room -= arena.nbytes if kept else 0
+            spilled += 0 if kept else arena.nbytes
+            for key, tensor in tensors:
+                on_cuda = tensor.device.type == "cuda"
+                arena.views[key].copy_(tensor, non_blocking=on_cuda and arena.pinned)
+                if on_cuda:
+                    devices.add(tensor.device)
+            views.update(arena.views)
         for device in devices:  # the one wait: every copy was queued on that device's current stream
             torch.cuda.current_stream(device).synchronize()
-        return arena.views
+        if spilled and not self._told_limit:
+            self._told_limit = True
+            warnings.warn(
+                f"save_state(blocking=False): ProjectConfiguration(staging_memory_limit={self.limit}) bytes cannot hold "
+                f"this save's staging buffers; {spilled} bytes are staged into pageable memory made for each save and "
+                "freed once it is written (slower: fresh pages at every save, CUDA tensors copied synchronously). "
+                "Raise the limit (or HASTEN_STAGING_MEMORY_LIMIT) to keep them between saves. Said once.",
+                stacklevel=4)
+        return views
 
     def stage(self, items: list) -> list:
         """``items`` with their tensors replaced by staged copies (byte items are copies already)."""
-        pairs = [((item.name, key), tensor) for item in items if item.tensors is not None
-                 for key, tensor in item.tensors.items()]
-        views = self._copy_all("items", pairs)
+        parts = {item.name: [((item.name, key), tensor) for key, tensor in item.tensors.items()]
+                 for item in items if item.tensors is not None}
+        views = self._copy_all("items", parts)
         return [item if item.tensors is None else
                 item._replace(tensors={key: views[(item.name, key)] for key in item.tensors}) for item in items]
 
     def stage_tree(self, tree: Any) -> Any:
         """A copy of a nested state (dicts, lists, tensors, DTensors; other values as they are) whose
-        tensors live in the staging arena. A DTensor stays a DTensor with the same placement over the
-        same mesh: each process copies its own shard (a sharded checkpoint's state)."""
-        pairs: list[tuple[str, torch.Tensor]] = []
+        tensors live in the staging arenas (one per top-level entry). A DTensor stays a DTensor with
+        the same placement over the same mesh: each process copies its own shard (a sharded
+        checkpoint's state)."""
+        parts: dict[str, list[tuple[str, torch.Tensor]]] = {}
 
         def collect(value: Any, path: str) -> None:
             if isinstance(value, dict):
@@ -166,10 +248,10 @@ class Stager:
                     collect(v, f"{path}/{i}")
             elif isinstance(value, torch.Tensor):
                 local = value.detach().to_local() if getattr(value, "_spec", None) is not None else value
-                pairs.append((path, local))
+                parts.setdefault(path.split("/")[1] if path else "", []).append((path, local))
 
         collect(tree, "")
-        views = self._copy_all("tree", pairs)
+        views = self._copy_all("tree", parts)
 
         def rebuild(value: Any, path: str) -> Any:
             if isinstance(value, dict):

@@ -218,7 +218,14 @@ class DataLoaderConfiguration:
 
 @dataclass
 class ProjectConfiguration:
-    """Where a run writes its checkpoints and logs."""
+    """Where a run writes its checkpoints and logs.
+
+    ``staging_memory_limit`` (hasten's own; bytes, or a size such as ``"8GiB"``; default: the
+    ``HASTEN_STAGING_MEMORY_LIMIT`` variable, else no limit) caps the host memory that
+    ``save_state(blocking=False)`` keeps between saves for its copies of the state (page-locked when
+    the state is on a GPU). What does not fit is copied into memory made for that save alone and
+    freed once it is written, which is slower; a warning says so once. 0 keeps nothing.
+    """
 
     project_dir: Optional[str] = None
     logging_dir: Optional[str] = None
@@ -226,6 +233,8 @@ class ProjectConfiguration:
     total_limit: Optional[int] = None
     iteration: int = 0
     save_on_each_node: bool = False
+    _: KW_ONLY  # hasten's own settings follow, so Accelerate's positional calls keep their meaning
+    staging_memory_limit: Optional[Union[int, str]] = None
 
     def set_directories(self, project_dir: Optional[str] = None) -> None:
         self.project_dir = project_dir
@@ -242,6 +251,33 @@ class ProjectConfiguration:
                 f"ProjectConfiguration(total_limit={self.total_limit}) would delete every checkpoint; "
                 "use a positive number or None to keep all"
             )
+        self.staging_memory_limit = _staging_limit(self.staging_memory_limit)
+
+
+def _staging_limit(value: Any) -> Optional[int]:
+    """``ProjectConfiguration.staging_memory_limit`` in bytes (None: no limit), else the variable's."""
+    from .environment import get_env
+
+    if value is not None:
+        return staging_limit_bytes(value)
+    raw = get_env("STAGING_MEMORY_LIMIT")
+    if raw is None:
+        return None
+    return staging_limit_bytes(int(raw) if raw.strip().isdigit() else raw, "HASTEN_STAGING_MEMORY_LIMIT")
+
+
+def staging_limit_bytes(value: Any, where: str = "ProjectConfiguration(staging_memory_limit=...)") -> int:
+    """A staging memory limit in bytes, from an int or a size such as ``"8GiB"``; anything else
+    (a negative number, a bool, an unreadable string) raises a ValueError naming ``where``."""
+    if not isinstance(value, bool):
+        from .device_map import convert_file_size_to_int
+
+        try:
+            return convert_file_size_to_int(value)
+        except (ValueError, TypeError):
+            pass
+    raise ValueError(f"{where} = {value!r} is not a number of bytes: give an int >= 0 (0: keep no staging buffers "
+                     "between saves) or a size such as '8GiB', or None for no limit")
 
 
 @dataclass
