@@ -531,6 +531,15 @@ def load_checkpoint_in_model(
     for alias, canonical in restored.items():
         if alias in expected:
             aliases_of.setdefault(canonical, []).append(alias)
+    # Names tied in the model but absent from the file (transformers 5 leaves lm_head.weight out of a
+    # tied checkpoint) take the tensor their twin loads, so they stay tied instead of staying on meta.
+    for name in list(shapes):
+        for twin in sorted(ties.get(name, ())):
+            if twin != name and twin not in shapes and twin in expected:
+                aliases_of.setdefault(name, [])
+                if twin not in aliases_of[name]:
+                    aliases_of[name].append(twin)
+                shapes[twin] = shapes[name]  # loaded once: later twins of the group are not loaded again
     for source in sources:
         for name, value in _tensors(source, lambda n: n in expected or n in aliases_of, placer.parks):
             if name in expected:

@@ -45,16 +45,39 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def memory_bytes() -> Optional[int]:
-    """Total RAM of the machine, if readable."""
+def _meminfo(field: str) -> Optional[int]:
+    """A ``/proc/meminfo`` field in bytes (Linux), if readable."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _sysconf_bytes(pages: str) -> Optional[int]:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def memory_bytes() -> Optional[int]:
+    """Total RAM of the machine, if readable."""
+    found = _meminfo("MemTotal")
+    return found if found is not None else _sysconf_bytes("SC_PHYS_PAGES")
+
+
+def available_memory_bytes() -> Optional[int]:
+    """RAM a new allocation can get without swapping (Linux's MemAvailable), if readable; elsewhere
+    psutil's figure when it is installed, else the free pages the system reports."""
+    found = _meminfo("MemAvailable")
+    if found is not None:
+        return found
+    try:
+        import psutil
+    except ImportError:
+        return _sysconf_bytes("SC_AVPHYS_PAGES")
+    return int(psutil.virtual_memory().available)

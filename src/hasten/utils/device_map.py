@@ -61,7 +61,7 @@ def get_max_memory(max_memory: Optional[MemoryMap] = None) -> dict[Union[int, st
     import torch
 
     if max_memory is None:
-        import psutil
+        from ..commands.hardware import available_memory_bytes
 
         found: dict[Union[int, str], int] = {}
         for index in range(_accelerator_count()):
@@ -71,7 +71,11 @@ def get_max_memory(max_memory: Optional[MemoryMap] = None) -> dict[Union[int, st
                 logger.info("GPU %d did not report its free memory; it gets no layers", index)
         mps = getattr(torch.backends, "mps", None)
         key = "mps" if mps is not None and mps.is_available() else "cpu"  # MPS shares host RAM
-        found[key] = psutil.virtual_memory().available
+        available = available_memory_bytes()
+        if available is None:
+            raise RuntimeError("device_map='auto' could not read how much host memory is available on this system; "
+                               "pass max_memory, e.g. max_memory={0: '20GiB', 'cpu': '60GiB'}")
+        found[key] = available
         return found
     wrong = [k for k in max_memory if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
              and k not in ("mps", "cpu", "disk")]
