@@ -129,16 +129,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         for check in cases.CHECKS.values():
             print(f"{check.name:<24} {check.budget_s:>4.0f} s  {check.summary}")
         return 0
+    names = [n.strip() for n in (args.run or args.only).split(",") if n.strip()] or list(cases.CHECKS)
+    unknown = [n for n in names if n not in cases.CHECKS]
+    if unknown:  # before torch is imported: a typo costs no seconds
+        print(f"gpu_check: --only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(cases.CHECKS)}",
+              file=sys.stderr)
+        return 2
     facts = machine_facts()
     if args.run:
         result = run_here(args.run, args.cpu_dry_run, facts)
         print(RESULT + json.dumps(result), flush=True)
         return 0
-
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(cases.CHECKS)
-    unknown = [n for n in names if n not in cases.CHECKS]
-    if unknown:
-        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(cases.CHECKS)}")
     where = (f"{facts['gpu']} (compute capability {'.'.join(map(str, facts['capability']))}, {facts['gpus']} GPU(s))"
              if facts["cuda"] else "no CUDA device")
     print(f"gpu_check: torch {facts['torch']}, {where}, torchao {'yes' if facts['torchao'] else 'no'}"
