@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -83,23 +84,36 @@ def run_here(name: str, dry_run: bool, facts: dict) -> dict:
 
 
 def run_in_subprocess(name: str, dry_run: bool, budget: float) -> dict:
-    """Run one check in a child process of its own session, killed (with its children) after ``budget``."""
+    """Run one check in a child process of its own session, killed (with its children) after ``budget``.
+
+    The child writes to a file, not a pipe: a compile worker it leaves behind would hold a pipe open
+    and make the wait outlast the child. Its whole process group is killed once it ends, for the same reason.
+    """
     command = [sys.executable, os.path.abspath(__file__), "--run", name] + (["--cpu-dry-run"] if dry_run else [])
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", GPU_CHECK_BUDGET_S=str(budget)))
-    try:
-        output, _ = proc.communicate(timeout=budget)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the check's whole process group: compile workers too
-        output, _ = proc.communicate()
-        return {"status": "ERROR", "seconds": time.perf_counter() - start,
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", GPU_CHECK_BUDGET_S=str(budget)))
+        try:
+            proc.wait(timeout=budget)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.seek(0)
+        output = log.read()
+    seconds = time.perf_counter() - start
+    if timed_out:
+        return {"status": "ERROR", "seconds": seconds,
                 "detail": f"no result within its {budget:.0f} s budget (a hang?); last output: {_tail(output)}"}
     for line in reversed(output.splitlines()):
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
-    return {"status": "ERROR", "seconds": time.perf_counter() - start,
+    return {"status": "ERROR", "seconds": seconds,
             "detail": f"the check's process ended with exit status {proc.returncode} and no result; "
                       f"last output: {_tail(output)}"}
 
