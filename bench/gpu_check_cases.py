@@ -552,7 +552,9 @@ def check_suite_cuda_tests(ctx: Context) -> str:
     last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     assert done.returncode == 0, f"pytest exit {done.returncode}: {last}; " + " / ".join(
         line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))[:600]
-    return f"{', '.join(os.path.basename(f) for f in files)}: {last}"
+    gpus = ctx.facts.get("gpus", 0)
+    where = "on GPUs (NCCL)" if gpus >= 2 else "on CPU (gloo): NCCL between ranks needs a second GPU"
+    return f"{', '.join(os.path.basename(f) for f in files)}: {last}; the 2-process tests ran {where}"
 
 
 @check(200, "bench/gpu.py --rounds 1 on the small model, then the full one if time is left",
