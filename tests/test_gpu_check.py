@@ -78,8 +78,8 @@ def test_each_check_runs_in_its_own_process_and_one_that_overruns_its_budget_is_
     gpu = dict(facts, torch="2.11", cuda=True, capability=[8, 0])
     assert "compute capability 8.9" in runner.cases.CHECKS["fp8"].missing(gpu, dry_run=False)
     assert runner.cases.CHECKS["suite_cuda_tests"].missing(dict(gpu, pytest=True), dry_run=False) is None
-    proc = _run("--cpu-dry-run", "--only", "flight_recorder", timeout=120)  # a real child process
-    assert proc.returncode == 0 and _results(proc.stdout)["flight_recorder"][0] == "PASS", proc.stdout
+    done = runner.run_in_subprocess("flight_recorder", dry_run=True, budget=120)  # its result read back from the child
+    assert done["status"] == "PASS" and "all_reduce" in done["detail"], done
 
 
 def test_an_unknown_check_name_is_one_clear_error():
