@@ -3,8 +3,9 @@
 Not collected by pytest (the name does not start with ``test_``): it runs in the small venv that
 ``tools/min_torch_venv.sh`` builds, with ``PYTHONPATH=src``. What it covers is what an older torch
 breaks first: the import, plain training with gradient clipping, ``save_state``/``load_state``
-(also in the background), and, under ``hasten launch --cpu --num_processes 2`` (gloo), DDP and FSDP2
-training steps with a sharded save and reload. Exit status 0 when every part passed.
+(also in the background), ``notebook_launcher`` (forked processes, an all_reduce), and, under
+``hasten launch --cpu --num_processes 2`` (gloo), DDP and FSDP2 training steps with a sharded save and
+reload. Exit status 0 when every part passed.
 
     python tests/smoke_min_torch.py            # everything (spawns the two launches itself)
     python tests/smoke_min_torch.py --rank-part ddp|fsdp   # one launched part (what the launch runs)
@@ -77,6 +78,30 @@ def part_one_process(folder: str) -> None:
     print("smoke: one process: train, clip, save_state (blocking and background), load_state: ok", flush=True)
 
 
+def _all_reduce_ranks(folder: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hasten.state import PartialState
+
+    state = PartialState()
+    total = torch.tensor([float(state.process_index + 1)], device=state.device)
+    dist.all_reduce(total)
+    with open(os.path.join(folder, f"rank{state.process_index}"), "w") as f:
+        f.write(str(float(total)))
+
+
+def part_notebook(folder: str) -> None:
+    """``notebook_launcher`` forks 2 processes from this interpreter (torch's elastic agent underneath)."""
+    from hasten import notebook_launcher
+
+    os.makedirs(folder)
+    notebook_launcher(_all_reduce_ranks, (folder,), num_processes=2, use_port="0")
+    sums = sorted(open(os.path.join(folder, name)).read() for name in os.listdir(folder))
+    assert sums == ["3.0", "3.0"], sums
+    print("smoke: notebook_launcher, 2 forked processes, all_reduce: ok", flush=True)
+
+
 def part_launched(kind: str, folder: str) -> None:
     """One rank of a 2-process launch: DDP or FSDP2 steps, sharded/replicated save, reload."""
     import torch
@@ -127,6 +152,7 @@ def main() -> int:
 
     print(f"smoke: hasten {hasten.__version__} from {os.path.dirname(hasten.__file__)}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
+        part_notebook(os.path.join(folder, "notebook"))  # first: it forks, before this process has a group
         part_one_process(os.path.join(folder, "one"))
         for kind in ("ddp", "fsdp"):
             _launch(kind, os.path.join(folder, kind))
