@@ -4,11 +4,11 @@
 PY ?= python3
 NPROC ?= 2
 
-.PHONY: install install-test train test bench docs
+.PHONY: install install-test train test smoke-min bench docs
 install: .install-core
 install-test: .install-test
 
-# torch is installed first and on its own so that the package's `torch>=2.4` is already met:
+# torch is installed first and on its own so that the package's `torch>=2.7` is already met:
 # on the CI/dev machines `torch==2.13.0` resolves to a local CPU wheel, never to CUDA wheels.
 .install-core: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -22,8 +22,18 @@ install-test: .install-test
 train: .install-core
 	hasten launch --cpu --num_processes $(NPROC) examples/train.py
 
-test: .install-test
+# smoke-min first, so that pytest's summary stays the last line of `make test`.
+test: .install-test smoke-min
 	$(PY) -m pytest -q
+
+# hasten on the oldest torch pyproject.toml allows (`torch>=X.Y` -> X.Y.0), in a small venv of its own
+# (built once, ~0.8 GB download, no CUDA packages: tools/min_torch_venv.sh), a few minutes.
+MIN_TORCH ?= $(shell sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml).0
+MIN_VENV ?= $(HOME)/.cache/hasten/min-torch-$(MIN_TORCH)
+smoke-min:
+	@rc=0; PY=$(PY) tools/min_torch_venv.sh $(MIN_VENV) $(MIN_TORCH) || rc=$$?; \
+	if [ $$rc -eq 3 ]; then exit 0; elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	PYTHONPATH=$(CURDIR)/src $(MIN_VENV)/bin/python tests/smoke_min_torch.py
 
 bench: .install-core
 	$(PY) bench/overhead.py

@@ -27,6 +27,7 @@ from .commands.config_schema import MIXED_PRECISION
 from .commands.hardware import cpu_count, cuda_device_count
 from .topology import DEFAULT_PORT
 from .utils.environment import patch_environment
+from .utils.versions import elastic_launch_config
 
 __all__ = ["notebook_launcher", "debug_launcher", "LaunchError"]
 
@@ -130,7 +131,7 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
                  num_nodes: int = 1, node_rank: int = 0, rdzv_backend: str = "static", rdzv_endpoint: str = "",
                  rdzv_conf: Optional[dict] = None, rdzv_id: str = "none", max_restarts: int = 0,
                  monitor_interval: float = 0.1, log_line_prefix_template: Optional[str] = None) -> None:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from .commands.elastic import _quiet_torch_logs
 
@@ -152,7 +153,7 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
                      PYTORCH_NVML_BASED_CUDA_CHECK="1")
     try:
         with patch_environment(**child_env):
-            config = LaunchConfig(
+            config = elastic_launch_config(
                 min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nprocs, run_id=rdzv_id,
                 rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{port}",
                 rdzv_configs=configs, max_restarts=max_restarts, monitor_interval=monitor_interval,

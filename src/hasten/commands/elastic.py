@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import failures as failure_report
 from . import hangs, run_summary
+from ..utils.versions import elastic_launch_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
@@ -48,14 +49,13 @@ def run_elastic(plan: "Plan") -> int:
     debug = bool(plan.res["debug"])
     os.environ["HASTEN_LAUNCHER_PID"] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.launcher.api import LaunchConfig
 
     _quiet_torch_logs(debug, plan.quiet)  # after the imports: torch sets its loggers' levels on import
 
     tee, log_dir = plan.res["tee"], plan.res["log_dir"]
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.from_str(tee) if tee else Std.NONE)
     grace: Optional[int] = None if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else SHUTDOWN_GRACE_S
-    config = LaunchConfig(
+    config = elastic_launch_config(
         min_nodes=plan.num_machines, max_nodes=plan.num_machines, nproc_per_node=plan.nproc_per_node,
         run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=f"{plan.main_ip}:{plan.main_port}",
         rdzv_configs=dict(plan.rdzv_configs), max_restarts=plan.res["max_restarts"],

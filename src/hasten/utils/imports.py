@@ -161,7 +161,7 @@ def is_transformer_engine_mxfp8_available() -> bool:
 
 # -- torch features -----------------------------------------------------------------------------
 def is_weights_only_available() -> bool:
-    """Whether ``torch.load`` accepts ``weights_only`` (torch >= 2.4, which hasten requires)."""
+    """Whether ``torch.load`` accepts ``weights_only`` (torch >= 2.4; hasten requires 2.7)."""
     version = _installed_version("torch")
     return version is not None and _version_tuple(version) >= (2, 4)
 

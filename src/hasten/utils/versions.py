@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import operator
 from types import ModuleType
-from typing import Union
+from typing import Any, Union
 
 from packaging.version import Version, parse
 
@@ -42,3 +42,22 @@ def is_torch_version(operation: str, version: str) -> bool:
     (e.g. ``is_torch_version(">=", "2.4")``). As in Accelerate, the whole version counts: ``2.4.0+cu124``
     is greater than ``2.4.0``, so ``is_torch_version("==", "2.4.0")`` is False for it."""
     return _operation(operation)(_torch_version(), parse(version))
+
+
+# Fallbacks for the oldest torch that pyproject.toml allows. Every place where hasten's code differs by
+# torch version goes through a function here (found by trying the feature, not by comparing numbers),
+# so that `make smoke-min` on that torch covers all of them and raising the minimum removes them in one place.
+
+
+def elastic_launch_config(**kwargs: Any) -> Any:
+    """torch's elastic ``LaunchConfig`` from ``kwargs``. ``shutdown_timeout`` (the grace between SIGTERM
+    and SIGKILL of the workers) is newer than torch 2.6; there it is dropped and torch's fixed 30 s grace
+    applies."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = {field.name for field in dataclasses.fields(LaunchConfig)}
+    if "shutdown_timeout" not in known:
+        kwargs.pop("shutdown_timeout", None)
+    return LaunchConfig(**kwargs)
