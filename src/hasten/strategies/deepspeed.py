@@ -5,8 +5,9 @@ trained model); DeepSpeed then owns gradient reduction, partitioning, precision 
 sections, not autocast) and clipping (its ``gradient_clipping``). The loop stays unchanged:
 ``accelerator.backward`` runs ``engine.backward``; on a sync step ``engine.step`` (which clips,
 steps and zeroes) follows at the first of ``clip_grad_norm_`` (which sets the engine's clipping
-for that step, as torch's call would clip), the prepared optimizer's ``step``, or the next
-``backward``. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory collectives are marked
+for that step, as torch's call would clip), the prepared optimizer's ``step``, or, for loops that
+leave the stepping to ``backward`` as Accelerate allows, the engine's next forward or ``backward``,
+a checkpoint or a state dict. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory collectives are marked
 unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
 """
 
@@ -70,6 +71,10 @@ class DeepSpeedOptimizer(AcceleratedOptimizer):
         inner = self.engine.optimizer
         return bool(getattr(inner, "overflow", False)) and self.gradient_state.sync_gradients
 
+    @property
+    def skip_flag(self) -> bool:
+        return self.step_was_skipped
+
     def state_dict(self) -> dict[str, Any]:
         return self.engine.optimizer.state_dict()
 
@@ -107,6 +112,7 @@ class DeepSpeedStrategy(Strategy):
         self.config: Optional[dict] = None
         # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next backward.
         self.step_pending = False
+        self.hooks: list[Any] = []  # handles of the engines' forward pre-hooks that run a pending step
         self.configured_clipping = 0.0  # the config's gradient_clipping (0: clip_grad_norm_ sets it per step)
         super().__init__(plan)
         self.zero3_init_config = self._zero3_init()
@@ -131,11 +137,17 @@ class DeepSpeedStrategy(Strategy):
         return dict(super().describe(), zero_stage=self.plugin.zero_stage_value)
 
     def release(self) -> None:
+        self.finish_step()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         self.engines.clear()
 
     def checkpoint_backend(self) -> Any:
         """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit, bound to these engines."""
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
+
+        self.finish_step()  # a checkpoint holds the state after the last backward's step
 
         return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.engine_of,
                                    zero_stage=self.plugin.zero_stage_value)
@@ -203,6 +215,8 @@ class DeepSpeedStrategy(Strategy):
                                                       lr_scheduler=build_sched, dist_init_required=False)
         _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
+        # A loop without optimizer.step(): the sync step's engine.step() runs before the next forward.
+        self.hooks.append(engine.register_forward_pre_hook(lambda module, args: self.finish_step()))
         self.configured_clipping = float(engine.gradient_clipping() or 0.0)
         return engine, DeepSpeedOptimizer(torch_opt, engine, self), ds_sched if isinstance(sched, DummyScheduler) else None
 
@@ -287,6 +301,7 @@ class DeepSpeedStrategy(Strategy):
     # -- state dict I/O -------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, everyone: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on CPU; ZeRO-3 parameters are gathered one at a time (every process must call)."""
+        self.finish_step()
         module = self.unwrap_model(model)
         if not _partitioned(module):
             return {k: v.detach().cpu() for k, v in module.state_dict().items()}
