@@ -120,7 +120,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         # Readable as accelerator.state.parallel_mesh: the view the data layer's public functions fall
         # back to when called without one (the facade passes the strategy's data-parallel view itself).
         self.state.parallel_mesh = self.strategy.mesh
-        if self.device.type == "cuda":  # the straggler check times own work on the GPU, not the host's queueing
+        if self.device.type == "cuda" and self.num_processes > 1:  # the straggler check: GPU time, not host queueing
             progress.time_device_work(_recorded_cuda_event)
         self.device_placement = device_placement
         self.dataloader_config = self.plan.dataloader_config
