@@ -7,8 +7,8 @@ sections, not autocast) and clipping (its ``gradient_clipping``). The loop stays
 steps and zeroes) follows at the first of ``clip_grad_norm_`` (which sets the engine's clipping
 for that step, as torch's call would clip), the prepared optimizer's ``step``, or, for loops that
 leave the stepping to ``backward`` as Accelerate allows, the engine's next forward or ``backward``,
-a checkpoint or a state dict. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory collectives are marked
-unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
+a checkpoint or a state dict. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory
+collectives are marked unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def import_deepspeed(device_type: str) -> Any:
 
 
 class DeepSpeedOptimizer(AcceleratedOptimizer):
-    """The prepared optimizer of a DeepSpeed engine: the engine steps and zeroes in ``backward``."""
+    """The prepared optimizer of a DeepSpeed engine: ``step`` runs the engine's pending step (which
+    also zeroes), unless ``clip_grad_norm_`` ran it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: Any, strategy: "DeepSpeedStrategy") -> None:
         super().__init__(optimizer, device_placement=False, precision=None)
@@ -110,7 +111,7 @@ class DeepSpeedStrategy(Strategy):
         self.mode = plan.mixed_precision
         self.engines: list[Any] = []
         self.config: Optional[dict] = None
-        # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next backward.
+        # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next forward/backward.
         self.step_pending = False
         self.hooks: list[Any] = []  # handles of the engines' forward pre-hooks that run a pending step
         self.configured_clipping = 0.0  # the config's gradient_clipping (0: clip_grad_norm_ sets it per step)
@@ -148,7 +149,6 @@ class DeepSpeedStrategy(Strategy):
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
 
         self.finish_step()  # a checkpoint holds the state after the last backward's step
-
         return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.engine_of,
                                    zero_stage=self.plugin.zero_stage_value)
 
@@ -218,7 +218,8 @@ class DeepSpeedStrategy(Strategy):
         # A loop without optimizer.step(): the sync step's engine.step() runs before the next forward.
         self.hooks.append(engine.register_forward_pre_hook(lambda module, args: self.finish_step()))
         self.configured_clipping = float(engine.gradient_clipping() or 0.0)
-        return engine, DeepSpeedOptimizer(torch_opt, engine, self), ds_sched if isinstance(sched, DummyScheduler) else None
+        engine_sched = ds_sched if isinstance(sched, DummyScheduler) else None
+        return engine, DeepSpeedOptimizer(torch_opt, engine, self), engine_sched
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -267,14 +268,16 @@ class DeepSpeedStrategy(Strategy):
         L2 norm inside its step); returns the norm before clipping, which the engine computed."""
         engine = self.engines[0]
         configured = self.configured_clipping
-        if float(norm_type) != 2.0 or (configured and abs(configured - float(max_norm)) > 1e-12):
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) under DeepSpeed: its engine clips the L2 norm "
+                             "only; use norm_type=2")
+        if configured and abs(configured - float(max_norm)) > 1e-12:
             # Checked before the engine steps; the config is the same on every rank, so every rank
             # raises this same error at the first call.
             raise ValueError(
-                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) but DeepSpeed clips the L2 norm and "
-                f"the config sets gradient_clipping={configured}: call clip_grad_norm_ with max_norm={configured} "
-                "and norm_type=2, or remove gradient_clipping from the config (and `hasten launch "
-                "--gradient_clipping`) to let clip_grad_norm_ set it"
+                f"clip_grad_norm_(max_norm={max_norm}) but the DeepSpeed config sets gradient_clipping={configured}: "
+                f"call clip_grad_norm_ with max_norm={configured}, or remove gradient_clipping from the config "
+                "(and `hasten launch --gradient_clipping`) to let clip_grad_norm_ set it"
             )
         self.finish_step(max_norm)
         norm = engine.get_global_grad_norm()
