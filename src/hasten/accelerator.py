@@ -120,6 +120,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         # Readable as accelerator.state.parallel_mesh: the view the data layer's public functions fall
         # back to when called without one (the facade passes the strategy's data-parallel view itself).
         self.state.parallel_mesh = self.strategy.mesh
+        if self.device.type == "cuda" and self.num_processes > 1:  # the straggler check: GPU time, not host queueing
+            progress.time_device_work(_recorded_cuda_event)
         self.device_placement = device_placement
         self.dataloader_config = self.plan.dataloader_config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
@@ -534,6 +536,13 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, processes={self.num_processes}, device={self.device}, " \
                f"mixed_precision={self.mixed_precision!r})"
+
+
+def _recorded_cuda_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current CUDA stream (for ``progress.DeviceWorkTimer``)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _scheduler_types() -> tuple[type, ...]:

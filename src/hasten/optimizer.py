@@ -109,6 +109,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return bool(self._step_was_skipped)
 
     @property
+    def skip_flag(self) -> Union[bool, torch.Tensor]:
+        """``step_was_skipped`` without reading the device: a bool, or fp16's 0-d inf/NaN flag
+        (nonzero: skipped), so a reader of several optimizers can combine them and read once."""
+        return self._step_was_skipped
+
+    @property
     def is_overflow(self) -> bool:  # Accelerate's older name
         return self.step_was_skipped
 

@@ -6,12 +6,18 @@ no communication, so the hot path pays a handful of attribute writes. Under ``ha
 heartbeat thread started by the process wrapper (``commands/_heartbeat.py``) reads them once a
 second through :func:`snapshot` and leaves them where the launcher looks. Without the launcher
 nothing reads them.
+
+The straggler check compares each rank's own work per step: wall time minus the time in those
+sync phases. On a CUDA device the host only queues kernels, so host time says little about who is
+slow; there :class:`DeviceWorkTimer` measures the device's time between sync phases with events,
+read only once the device has passed them (no host sync is added to the step).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
 from time import perf_counter
@@ -28,7 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Progress:
     """Counters and the current phase of this process (read by the heartbeat thread)."""
 
-    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout")
+    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout", "device_timer")
 
     def __init__(self) -> None:
         self.ticks = 0  # any progress mark: the watchdog's sign of life
@@ -39,6 +45,52 @@ class Progress:
         self.sync_since: Optional[float] = None  # start of the sync phase under way, if any
         self.ddp = False  # a prepared model all-reduces its gradients in backward
         self.hang_timeout: Optional[float] = None  # set by the script; overrides the launcher's
+        self.device_timer: Optional[DeviceWorkTimer] = None  # on CUDA: own work timed by the device
+
+
+class DeviceWorkTimer:
+    """The device's time spent outside sync phases, from events recorded at each phase boundary.
+
+    ``record()`` returns an event recorded now on the device's stream, with ``query()`` (has the
+    device passed it, without waiting) and ``elapsed_time(later)`` (milliseconds): on CUDA a
+    ``torch.cuda.Event(enable_timing=True)``. A segment runs from the end of one sync phase to the
+    start of the next; it is added to ``work_s`` once the device has passed both of its events,
+    at a later phase boundary, so the total lags the device by a step or so and never waits for it.
+    The device's waits for other ranks fall inside the sync phases (DDP's gradient all-reduce in
+    backward, collectives), so the segments hold this rank's own work.
+    """
+
+    __slots__ = ("record", "open", "pending", "work_s")
+    LIMIT = 256  # segments the device may be behind; beyond, segments go uncounted rather than pile up
+
+    def __init__(self, record: Callable[[], Any]) -> None:
+        self.record = record
+        self.open: Any = None  # the event that started the current segment
+        self.pending: deque = deque()  # (start, end) events of segments the device has not finished
+        self.work_s = 0.0
+
+    def sync_started(self) -> None:
+        if self.open is not None and len(self.pending) < self.LIMIT:
+            self.pending.append((self.open, self.record()))
+        self.open = None
+        self.collect()
+
+    def sync_ended(self) -> None:
+        self.collect()
+        self.open = self.record()
+
+    def collect(self) -> None:
+        """Add the segments the device has finished, oldest first; never waits for the device."""
+        pending = self.pending
+        while pending and pending[0][1].query() and pending[0][0].query():
+            start, end = pending.popleft()
+            self.work_s += start.elapsed_time(end) / 1000.0
+
+
+def time_device_work(record: Optional[Callable[[], Any]]) -> None:
+    """Time this process's own work with device events from ``record`` (see :class:`DeviceWorkTimer`);
+    ``None`` goes back to host time (the CPU, where the host does the work itself)."""
+    STATE.device_timer = DeviceWorkTimer(record) if record is not None else None
 
 
 # One per process, on purpose: it describes the process, and the heartbeat thread (started before the
@@ -56,6 +108,8 @@ def enter(where: str) -> tuple[Optional[str], float]:
     state.where = where
     if outer is None:
         state.sync_since = start
+        if state.device_timer is not None:
+            state.device_timer.sync_started()
     state.ticks += 1
     return outer, start
 
@@ -66,6 +120,8 @@ def leave(token: tuple[Optional[str], float]) -> None:
     if outer is None:  # nested phases (gather_for_metrics -> gather) are timed once
         state.sync_s += perf_counter() - start
         state.sync_since = None
+        if state.device_timer is not None:
+            state.device_timer.sync_ended()
     state.where = outer
     state.ticks += 1
 
@@ -148,7 +204,8 @@ def set_hang_timeout(seconds: Union[float, timedelta, None]) -> None:
 def snapshot() -> dict[str, Any]:
     """A JSON-able copy of ``STATE`` (called by the heartbeat thread, not on the hot path)."""
     s = STATE
-    now, since = perf_counter(), s.sync_since
+    now, since, timer = perf_counter(), s.sync_since, s.device_timer
     sync = s.sync_s + (now - since if since is not None else 0.0)  # a wait under way counts already
     return {"ticks": s.ticks, "steps": s.steps, "batches": s.batches, "where": s.where, "sync_s": sync,
-            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout}
+            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout,
+            "work_s": timer.work_s if timer is not None else None}

@@ -152,23 +152,50 @@ class CheckpointMixin:
             background.stager.limit = staging_limit
         group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
-        try:  # everything up to the exchange may fail on one process only: report, do not hang
-            backend = self.strategy.checkpoint_backend()  # None: one full file per model/optimizer
-            dcp_format = backend is not None
-            if dcp_format:
-                backend.refuse(blocking, mid_window)
-            weights = [] if dcp_format else [self.get_state_dict(model) for model in self._models]
-            models = list(self._models)
-            contents = self._contents(writes_shared)
-            self._checkpoints.save_pre_hooks.run(models, weights, folder)
-            if dcp_format:
+        problem: Optional[str] = None  # this process's first failure, agreed before each collective below
+
+        def attempt(step: Callable[[], Any]) -> Any:
+            nonlocal problem
+            if problem is None:
+                try:
+                    return step()
+                except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
+                    problem = f"process {self.process_index}: {type(e).__name__}: {e}"
+            return None
+
+        def before_collective() -> None:
+            # A step that may be collective (a sharded model's gathers, a save hook, the DCP planning)
+            # is entered by every process or by none: one that failed alone would leave the others waiting.
+            self._agree_or_remove(problem, folder, writes_shared)
+
+        backend = self.strategy.checkpoint_backend()  # None: one full file per model/optimizer
+        dcp_format = backend is not None
+        models = list(self._models)
+        if dcp_format:
+            attempt(lambda: backend.refuse(blocking, mid_window))
+        contents = attempt(lambda: self._contents(writes_shared)) or {}
+        weights: list = []
+        if not dcp_format:
+            for model in models:
+                before_collective()
+                weights.append(attempt(lambda: self.get_state_dict(model)))
+        for hook in list(self._checkpoints.save_pre_hooks.hooks.values()):
+            before_collective()
+            attempt(lambda: hook(models, weights, folder))
+        if dcp_format:
+            before_collective()
+
+            def plan_sharded() -> Any:
                 inner = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
                 contents["models"], with_state = backend.entries(inner, self._optimizers)
                 for i, entry in enumerate(contents["optimizers"]):
                     entry[backend.KEY] = backend.optimizer_entry(i, with_state[i])
                 staging = {"stager": background.stager} if background is not None else {}  # copy shards now
-                write_shards = backend.writer(self, folder, inner, with_state, group, **staging)
-                listing = backend.listing
+                return backend.writer(self, folder, inner, with_state, group, **staging), backend.listing
+
+            write_shards, listing = attempt(plan_sharded) or (None, None)
+
+        def local_items() -> list:  # no collective from here to the exchange in write_and_commit
             # Hooks may drop weights (a model they saved themselves) without dropping the model.
             classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
             if not dcp_format:
@@ -181,9 +208,10 @@ class CheckpointMixin:
                 items.append(saver.Item(saver.grads_file(self.process_index), saver.gradients(self)))
             if background is not None:
                 items = background.stager.stage(items)
-            prepared = ("ok", items)
-        except Exception as e:  # noqa: BLE001 - every process must learn that the save failed
-            prepared = ("error", f"process {self.process_index}: {type(e).__name__}: {e}")
+            return items
+
+        items = attempt(local_items)
+        prepared = ("error", problem) if problem is not None else ("ok", items)
         job = commit.SaveJob(folder, target, token, number, self.process_index, self.num_processes, node,
                              writes_shared, self._manifest_head(number, mid_window, contents), pc.total_limit,
                              sharded=write_shards, listing=listing)
@@ -265,10 +293,16 @@ class CheckpointMixin:
             os.makedirs(folder, exist_ok=True)
         except Exception as e:  # noqa: BLE001 - every process must learn it
             problem = f"process {self.process_index}: {type(e).__name__}: {e}"
+        self._agree_or_remove(problem, folder, writes_shared and problem is None)
+
+    @staticmethod
+    def _agree_or_remove(problem: Optional[str], folder: str, writes_shared: bool) -> None:
+        """Every process learns whether any failed so far; on a failure every process raises the same
+        error and the temporary folder is removed (by the process that created it)."""
         try:
             commit.agree(problem, "save_state failed; nothing was committed:")
         except RuntimeError:
-            if writes_shared and problem is None:
+            if writes_shared:
                 layout.remove_tree(folder)
             raise
 

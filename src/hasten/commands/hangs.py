@@ -289,7 +289,10 @@ class Watchdog:
                 continue
             steps = beat.get(key, 0) - old.get(key, 0)
             if steps >= 3:
-                work = (beat["t"] - old["t"]) - (beat.get("sync_s", 0.0) - old.get("sync_s", 0.0))
+                if beat.get("work_s") is not None and old.get("work_s") is not None:
+                    work = beat["work_s"] - old["work_s"]  # timed by the device (CUDA): host time says little there
+                else:
+                    work = (beat["t"] - old["t"]) - (beat.get("sync_s", 0.0) - old.get("sync_s", 0.0))
                 own[rank] = (max(work, 0.0) / steps, steps)
         if len(own) < 2:
             return

@@ -3,10 +3,12 @@
 ``prepare`` hands the model and its optimizer to ``deepspeed.initialize`` together (one engine per
 trained model); DeepSpeed then owns gradient reduction, partitioning, precision (its bf16/fp16
 sections, not autocast) and clipping (its ``gradient_clipping``). The loop stays unchanged:
-``accelerator.backward`` runs ``engine.backward`` and, on a sync step, ``engine.step`` (which
-clips, steps and zeroes), so the prepared optimizer's ``step``/``zero_grad`` have nothing left to
-do. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory collectives are marked
-unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
+``accelerator.backward`` runs ``engine.backward``; on a sync step ``engine.step`` (which clips,
+steps and zeroes) follows at the first of ``clip_grad_norm_`` (which sets the engine's clipping
+for that step, as torch's call would clip), the prepared optimizer's ``step``, or, for loops that
+leave the stepping to ``backward`` as Accelerate allows, the engine's next forward or ``backward``,
+a checkpoint or a state dict. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory
+collectives are marked unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
 """
 
 from __future__ import annotations
@@ -47,17 +49,20 @@ def import_deepspeed(device_type: str) -> Any:
 
 
 class DeepSpeedOptimizer(AcceleratedOptimizer):
-    """The prepared optimizer of a DeepSpeed engine: the engine steps and zeroes in ``backward``."""
+    """The prepared optimizer of a DeepSpeed engine: ``step`` runs the engine's pending step (which
+    also zeroes), unless ``clip_grad_norm_`` ran it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Any, strategy: "DeepSpeedStrategy") -> None:
         super().__init__(optimizer, device_placement=False, precision=None)
         self.engine = engine
+        self.strategy = strategy
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass  # engine.step() zeroed them
 
     def step(self, closure: Any = None) -> None:
-        # engine.step() ran in accelerator.backward on the sync step; the watchdog still counts it.
+        # The engine's step of this sync step, unless clip_grad_norm_ already ran it.
+        self.strategy.finish_step()
         if self.gradient_state.sync_gradients:
             progress.stepped()
 
@@ -66,6 +71,10 @@ class DeepSpeedOptimizer(AcceleratedOptimizer):
         """Whether DeepSpeed's fp16 loss scaler dropped the last step (gradients overflowed)."""
         inner = self.engine.optimizer
         return bool(getattr(inner, "overflow", False)) and self.gradient_state.sync_gradients
+
+    @property
+    def skip_flag(self) -> bool:
+        return self.step_was_skipped
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.optimizer.state_dict()
@@ -102,6 +111,10 @@ class DeepSpeedStrategy(Strategy):
         self.mode = plan.mixed_precision
         self.engines: list[Any] = []
         self.config: Optional[dict] = None
+        # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next forward/backward.
+        self.step_pending = False
+        self.hooks: list[Any] = []  # handles of the engines' forward pre-hooks that run a pending step
+        self.configured_clipping = 0.0  # the config's gradient_clipping (0: clip_grad_norm_ sets it per step)
         super().__init__(plan)
         self.zero3_init_config = self._zero3_init()
 
@@ -125,12 +138,17 @@ class DeepSpeedStrategy(Strategy):
         return dict(super().describe(), zero_stage=self.plugin.zero_stage_value)
 
     def release(self) -> None:
+        self.finish_step()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         self.engines.clear()
 
     def checkpoint_backend(self) -> Any:
         """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit, bound to these engines."""
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
 
+        self.finish_step()  # a checkpoint holds the state after the last backward's step
         return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.engine_of,
                                    zero_stage=self.plugin.zero_stage_value)
 
@@ -197,7 +215,11 @@ class DeepSpeedStrategy(Strategy):
                                                       lr_scheduler=build_sched, dist_init_required=False)
         _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
-        return engine, DeepSpeedOptimizer(torch_opt, engine), ds_sched if isinstance(sched, DummyScheduler) else None
+        # A loop without optimizer.step(): the sync step's engine.step() runs before the next forward.
+        self.hooks.append(engine.register_forward_pre_hook(lambda module, args: self.finish_step()))
+        self.configured_clipping = float(engine.gradient_clipping() or 0.0)
+        engine_sched = ds_sched if isinstance(sched, DummyScheduler) else None
+        return engine, DeepSpeedOptimizer(torch_opt, engine, self), engine_sched
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -215,36 +237,49 @@ class DeepSpeedStrategy(Strategy):
 
     # -- a training step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, **kwargs: Any) -> None:
-        """``engine.backward`` (which divides by the accumulation steps itself), and on a sync step ``engine.step``."""
+        """``engine.backward`` (which divides by the accumulation steps itself); on a sync step the
+        ``engine.step`` is left pending for ``clip_grad_norm_``/``optimizer.step()`` (see ``finish_step``)."""
         if not self.engines:
             raise RuntimeError("accelerator.backward under DeepSpeed needs a model prepared with its optimizer")
         from ..state import GradientState
 
+        self.finish_step()  # a loop without optimizer.step(): the last sync step's engine.step, in order
         sync = GradientState().sync_gradients
         engine = self.engines[0]
         engine.set_gradient_accumulation_boundary(is_boundary=sync)
         engine.backward(loss, **kwargs)
-        if sync:
-            engine.step()
+        self.step_pending = sync
+
+    def finish_step(self, max_norm: Optional[float] = None) -> None:
+        """Run the pending ``engine.step()``, clipping at ``max_norm`` (a ``clip_grad_norm_`` call of
+        this step) or else at the config's ``gradient_clipping`` (0: none, as torch without the call)."""
+        if not self.step_pending:
+            return
+        self.step_pending = False
+        engine = self.engines[0]
+        _set_clipping(engine, self.configured_clipping if max_norm is None else float(max_norm))
+        engine.step()
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine reduces only at the accumulation boundary
 
     def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The global norm the engine computed (and clipped at its ``gradient_clipping``) in its step."""
+        """Run this sync step's ``engine.step()`` clipping at ``max_norm`` (the engine clips the global
+        L2 norm inside its step); returns the norm before clipping, which the engine computed."""
         engine = self.engines[0]
-        configured = float(engine.gradient_clipping() or 0.0)
-        if float(norm_type) != 2.0 or abs(configured - float(max_norm)) > 1e-12:
-            # The engine clips inside engine.step(), which already ran in accelerator.backward, and its
-            # clip value is fixed when the engine is built: the value must come from the launch or config.
-            # The config is the same on every rank, so every rank raises this same error here.
+        configured = self.configured_clipping
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) under DeepSpeed: its engine clips the L2 norm "
+                             "only; use norm_type=2")
+        if configured and abs(configured - float(max_norm)) > 1e-12:
+            # Checked before the engine steps; the config is the same on every rank, so every rank
+            # raises this same error at the first call.
             raise ValueError(
-                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) but DeepSpeed clips in its own step at "
-                f"gradient_clipping={configured} (L2 norm{'; 0 means off' if not configured else ''}), set before "
-                f"prepare(): launch with `hasten launch --gradient_clipping {max_norm}`, or pass "
-                f"DeepSpeedPlugin(gradient_clipping={max_norm}), or put \"gradient_clipping\": {max_norm} in the "
-                "DeepSpeed config"
+                f"clip_grad_norm_(max_norm={max_norm}) but the DeepSpeed config sets gradient_clipping={configured}: "
+                f"call clip_grad_norm_ with max_norm={configured}, or remove gradient_clipping from the config "
+                "(and `hasten launch --gradient_clipping`) to let clip_grad_norm_ set it"
             )
+        self.finish_step(max_norm)
         norm = engine.get_global_grad_norm()
         return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
 
@@ -269,6 +304,7 @@ class DeepSpeedStrategy(Strategy):
     # -- state dict I/O -------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, everyone: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on CPU; ZeRO-3 parameters are gathered one at a time (every process must call)."""
+        self.finish_step()
         module = self.unwrap_model(model)
         if not _partitioned(module):
             return {k: v.detach().cpu() for k, v in module.state_dict().items()}
@@ -312,6 +348,22 @@ class DeepSpeedStrategy(Strategy):
         if refresh is not None:  # ZeRO keeps fp32 masters apart from the module's parameters
             refresh()
         return result
+
+
+def _set_clipping(engine: Any, max_norm: float) -> None:
+    """Make the engine's next step clip at ``max_norm`` (0: off). The engine reads its config's
+    value (stage 0, fp32) and each DeepSpeed optimizer (ZeRO 1-3, fp16, bf16) its ``clip_grad``,
+    both taken from the config when the engine was built."""
+    if float(engine.gradient_clipping() or 0.0) == max_norm:
+        return
+    zero_config = getattr(engine._config, "zero_config", None)
+    if max_norm > 0 and zero_config is not None and not getattr(zero_config, "compute_grad_norm", True):
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) under DeepSpeed needs the gradient norm, but the "
+                         "config sets zero_optimization.compute_grad_norm=false: remove that setting, or the "
+                         "clip_grad_norm_ call")
+    engine._config.gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm
 
 
 def _without_autos(config: dict, mode: str) -> dict:
