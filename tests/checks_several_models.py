@@ -157,10 +157,15 @@ def worst(got: dict, want: dict) -> float:
 
 
 def equivalence(make: Callable[[], Accelerator], kind: str, together: bool, accum: int, clip: Optional[float],
-                select: Optional[tuple[str, str]] = None, tolerance: float = 1e-5, both: bool = False) -> dict:
+                select: Optional[tuple[str, str]] = None, tolerance: float = 1e-5, both: bool = False,
+                engines: Optional[tuple[int, int]] = None) -> dict:
     """2 processes x B equal 1 process x 2B; the frozen model is unchanged, in eval mode, without gradients."""
     acc = make()
     trained, other, opt, loader = prepare_pair(acc, kind, together, select=select)
+    if engines is not None:  # DeepSpeed: (ZeRO stage of the trained engine, of the frozen one's)
+        assert [m.zero_optimization_stage() for m in (trained, other)] == list(engines)
+        partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in acc.unwrap_model(other).parameters())
+        assert partitioned == (engines[1] == 3), partitioned
     steps = 4 * accum
     batches = list(loader)[:steps]
     train(acc, kind, trained, other, opt, batches, clip, both)
@@ -352,12 +357,12 @@ def check_deepspeed_plugins_select():
 
 def check_ds_zero2_student_zero3_teacher():
     """Distillation: student prepared under the ZeRO-2 plugin, teacher under the ZeRO-3 one (partitioned)."""
-    out = equivalence(ds_two_plugins(), "distill", together=False, accum=2, clip=0.5, select=("student", "teacher"))
-    return out
+    return equivalence(ds_two_plugins(), "distill", together=False, accum=2, clip=0.5, select=("student", "teacher"),
+                       engines=(2, 3))
 
 
 def check_ds_zero3_dpo_one_call():
-    return equivalence(ds_one_plugin(3), "dpo", together=True, accum=2, clip=0.5)
+    return equivalence(ds_one_plugin(3), "dpo", together=True, accum=2, clip=0.5, engines=(3, 3))
 
 
 def check_ds_zero2_dpo_one_call():

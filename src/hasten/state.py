@@ -468,6 +468,9 @@ class AcceleratorState(SharedDict):
         self._mixed_precision = mixed_precision
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugin = deepspeed_plugin
+        # Accelerate's several named plugins (``deepspeed_plugins={"student": ..., "teacher": ...}``): the
+        # planner fills it; ``deepspeed_plugin`` is then the selected one.
+        self.deepspeed_plugins: Optional[dict[str, Any]] = None
         self.fsdp_plugin = fsdp_plugin
         # The same decision the Accelerator's plan reads (hasten.planning): one rule, two callers.
         self.distributed_type = distributed_type_for(partial.distributed_type, deepspeed_plugin, fsdp_plugin)
@@ -493,6 +496,30 @@ class AcceleratorState(SharedDict):
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The ``DeepSpeedPlugin`` given under ``name`` in ``Accelerator(deepspeed_plugins={...})``."""
+        return self._named_deepspeed_plugins(name)[name]
+
+    def select_deepspeed_plugin(self, name: Optional[str] = None) -> None:
+        """Make the plugin named ``name`` the active one: the next models ``prepare`` builds use its
+        config (e.g. a ZeRO-3 inference config for a frozen teacher); the others are unselected."""
+        plugins = self._named_deepspeed_plugins(name)
+        for key, plugin in plugins.items():
+            if key != name:
+                plugin._unselect()
+        plugins[name].select(_from_accelerator_state=True)
+        self.deepspeed_plugin = plugins[name]
+
+    def _named_deepspeed_plugins(self, name: Any) -> dict[str, Any]:
+        plugins = self.deepspeed_plugins if self.distributed_type == DistributedType.DEEPSPEED else None
+        if not plugins:
+            raise ValueError("this AcceleratorState runs without DeepSpeed; create the Accelerator with "
+                             "deepspeed_plugins={'name': DeepSpeedPlugin(...), ...} to select plugins by name")
+        if name not in plugins:
+            raise ValueError(f"no DeepSpeed plugin is named {name!r}; the Accelerator was given "
+                             f"{', '.join(repr(k) for k in plugins)}")
+        return plugins
 
     def destroy_process_group(self, group: Any = None) -> None:
         """``PartialState().destroy_process_group(group)``: works after ``AcceleratorState._reset_state()``
