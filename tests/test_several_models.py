@@ -27,3 +27,60 @@ def test_ddp_and_fsdp2(two, name):
 def test_deepspeed(two, name):
     values = two.assert_passed(name)
     assert values[0] == values[1]
+
+
+def test_example_dpo_through_launcher(tmp_path):
+    """examples/several_models.py (policy + frozen reference, DPO) on 2 CPU processes: it learns the
+    preference, and save_state holds both models."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "several_models.py")
+    out = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2",
+                          example, "--epochs", "2", "--output_dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    rows = re.findall(r"epoch \d+: preference accuracy ([\d.]+) mean margin ([-\d.]+) \((\d+) pairs, (\d+) process",
+                      out.stdout)
+    assert len(rows) == 2, out.stdout + out.stderr
+    assert all(int(pairs) == 512 and int(procs) == 2 for _, _, pairs, procs in rows)
+    assert float(rows[-1][0]) > 0.9 and float(rows[-1][1]) > float(rows[0][1]) > 0, rows
+    with open(tmp_path / "state" / "manifest.json") as f:
+        assert len(json.load(f)["contents"]["models"]) == 2
+    assert (tmp_path / "policy" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("plugins, words", [
+    ({}, ["deepspeed_plugins={}"]),
+    ({"student": object()}, ["deepspeed_plugins['student']", "DeepSpeedPlugin"]),
+    ({1: None}, ["1", "string"]),
+])
+def test_bad_deepspeed_plugins(fresh_state, plugins, words):
+    from hasten import Accelerator
+
+    with pytest.raises((ValueError, TypeError)) as err:
+        Accelerator(cpu=True, deepspeed_plugins=plugins)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_select_without_deepspeed_names_the_fix(fresh_state):
+    from hasten import Accelerator
+
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="deepspeed_plugins"):
+        acc.state.select_deepspeed_plugin("teacher")
+
+
+def test_plugin_selected_only_through_the_state():
+    from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    with pytest.raises(ValueError, match="select_deepspeed_plugin"):
+        plugin.select()
+    with pytest.raises(NotImplementedError):
+        plugin.selected = True
+    assert not plugin.selected
