@@ -499,27 +499,15 @@ class AcceleratorState(SharedDict):
 
     def get_deepspeed_plugin(self, name: str) -> Any:
         """The ``DeepSpeedPlugin`` given under ``name`` in ``Accelerator(deepspeed_plugins={...})``."""
-        return self._named_deepspeed_plugins(name)[name]
+        from .utils.deepspeed_compat import named_plugins
+
+        return named_plugins(self, name)[name]
 
     def select_deepspeed_plugin(self, name: Optional[str] = None) -> None:
-        """Make the plugin named ``name`` the active one: the next models ``prepare`` builds use its
-        config (e.g. a ZeRO-3 inference config for a frozen teacher); the others are unselected."""
-        plugins = self._named_deepspeed_plugins(name)
-        for key, plugin in plugins.items():
-            if key != name:
-                plugin._unselect()
-        plugins[name].select(_from_accelerator_state=True)
-        self.deepspeed_plugin = plugins[name]
+        """Make the plugin named ``name`` the active one (the next engines ``prepare`` builds use it)."""
+        from .utils.deepspeed_compat import select_plugin
 
-    def _named_deepspeed_plugins(self, name: Any) -> dict[str, Any]:
-        plugins = self.deepspeed_plugins if self.distributed_type == DistributedType.DEEPSPEED else None
-        if not plugins:
-            raise ValueError("this AcceleratorState runs without DeepSpeed; create the Accelerator with "
-                             "deepspeed_plugins={'name': DeepSpeedPlugin(...), ...} to select plugins by name")
-        if name not in plugins:
-            raise ValueError(f"no DeepSpeed plugin is named {name!r}; the Accelerator was given "
-                             f"{', '.join(repr(k) for k in plugins)}")
-        return plugins
+        self.deepspeed_plugin = select_plugin(self, name)
 
     def destroy_process_group(self, group: Any = None) -> None:
         """``PartialState().destroy_process_group(group)``: works after ``AcceleratorState._reset_state()``
