@@ -126,8 +126,27 @@ def deepspeed_plugin_from(plugin: Any) -> Any:
     """The ``DeepSpeedPlugin`` to use: the one given, or one read from the environment."""
     from .utils.deepspeed_plugin import DeepSpeedPlugin
 
-    if plugin == "from-environment":
+    if isinstance(plugin, str) and plugin == "from-environment":
         return DeepSpeedPlugin()
     if not isinstance(plugin, DeepSpeedPlugin):
-        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}; pass a hasten.utils.DeepSpeedPlugin")
+        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}; pass a hasten.utils.DeepSpeedPlugin, or "
+                        "deepspeed_plugins={'name': DeepSpeedPlugin(...), ...}")
     return plugin
+
+
+def named_deepspeed_plugins(plugins: Any) -> Optional[dict[str, Any]]:
+    """Accelerate's ``deepspeed_plugins={"student": p1, "teacher": p2}`` checked (None when one plugin
+    was given); the first one starts as the active plugin."""
+    if not isinstance(plugins, dict):
+        return None
+    if not plugins:
+        raise ValueError("deepspeed_plugins={} names no plugin; give at least one DeepSpeedPlugin")
+    for name, plugin in plugins.items():
+        if not isinstance(name, str):
+            raise TypeError(f"deepspeed_plugins: the name {name!r} is not a string; name each plugin with a string")
+        try:
+            deepspeed_plugin_from(plugin)
+        except TypeError:
+            raise TypeError(f"deepspeed_plugins[{name!r}]={type(plugin).__name__}; each value must be a "
+                            "hasten.utils.DeepSpeedPlugin") from None
+    return dict(plugins)

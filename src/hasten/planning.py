@@ -22,6 +22,7 @@ from .options import (
     check_parallelism,
     collect_handlers,
     deepspeed_plugin_from,
+    named_deepspeed_plugins,
     dynamo_from_env,
     merge_legacy_data_kwargs,
     unsupported_parallelism,
@@ -108,6 +109,9 @@ def make_plan(
         if deepspeed_plugin is not None:
             raise ValueError("pass deepspeed_plugin or deepspeed_plugins, not both")
         deepspeed_plugin = deepspeed_plugins
+    named_plugins = named_deepspeed_plugins(deepspeed_plugin)  # checked before any process group exists
+    if named_plugins is not None:
+        deepspeed_plugin = next(iter(named_plugins.values()))  # the first is active until another is selected
     if dynamo_backend is not None and dynamo_plugin is not None:
         raise ValueError("pass dynamo_backend or dynamo_plugin, not both (set the backend in the plugin)")
     handlers = collect_handlers(kwargs_handlers)
@@ -135,10 +139,17 @@ def make_plan(
     if deepspeed_plugin is not None:
         deepspeed_plugin = deepspeed_plugin_from(deepspeed_plugin)
         state.deepspeed_plugin = deepspeed_plugin
+        state.deepspeed_plugins = named_plugins
+        for plugin in (named_plugins or {}).values():
+            plugin._unselect()
+        deepspeed_plugin.select(_from_accelerator_state=True)
     steps = gradient_state.num_steps
     if state.distributed_type == DistributedType.DEEPSPEED:
-        steps = _agree_with_deepspeed(deepspeed_plugin, gradient_state, steps,
-                                      explicit=gradient_accumulation_steps != 1 or gradient_accumulation_plugin is not None)
+        explicit = gradient_accumulation_steps != 1 or gradient_accumulation_plugin is not None
+        steps = _agree_with_deepspeed(deepspeed_plugin, gradient_state, steps, explicit=explicit)
+        for plugin in (named_plugins or {}).values():  # every engine steps with the same accumulation
+            if plugin is not deepspeed_plugin:
+                _agree_with_deepspeed(plugin, gradient_state, steps, explicit=True)
     return Plan(
         state=state, gradient_state=gradient_state, distributed_type=state.distributed_type,
         strategy=strategy_for(state.distributed_type, parallelism_config).name,

@@ -468,6 +468,9 @@ class AcceleratorState(SharedDict):
         self._mixed_precision = mixed_precision
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugin = deepspeed_plugin
+        # Accelerate's several named plugins (``deepspeed_plugins={"student": ..., "teacher": ...}``): the
+        # planner fills it; ``deepspeed_plugin`` is then the selected one.
+        self.deepspeed_plugins: Optional[dict[str, Any]] = None
         self.fsdp_plugin = fsdp_plugin
         # The same decision the Accelerator's plan reads (hasten.planning): one rule, two callers.
         self.distributed_type = distributed_type_for(partial.distributed_type, deepspeed_plugin, fsdp_plugin)
@@ -493,6 +496,18 @@ class AcceleratorState(SharedDict):
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The ``DeepSpeedPlugin`` given under ``name`` in ``Accelerator(deepspeed_plugins={...})``."""
+        from .utils.deepspeed_compat import named_plugins
+
+        return named_plugins(self, name)[name]
+
+    def select_deepspeed_plugin(self, name: Optional[str] = None) -> None:
+        """Make the plugin named ``name`` the active one (the next engines ``prepare`` builds use it)."""
+        from .utils.deepspeed_compat import select_plugin
+
+        self.deepspeed_plugin = select_plugin(self, name)
 
     def destroy_process_group(self, group: Any = None) -> None:
         """``PartialState().destroy_process_group(group)``: works after ``AcceleratorState._reset_state()``

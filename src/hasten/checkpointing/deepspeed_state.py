@@ -68,12 +68,15 @@ class DeepSpeedCheckpoint:
     EXCLUSIVE = True  # engines restore only from engine checkpoints (their optimizer lives in them)
 
     def __init__(self, state: Any, load_weights: Callable[..., Any], engine_of: Optional[Callable[[nn.Module], Any]] = None,
-                 zero_stage: Optional[int] = None, run: str = "DeepSpeed") -> None:
+                 zero_stage: Optional[int] = None, run: str = "DeepSpeed",
+                 weights_of: Optional[Callable[[nn.Module], dict]] = None) -> None:
         self.state = state
         self.load_weights = load_weights
         self.engine_of = engine_of
         self.zero_stage = zero_stage
         self.run = run
+        # The full weights of a model prepared without optimizer (every process calls it: ZeRO-3 gathers).
+        self.weights_of = weights_of
 
     @classmethod
     def for_reading(cls, strategy: Any) -> "DeepSpeedCheckpoint":
@@ -94,19 +97,23 @@ class DeepSpeedCheckpoint:
                              "accelerator.sync_gradients is True")
 
     def _engines(self, inner: list[nn.Module]) -> list[Any]:
-        engines = [self.engine_of(m) if self.engine_of is not None else None for m in inner]
-        if any(e is None for e in engines):
-            names = [type(m).__name__ for m, e in zip(inner, engines) if e is None]
-            raise ValueError(f"save_state under DeepSpeed: models {names} have no DeepSpeed engine (prepared without "
-                             "an optimizer); prepare only trained models, or save those with save_model")
-        return engines
+        """The training engine of each model; None for a model prepared without optimizer (frozen)."""
+        return [self.engine_of(m) if self.engine_of is not None else None for m in inner]
+
+    def _stage(self, engine: Any) -> Optional[int]:
+        return int(engine.zero_optimization_stage()) if engine is not None else self.zero_stage
 
     def entries(self, inner: list[nn.Module], optimizers: list[Any]) -> tuple[list[dict], list[bool]]:
-        self._engines(inner)
+        """A trained model's entry names its engine checkpoint; a frozen one's (``"frozen"``) its
+        full weights, ``deepspeed/model_<i>.safetensors``: it has no optimizer to keep."""
         world = self.state.num_processes
-        stage = self.zero_stage
-        models = [{KEY: f"model_{i}", "zero_stage": stage, "world_size": world, "shapes": _shapes(m)}
-                  for i, m in enumerate(inner)]
+        models = []
+        for i, (module, engine) in enumerate(zip(inner, self._engines(inner))):
+            entry = {KEY: f"model_{i}", "zero_stage": self._stage(engine), "world_size": world,
+                     "shapes": _shapes(module)}
+            if engine is None:
+                entry["frozen"] = True
+            models.append(entry)
         return models, [True] * len(optimizers)
 
     @staticmethod
@@ -124,8 +131,11 @@ class DeepSpeedCheckpoint:
 
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)
-        for i, engine in enumerate(self._engines(inner)):
-            engine.save_checkpoint(path, tag=f"model_{i}", save_latest=False)
+        for i, (module, engine) in enumerate(zip(inner, self._engines(inner))):
+            if engine is not None:
+                engine.save_checkpoint(path, tag=f"model_{i}", save_latest=False)
+            else:
+                self._save_frozen(module, os.path.join(path, f"model_{i}.safetensors"))
         rank = self.state.process_index
         checksums = {}
         for root, _, names in os.walk(path):
@@ -138,6 +148,18 @@ class DeepSpeedCheckpoint:
             fsync_path(root)
         return checksums
 
+    def _save_frozen(self, module: nn.Module, target: str) -> None:
+        """A frozen model's full weights (gathered on every process), written by process 0."""
+        if self.weights_of is None:
+            raise ValueError(f"save_state: {type(module).__name__} has no DeepSpeed engine and this run cannot "
+                             "gather its weights")
+        weights = self.weights_of(module)
+        if self.state.process_index == 0:
+            from ..saving import _prepare, write_weights_file
+
+            kept, aliases = _prepare(weights, True, "save_state")
+            write_weights_file(target, kept, aliases, None)
+
     @staticmethod
     def listing(folder: str) -> dict[str, dict[str, Any]]:
         out = {}
@@ -148,12 +170,14 @@ class DeepSpeedCheckpoint:
                 out[os.path.relpath(full, folder)] = {"size": os.path.getsize(full), "checksum": None, "rank": KEY}
         return out
 
-    def _native(self, contents: dict[str, Any]) -> bool:
+    def _native(self, contents: dict[str, Any], inner: list[nn.Module]) -> bool:
         """Whether DeepSpeed itself can load it: a DeepSpeed run with the stage and process count that wrote it."""
         if self.engine_of is None:
             return False
-        world, stage = self.state.num_processes, self.zero_stage
-        return all(e.get("world_size") == world and e.get("zero_stage") == stage for e in contents["models"])
+        world = self.state.num_processes
+        trained = [(e, self._engines([m])[0]) for e, m in zip(contents["models"], inner) if not e.get("frozen")]
+        return all(engine is not None and e.get("world_size") == world and e.get("zero_stage") == self._stage(engine)
+                   for e, engine in trained)
 
     def _this_run(self) -> str:
         kind = f"ZeRO stage {self.zero_stage}" if self.zero_stage is not None else self.run
@@ -162,16 +186,14 @@ class DeepSpeedCheckpoint:
     def check(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> list[str]:
         """Differences between the stored engines and the live models; reads the consolidated weights
         when DeepSpeed cannot load the partitions itself (reads only, changes nothing)."""
-        if self.engine_of is not None:
-            try:
-                self._engines(inner)
-            except ValueError as e:
-                return [str(e)]
-        self.native = self._native(contents)
-        self.weights: list[dict[str, torch.Tensor]] = []
-        self.groups: list[Optional[list[dict[str, Any]]]] = []  # per engine: its optimizer's hyperparameters
-        self.checked: list[dict[str, Any]] = []  # per engine (native loads): its files, read and checked
+        self.native = self._native(contents, inner)
+        # Per model index: full weights to load (frozen models; every model when DeepSpeed cannot load
+        # the engine checkpoint), the saved optimizer hyperparameters, the checked files of native loads.
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.groups: dict[int, Optional[list[dict[str, Any]]]] = {}
+        self.checked: dict[int, dict[str, Any]] = {}
         problems = []
+        engines = self._engines(inner)
         for i, (entry, module) in enumerate(zip(contents["models"], inner)):
             label = f"model {i} ({type(module).__name__}, saved by ZeRO stage {entry.get('zero_stage')} on " \
                     f"{entry.get('world_size')} processes, this run {self._this_run()})"
@@ -180,6 +202,16 @@ class DeepSpeedCheckpoint:
             extra = [k for k in saved if k not in live]
             if wrong or extra:
                 problems.append(f"{label}: parameters differ: {', '.join((wrong + extra)[:8])}")
+            if entry.get("frozen"):
+                try:
+                    self.weights[i] = _read_frozen(os.path.join(folder, SUBDIR, f"{entry[KEY]}.safetensors"))
+                except Exception as e:  # noqa: BLE001 - an unreadable file, whatever the error, is one problem
+                    problems.append(f"{label}: {e}")
+                continue
+            if self.native and engines[i] is None:
+                problems.append(f"{label}: saved with its optimizer, but this run prepared it without one; "
+                                "prepare it with its optimizer, as the run that saved it did")
+                continue
             path = os.path.join(folder, SUBDIR, entry[KEY])
             if not os.path.isdir(path):
                 problems.append(f"model {i}: the engine checkpoint folder {SUBDIR}/{entry[KEY]} is missing")
@@ -189,8 +221,8 @@ class DeepSpeedCheckpoint:
                 # once and checked, kept for DeepSpeed's load_checkpoint, which then reads none of them again.
                 elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
                 names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
-                self.checked.append(refuse_foreign_pickles(path, names))
-                problems.extend(_partition_problems(self.checked[-1], self._engine(module)))
+                self.checked[i] = refuse_foreign_pickles(path, names)
+                problems.extend(_partition_problems(self.checked[i], self._engine(module)))
                 continue
             if not problems:
                 try:
@@ -201,8 +233,8 @@ class DeepSpeedCheckpoint:
                 missing = sorted(set(module.state_dict()) - set(weights))
                 if missing:
                     problems.append(f"{label}: the consolidated weights lack {', '.join(missing[:8])}")
-                self.weights.append(weights)
-                self.groups.append(groups)
+                self.weights[i] = weights
+                self.groups[i] = groups
         if not self.native and not problems:
             problems.extend(self._check_groups(inner, optimizers))
         return problems
@@ -215,7 +247,7 @@ class DeepSpeedCheckpoint:
             held = {id(p) for g in inner_opt.param_groups for p in g["params"]}
             index = next((m for m, module in enumerate(inner) if any(id(p) in held for p in module.parameters())
                           or getattr(self._engine(module), "optimizer", None) is inner_opt), i)
-            out.append((inner_opt, self.groups[index] if index < len(self.groups) else None))
+            out.append((inner_opt, self.groups.get(index)))
         return out
 
     def _engine(self, module: nn.Module) -> Any:
@@ -230,15 +262,22 @@ class DeepSpeedCheckpoint:
         return problems
 
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
+        frozen = [i for i, e in enumerate(contents["models"]) if e.get("frozen")]
+        for i in frozen:  # their full weights, whatever the run (every process loads them)
+            self.load_weights(inner[i], self.weights.pop(i), strict=True)
         if not self.native:
-            for module, weights in zip(inner, self.weights):
-                self.load_weights(module, weights, strict=False)
+            for i, weights in self.weights.items():
+                self.load_weights(inner[i], weights, strict=False)
             for opt, groups in self._owned(inner, optimizers):
                 for live, stored in zip(opt.param_groups, groups or []):
                     # The learning rate a scheduler set goes with the scheduler's state. Keys this run's
                     # optimizer lacks, and how a step runs on the writer's machine (fused, foreach...), stay.
                     live.update({k: v for k, v in stored.items() if k in live and k not in _HOW_TO_STEP})
-            entry = contents["models"][0] if contents["models"] else {}
+            trained = [e for e in contents["models"] if not e.get("frozen")]
+            if not trained:  # frozen models alone: their weights are all there is
+                self.weights, self.groups = {}, {}
+                return
+            entry = trained[0]
             warnings.warn(
                 f"load_state: the DeepSpeed checkpoint was written by ZeRO stage {entry.get('zero_stage')} on "
                 f"{entry.get('world_size')} processes and this run is {self._this_run()}: the consolidated fp32 "
@@ -246,15 +285,17 @@ class DeepSpeedCheckpoint:
                 "and the optimizers start fresh (with the saved hyperparameters, learning rate included); "
                 "schedulers, data positions, RNG and registered objects were restored",
                 stacklevel=4)
-            self.weights, self.groups = [], []
+            self.weights, self.groups = {}, {}
             return
         path = os.path.join(folder, SUBDIR)
-        checked, self.checked = self.checked, []
+        checked, self.checked = self.checked, {}
         for i, engine in enumerate(self._engines(inner)):
+            if i in frozen or engine is None:
+                continue
             # DeepSpeed reads every file through its engine's checkpoint engine; for this load it is one that
             # hands out what hasten read and checked (DeepSpeed's own one is put back after).
             own = engine.checkpoint_engine
-            engine.checkpoint_engine = checked_engine(checked[i] if i < len(checked) else {})
+            engine.checkpoint_engine = checked_engine(checked.get(i, {}))
             try:
                 loaded, _ = engine.load_checkpoint(path, tag=f"model_{i}")
             finally:
@@ -281,6 +322,24 @@ def _read(name: str) -> Any:
         raise CheckpointCorruptError(f"{name!r} holds a {type(state).__name__}, not the dict DeepSpeed saves; the "
                                      "checkpoint is damaged or was tampered with")
     return state
+
+
+def _read_frozen(path: str) -> dict[str, torch.Tensor]:
+    """The full weights of a frozen model (safetensors: no pickle), tied names restored."""
+    import json
+
+    from safetensors import safe_open
+
+    from ..saving import ALIASES_KEY
+
+    if not os.path.isfile(path):
+        raise ValueError(f"the weights file {os.path.relpath(path, os.path.dirname(os.path.dirname(path)))} is missing")
+    with safe_open(path, framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys()}
+        aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+    for name, twin in aliases.items():
+        weights[name] = weights[twin]
+    return weights
 
 
 def _files(path: str) -> list[str]:

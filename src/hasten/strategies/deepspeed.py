@@ -107,9 +107,10 @@ class DeepSpeedStrategy(Strategy):
 
     def __init__(self, plan: Any) -> None:
         plugin = plan.deepspeed_plugin
-        self.plugin = plugin if isinstance(plugin, DeepSpeedPlugin) else DeepSpeedPlugin()
+        self._first_plugin = plugin if isinstance(plugin, DeepSpeedPlugin) else DeepSpeedPlugin()
         self.mode = plan.mixed_precision
-        self.engines: list[Any] = []
+        self.engines: list[Any] = []  # engines of trained models (the first one takes accelerator.backward)
+        self.inference_engines: list[Any] = []  # ZeRO-3 engines of models prepared without an optimizer
         self.config: Optional[dict] = None
         # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next forward/backward.
         self.step_pending = False
@@ -117,6 +118,13 @@ class DeepSpeedStrategy(Strategy):
         self.configured_clipping = 0.0  # the config's gradient_clipping (0: clip_grad_norm_ sets it per step)
         super().__init__(plan)
         self.zero3_init_config = self._zero3_init()
+
+    @property
+    def plugin(self) -> DeepSpeedPlugin:
+        """The active plugin (``deepspeed_plugins`` + ``state.select_deepspeed_plugin``): what the next
+        engine is built with."""
+        active = getattr(self.state, "deepspeed_plugin", None)
+        return active if isinstance(active, DeepSpeedPlugin) else self._first_plugin
 
     def _zero3_init(self) -> Any:
         """With ``zero3_init_flag`` at stage 3, let transformers build models already partitioned."""
@@ -135,7 +143,7 @@ class DeepSpeedStrategy(Strategy):
         return Precision("no", self.state.device)  # the engine's bf16/fp16 sections do it
 
     def describe(self) -> dict[str, Any]:
-        return dict(super().describe(), zero_stage=self.plugin.zero_stage_value)
+        return dict(super().describe(), zero_stage=self._first_plugin.zero_stage_value)
 
     def release(self) -> None:
         self.finish_step()
@@ -143,14 +151,16 @@ class DeepSpeedStrategy(Strategy):
             handle.remove()
         self.hooks.clear()
         self.engines.clear()
+        self.inference_engines.clear()
 
     def checkpoint_backend(self) -> Any:
-        """Engine checkpoints (``engine.save_checkpoint``) inside hasten's commit, bound to these engines."""
+        """Engine checkpoints (``engine.save_checkpoint``) of the trained models inside hasten's commit,
+        bound to these engines; models without an optimizer are stored as their full weights."""
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
 
         self.finish_step()  # a checkpoint holds the state after the last backward's step
-        return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.engine_of,
-                                   zero_stage=self.plugin.zero_stage_value)
+        return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.trained_engine_of,
+                                   zero_stage=self._first_plugin.zero_stage_value, weights_of=self.model_state_dict)
 
     # -- joint preparation ----------------------------------------------------------------------
     def check_prepare_arguments(self, objects: tuple) -> None:
@@ -180,7 +190,11 @@ class DeepSpeedStrategy(Strategy):
                                  "...)")
             trained = owner
         for i, model in models:
-            if model is not trained:  # evaluation-only models: plain modules on the device
+            if model is trained:
+                continue
+            if self.plugin.zero_stage_value == 3:  # partitioned for inference, as Accelerate does
+                out[i] = Built(model, self._initialize_inference(call, model), "models")
+            else:  # evaluation-only models: plain modules on the device
                 out[i] = call.one_by_one(model, None, evaluation_mode=True)
         if trained is None:
             for i, sched in scheds:
@@ -221,6 +235,22 @@ class DeepSpeedStrategy(Strategy):
         engine_sched = ds_sched if isinstance(sched, DummyScheduler) else None
         return engine, DeepSpeedOptimizer(torch_opt, engine, self), engine_sched
 
+    def _initialize_inference(self, call: PrepareCall, model: nn.Module) -> Any:
+        """A ZeRO-3 engine without optimizer for a model prepared alone (a frozen teacher or reference):
+        its parameters are partitioned over the processes and gathered layer by layer in forward."""
+        from .deepspeed_config import resolve_config
+
+        deepspeed = import_deepspeed(self.state.device.type)
+        _check_fp16_support(self.mode, self.state.device)
+        config, _, _ = resolve_config(self.plugin, self.state, call, model, None, None)
+        _init_comm(deepspeed, self.state)
+        training = model.training
+        engine, _, _, _ = deepspeed.initialize(model=model.to(self.state.device), config=config,
+                                               dist_init_required=False)
+        engine.train(training)  # the engine keeps the mode the user gave the model (eval for a reference)
+        self.inference_engines.append(engine)
+        return engine
+
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         raise ValueError("under DeepSpeed, pass the model to prepare() together with its optimizer "
@@ -230,10 +260,12 @@ class DeepSpeedStrategy(Strategy):
         return model.module if isinstance(model, _engine_class()) else model
 
     def engine_of(self, model: nn.Module) -> Optional[Any]:
-        for engine in self.engines:
-            if model is engine or model is engine.module:
-                return engine
-        return None
+        """The engine (trained or inference) of a prepared model, or None."""
+        return _engine_among(self.engines + self.inference_engines, model)
+
+    def trained_engine_of(self, model: nn.Module) -> Optional[Any]:
+        """The engine of a model prepared with its optimizer, or None."""
+        return _engine_among(self.engines, model)
 
     # -- a training step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, **kwargs: Any) -> None:
@@ -287,7 +319,7 @@ class DeepSpeedStrategy(Strategy):
         """On an accumulation micro-step: the norm of the ``.grad`` the parameters hold. ZeRO-2/3
         reduce and partition each micro-step's gradients in backward (no ``.grad`` is left), so
         there it is 0.0 and a warning says so once."""
-        stage = self.plugin.zero_stage_value
+        stage = _stage(self.engines[0]) if self.engines else self.plugin.zero_stage_value
         if stage is not None and stage >= 2:
             from ..state import warn_once
 
@@ -412,6 +444,17 @@ def _share_fp32_master(optimizer: Any) -> None:
                 or low.shape != master.shape):
             continue
         master.data = low.data
+
+
+def _stage(engine: Any) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def _engine_among(engines: list[Any], model: nn.Module) -> Optional[Any]:
+    for engine in engines:
+        if model is engine or model is engine.module:
+            return engine
+    return None
 
 
 def _partitioned(module: nn.Module) -> bool:

@@ -103,8 +103,9 @@ def agree_accumulation(plugin: DeepSpeedPlugin, steps: int, explicit: bool) -> i
 
 
 def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Module, opt: Any,
-                   sched: Any) -> tuple[dict, torch.optim.Optimizer, Optional[Callable]]:
+                   sched: Any) -> tuple[dict, Optional[torch.optim.Optimizer], Optional[Callable]]:
     """(config for ``deepspeed.initialize``, the torch optimizer to pass, a scheduler builder or None).
+    ``opt`` None: the config of an engine without optimizer (a model prepared for inference).
 
     ``state``: the process state; ``call``: the ``prepared.PrepareCall`` (prepared dataloaders, accumulation steps)."""
     config = copy.deepcopy(plugin.deepspeed_config)
@@ -113,6 +114,8 @@ def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Mod
     steps = call.accumulation_steps
     fill(config, "gradient_accumulation_steps", steps, f"the Accelerator's gradient_accumulation_steps", where)
     micro = _micro_batch(call.dataloaders, world)
+    if opt is None and micro is None and get_path(config, "train_micro_batch_size_per_gpu") in (None, AUTO):
+        micro = 1  # an engine without optimizer (inference) never steps: its batch size means nothing
     if get_path(config, "train_micro_batch_size_per_gpu") in (None, AUTO):
         if micro is None:
             train = get_path(config, "train_batch_size")
@@ -147,6 +150,12 @@ def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Mod
         config["zero_optimization"].setdefault("reduce_bucket_size", max(1, min(CPU_REDUCE_BUCKET, numel)))
 
     section = config.pop("optimizer", None)
+    if opt is None:  # a model prepared alone: an engine for inference, the config's optimizer is not built
+        config.pop("scheduler", None)
+        left = _leftover_autos(config)
+        if left:
+            raise ValueError(f"{where}: no value for \"auto\" at {', '.join(left)}; write numbers there")
+        return config, None, None
     if isinstance(opt, DummyOptim):
         if section is None:
             raise ValueError(f"prepare() got DummyOptim but {where} has no \"optimizer\" section; add one, or pass a "

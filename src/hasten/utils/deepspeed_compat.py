@@ -17,6 +17,32 @@ def get_active_deepspeed_plugin(state: Any) -> Any:
     return plugin
 
 
+def named_plugins(state: Any, name: Any) -> dict[str, Any]:
+    """The state's named plugins (``deepspeed_plugins={...}``); a ValueError naming the fix when the run has
+    none or none is named ``name``."""
+    from .dataclasses import DistributedType
+
+    plugins = getattr(state, "deepspeed_plugins", None) if state.distributed_type == DistributedType.DEEPSPEED else None
+    if not plugins:
+        raise ValueError("this AcceleratorState runs without named DeepSpeed plugins; create the Accelerator with "
+                         "deepspeed_plugins={'name': DeepSpeedPlugin(...), ...} to select plugins by name")
+    if name not in plugins:
+        raise ValueError(f"no DeepSpeed plugin is named {name!r}; the Accelerator was given "
+                         f"{', '.join(repr(k) for k in plugins)}")
+    return plugins
+
+
+def select_plugin(state: Any, name: Any) -> Any:
+    """Mark the plugin named ``name`` selected and the others not; returns it (the state makes it its
+    ``deepspeed_plugin``: the config the next models ``prepare`` builds use, e.g. ZeRO-3 for a frozen teacher)."""
+    plugins = named_plugins(state, name)
+    for key, plugin in plugins.items():
+        if key != name:
+            plugin._unselect()
+    plugins[name].select(_from_accelerator_state=True)
+    return plugins[name]
+
+
 @contextlib.contextmanager
 def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any = None,  # noqa: N802 - Accelerate's name
                        enabled: bool = True) -> Iterator[None]:

@@ -210,6 +210,30 @@ class DeepSpeedPlugin:
             raise ValueError(f"offload_param_device needs zero_stage=3 (it is {stage}); offload the optimizer "
                              "(offload_optimizer_device) at stages 1-2")
 
+    # Whether this plugin is the active one of the run (``AcceleratorState.select_deepspeed_plugin``).
+    _selected: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def select(self, _from_accelerator_state: bool = False) -> None:
+        """Make this plugin the active one; only ``AcceleratorState().select_deepspeed_plugin(name)``
+        may, since the state must know which one is active."""
+        if not _from_accelerator_state:
+            raise ValueError("a DeepSpeedPlugin is selected through the state: call "
+                             "accelerator.state.select_deepspeed_plugin(name) with the name given in deepspeed_plugins")
+        self._selected = True
+
+    def _unselect(self) -> None:
+        self._selected = False
+
+    @property
+    def selected(self) -> bool:
+        """Whether ``prepare`` builds the next models with this plugin's config."""
+        return self._selected
+
+    @selected.setter
+    def selected(self, value: bool) -> None:
+        raise NotImplementedError("DeepSpeedPlugin.selected is read-only; call "
+                                  "accelerator.state.select_deepspeed_plugin(name)")
+
     @property
     def zero_stage_value(self) -> int:
         return int(get_path(self.deepspeed_config, "zero_optimization.stage") or 0)
