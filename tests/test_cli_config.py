@@ -169,10 +169,13 @@ def test_questionnaire_multi_cpu_with_bad_answers_reasked(monkeypatch, capsys, t
            "1",                # machines
            "x", "4",           # processes: not a number, 4
            "no",               # torch.compile
+           "no", "no",         # DeepSpeed, FSDP: offered on CPU processes too
            "2",                # gradient accumulation
            "bf16")             # mixed precision, by name
     assert main(["config", "--config_file", str(path)]) == 0
     out = capsys.readouterr().out
+    assert "Use DeepSpeed?" in out and "Use FSDP" in out
+    assert f"hasten launch --config_file {path} your_script.py" in out  # the file written, not the default
     assert "please answer with a number from 1 to 2" in out and "SageMaker" in out
     assert "'x' is not a whole number" in out
     cfg = read_config(str(path))
@@ -211,24 +214,16 @@ def run_questionnaire(path, answers):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("reply, written", [("yes", "yes"), ("no", "no"), ("", "no")])
-def test_questionnaire_downcast_question_says_what_yes_does(tmp_path, reply, written):
-    """TPU with bf16: yes stores float32 tensors as bfloat16 (and float64 as float32), which is
-    what `downcast_bf16: 'yes'` means to Accelerate and to torch_xla (XLA_DOWNCAST_BF16)."""
+def test_questionnaire_offers_no_tpu_which_launch_refuses(tmp_path):
+    """hasten launch refuses distributed_type XLA, so the machine question lists no TPU (answer 5 is out
+    of range and asked again) and nothing asks about TPU downcasting."""
     path = tmp_path / "q.yaml"
-    # this machine; TPU; 1 machine; 2 processes; no compile; no accumulation; bf16; the downcast question
-    rc, out = run_questionnaire(path, ["", "5", "", "", "no", "", "bf16", reply])
+    # this machine; "5" (no such choice), then one process; CPU only; no compile; no accumulation; bf16
+    rc, out = run_questionnaire(path, ["", "5", "1", "yes", "no", "", "bf16"])
     assert rc == 0, out
-    question = next(part for part in out.split(": ") if "downcast_bf16" in part)
-    assert "float32 tensors as bfloat16" in question and "float64" in question, question
-    assert yaml.safe_load(path.read_text())["downcast_bf16"] == written
-
-
-def test_questionnaire_asks_about_downcasting_only_with_bf16(tmp_path):
-    path = tmp_path / "q.yaml"
-    rc, out = run_questionnaire(path, ["", "5", "", "", "no", "", "no"])
-    assert rc == 0, out
-    assert "downcast" not in out and yaml.safe_load(path.read_text())["downcast_bf16"] == "no"
+    assert "TPU" not in out and "downcast" not in out and "please answer with a number from 1 to 4" in out
+    data = yaml.safe_load(path.read_text())
+    assert data["distributed_type"] == "NO" and data["downcast_bf16"] == "no"
 
 
 def test_questionnaire_input_ending_early_is_one_line_error(monkeypatch, capsys, tmp_path):

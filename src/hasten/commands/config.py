@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -153,7 +154,9 @@ def questionnaire_command(args: argparse.Namespace) -> int:
     cfg = ask_config(Asker())
     write_config(path, cfg)
     print(f"hasten: configuration written to {path}")
-    print("hasten: start training with: hasten launch your_script.py")
+    default = os.path.abspath(default_config_path()) == os.path.abspath(path)
+    print("hasten: start training with: hasten launch "
+          + ("" if default else f"--config_file {shlex.quote(path)} ") + "your_script.py")
     return 0
 
 
@@ -162,8 +165,7 @@ _MACHINE_TYPES = [
     ("MULTI_CPU", "multi-CPU (several processes on CPU)"),
     ("MULTI_GPU", "multi-GPU (one process per GPU)"),
     ("MULTI_XPU", "multi-XPU (Intel GPUs)"),
-    ("XLA", "TPU"),
-]
+]  # no TPU: hasten launch refuses distributed_type XLA, so the questionnaire does not offer it
 
 
 def _host(text: str) -> str:
@@ -231,7 +233,7 @@ def ask_config(ask: Asker) -> dict[str, Any]:
         dyn["dynamo_use_fullgraph"] = ask.yes_no("Require a single graph (fullgraph)?", False)
         dyn["dynamo_use_dynamic"] = ask.yes_no("Trace dynamic shapes?", False)
         cfg["dynamo_config"] = dyn
-    if dtype in ("MULTI_GPU", "MULTI_XPU"):
+    if dtype in ("MULTI_GPU", "MULTI_XPU", "MULTI_CPU"):  # DeepSpeed and FSDP2 train on CPU processes too
         if ask.yes_no("Use DeepSpeed?", False):
             cfg["distributed_type"] = "DEEPSPEED"
             cfg["deepspeed_config"] = _ask_deepspeed(ask)
@@ -246,12 +248,6 @@ def ask_config(ask: Asker) -> dict[str, Any]:
     cfg["mixed_precision"] = ask.choice("Mixed precision?", [(p, p) for p in MIXED_PRECISION], "no")
     if cfg["mixed_precision"] == "fp8":
         cfg["fp8_config"] = _ask_fp8(ask, fsdp=cfg["distributed_type"] == "FSDP")
-    if dtype == "XLA" and cfg["mixed_precision"] == "bf16":
-        # yes = torch_xla's XLA_DOWNCAST_BF16 (float32 -> bfloat16, float64 -> float32); no = XLA_USE_BF16
-        # (both -> bfloat16). Neither keeps float32 as it is.
-        cfg["downcast_bf16"] = ask.yes_no(
-            "On the TPU, store float32 tensors as bfloat16 and float64 tensors as float32 (downcast_bf16; "
-            "otherwise both become bfloat16)?", False)
     return cfg
 
 
