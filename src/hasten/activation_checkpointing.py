@@ -231,14 +231,18 @@ def measure_saved_bytes(model: nn.Module) -> Iterator[SavedBytes]:
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    def storage_of(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this process's shard
+        plain = type(local) in (torch.Tensor, nn.Parameter)
+        return local.untyped_storage() if plain else None  # other subclasses hold no storage of their own
+
+    params = {s.data_ptr() for s in map(storage_of, [*model.parameters(), *model.buffers()]) if s is not None}
     saved: dict[int, tuple[Any, int]] = {}
     created: dict[int, tuple[Any, int]] = {}
 
     def remember(into: dict, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes():
+        storage = storage_of(tensor)
+        if storage is not None and storage.data_ptr() not in params and storage.nbytes():
             into[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
