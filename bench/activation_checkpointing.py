@@ -57,9 +57,11 @@ def run(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(acc.device)
     with measure_saved_bytes(model) as kept:
         loss = model(input_ids=ids, labels=ids).loss
-    acc.backward(loss)
-    opt.step()
-    opt.zero_grad()
+    if steps:  # warm-up step (--steps 0: the byte counts only)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    del loss
     times, peak = [], None
     cuda = acc.device.type == "cuda"
     if cuda:
@@ -84,7 +86,7 @@ def main() -> None:
     parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--batch", type=int, default=None, help="default: 2 (tiny), 1 (110m)")
     parser.add_argument("--seq", type=int, default=None, help="default: 32 (tiny), 512 (110m)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after the measured one")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after the measured one (0: bytes only)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     rows = []

@@ -183,6 +183,17 @@ def test_fsdp_flag_and_handler_together_is_an_error():
     reset_state()
 
 
+def test_deepspeed_is_refused_by_the_planner():
+    from hasten.planning import _activation_checkpointing
+    from hasten.utils import ActivationCheckpointingKwargs
+    from hasten.utils.dataclasses import DistributedType
+
+    handlers = {ActivationCheckpointingKwargs: ActivationCheckpointingKwargs()}
+    with pytest.raises(ValueError, match="not supported with DeepSpeed.*gradient_checkpointing_enable"):
+        _activation_checkpointing(handlers, None, DistributedType.DEEPSPEED)
+    assert _activation_checkpointing(handlers, None, DistributedType.MULTI_CPU) is handlers[ActivationCheckpointingKwargs]
+
+
 @pytest.fixture(scope="module")
 def two():
     return run_checks("checks_activation_checkpointing", world_size=2)
@@ -199,6 +210,6 @@ def test_two_processes_step_equals_the_run_without_checkpointing(two, strategy):
 def test_example_runs():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "activation_checkpointing.py"),
-                          "--mode", "selective", "--steps", "2"], env=env, capture_output=True, text=True, timeout=120)
+                          "--mode", "selective", "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kept for backward" in out.stdout and "selective" in out.stdout, out.stdout
