@@ -32,6 +32,7 @@ _EXPORTS = {
     "synchronize_rng_states": ".utils.random",
     "is_rich_available": ".utils.imports",
     "ProfileKwargs": ".utils.dataclasses",
+    "ActivationCheckpointingKwargs": ".utils.dataclasses",
     "LoggerType": ".utils.dataclasses",
 
     "FullyShardedDataParallelPlugin": ".utils.fsdp_plugin",

@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Optional, Sequence
 
 from .utils.dataclasses import (
+    ActivationCheckpointingKwargs,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -32,6 +33,7 @@ KWARGS_HANDLERS: tuple[type, ...] = (
     TERecipeKwargs,
     MSAMPRecipeKwargs,
     ProfileKwargs,
+    ActivationCheckpointingKwargs,
 )
 
 _LEGACY_DATA_KWARGS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")

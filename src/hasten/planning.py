@@ -30,6 +30,7 @@ from .options import (
 from .state import AcceleratorState, GradientState
 from .strategy_rules import strategy_for
 from .utils.dataclasses import (
+    ActivationCheckpointingKwargs,
     DataLoaderConfiguration,
     DistributedType,
     GradientAccumulationPlugin,
@@ -56,6 +57,9 @@ class Plan:
         gradient_accumulation_steps: micro-steps per optimizer step, agreed with a DeepSpeed config.
         handlers: the kwargs handlers by class (``GradScalerKwargs``, ``DistributedDataParallelKwargs``, ...).
         dataloader_config: how prepared dataloaders shard data.
+        activation_checkpointing: the ``ActivationCheckpointingKwargs`` the strategy applies to each
+            trained model's blocks at ``prepare`` (from the handler, or from the FSDP plugin's
+            ``activation_checkpointing`` flag), or None.
     """
 
     state: AcceleratorState
@@ -71,6 +75,7 @@ class Plan:
     gradient_accumulation_steps: int = 1
     handlers: dict[type, Any] = field(default_factory=dict)
     dataloader_config: DataLoaderConfiguration = field(default_factory=DataLoaderConfiguration)
+    activation_checkpointing: Optional[ActivationCheckpointingKwargs] = None
 
     def handler(self, kind: type) -> Any:
         """The kwargs handler of class ``kind`` the user passed, or None."""
@@ -156,7 +161,26 @@ def make_plan(
         mixed_precision=state.mixed_precision, parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin,
         deepspeed_plugin=deepspeed_plugin, fp8=fp8, dynamo_plugin=dynamo_plugin, gradient_accumulation_steps=steps,
         handlers=handlers, dataloader_config=dataloader_config,
+        activation_checkpointing=_activation_checkpointing(handlers, fsdp_plugin, state.distributed_type),
     )
+
+
+def _activation_checkpointing(handlers: dict[type, Any], fsdp_plugin: Any,
+                              distributed_type: DistributedType) -> Optional[ActivationCheckpointingKwargs]:
+    """The one activation-checkpointing setting: the handler, else the FSDP plugin's flags (full
+    checkpointing of the layers its auto-wrap policy picks, its inputs offloaded with
+    ``activation_checkpointing_offload``); both at once is an error, as is the handler with DeepSpeed."""
+    setting = handlers.get(ActivationCheckpointingKwargs)
+    flag = bool(getattr(fsdp_plugin, "activation_checkpointing", False))
+    if setting is not None and flag:
+        raise ValueError("activation checkpointing is set twice: FullyShardedDataParallelPlugin(activation_checkpointing="
+                         "True) and ActivationCheckpointingKwargs; keep one (the kwargs handler offers every mode)")
+    if setting is not None and distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("ActivationCheckpointingKwargs is not supported with DeepSpeed; use the DeepSpeed config's "
+                         "activation_checkpointing section or model.gradient_checkpointing_enable()")
+    if flag:
+        return ActivationCheckpointingKwargs(offload=bool(fsdp_plugin.activation_checkpointing_offload))
+    return setting
 
 
 def _dynamo(backend: Optional[str], plugin: Optional[TorchDynamoPlugin]) -> Optional[TorchDynamoPlugin]:

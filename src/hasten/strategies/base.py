@@ -60,6 +60,8 @@ class Strategy:
 
     def __init__(self, plan: Any) -> None:
         self.state: PartialState = plan.state
+        # ActivationCheckpointingKwargs (or None): applied to each trained model's blocks in wrap_model
+        self.activation_checkpointing = getattr(plan, "activation_checkpointing", None)
         self.mesh = self.build_mesh()
         self.precision = self.build_precision(plan.mixed_precision, plan.handler(GradScalerKwargs),
                                               plan.handler(AutocastKwargs))
@@ -119,11 +121,30 @@ class Strategy:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return the model as it should be trained (``model`` is already on the device, unless
         ``places_model_itself``)."""
+        self.checkpoint_activations(model)
         return model
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever ``wrap_model`` returned."""
         return model
+
+    def checkpoint_activations(self, model: nn.Module) -> None:
+        """Wrap ``model``'s blocks for activation checkpointing, in place, as the plan says (nothing
+        when it says nothing, or when no parameter of ``model`` is trained: no backward to save for).
+        Each strategy calls this where wrapping is correct for it: before DDP, after the
+        tensor-parallel plan (it matches the module names the wrapper changes), before ``fully_shard``."""
+        setting = self.activation_checkpointing
+        if setting is None or not any(p.requires_grad for p in model.parameters()):
+            return
+        from ..activation_checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model, self.checkpoint_targets(model), setting.mode, setting.every, setting.offload)
+
+    def checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
+        """The blocks of ``model`` that activation checkpointing applies to (``find_blocks``)."""
+        from ..activation_checkpointing import find_blocks
+
+        return find_blocks(model, self.activation_checkpointing.block_classes)
 
     def keeps_user_sharding(self, model: nn.Module) -> bool:
         """Whether the user sharded ``model`` himself (``user_sharded``): it is then kept as it is,

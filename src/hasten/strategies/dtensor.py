@@ -86,6 +86,7 @@ class DTensorStrategy(Strategy):
             prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
         if self.mesh.sizes["tp"] > 1:
             apply_tensor_parallel(model, self.mesh["tp"], getattr(self.parallelism_config, "tp_plan", None))
+        self.checkpoint_activations(model)  # after the plan (it matches names the wrapper changes), before sharding
         self.shard(model)
         if efficient:
             _fill_from_rank0(model, full, self.state, self.offloads_to_cpu())

@@ -129,15 +129,7 @@ class FSDP2Strategy(DTensorStrategy):
         """``fully_shard`` each chosen layer, then the root, over the data-parallel dimensions."""
         from torch.distributed.fsdp import fully_shard
 
-        layers = self._layers(model)
-        if self.plugin.activation_checkpointing:
-            if not layers:
-                raise ValueError("activation_checkpointing=True needs an auto_wrap_policy that selects layers "
-                                 "(TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)")
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-            chosen = {id(m) for m in layers}
-            apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
+        layers = self._layers(model)  # after activation checkpointing: the layers inside the wrappers
         kwargs = dict(mesh=self._shard_mesh(), reshard_after_forward=bool(self.plugin.reshard_after_forward),
                       mp_policy=self._mp_policy(), offload_policy=self._offload_policy())
         ignored = self._ignored_params(model)
@@ -155,6 +147,17 @@ class FSDP2Strategy(DTensorStrategy):
         fully_shard(model, **kwargs)
         self._sharded_models.append(weakref.ref(model))
 
+    def checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
+        """The plugin's ``activation_checkpointing`` flag checkpoints the layers its auto-wrap policy
+        picks (Accelerate's behaviour); ``ActivationCheckpointingKwargs`` the model's blocks."""
+        if not self.plugin.activation_checkpointing:
+            return super().checkpoint_targets(model)
+        layers = self._layers(model)
+        if not layers:
+            raise ValueError("activation_checkpointing=True needs an auto_wrap_policy that selects layers "
+                             "(TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)")
+        return layers
+
     def _user_policy(self) -> bool:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -165,8 +168,9 @@ class FSDP2Strategy(DTensorStrategy):
         policy = self.plugin.auto_wrap_policy
         if policy == "NO_WRAP":
             return []
-        if callable(policy):
-            return [m for m in model.modules() if m is not model and policy(m)]
+        if callable(policy):  # a checkpoint wrapper is not a layer: the module inside it is
+            return [m for m in model.modules()
+                    if m is not model and type(m).__name__ != "CheckpointWrapper" and policy(m)]
         if policy == "TRANSFORMER_BASED_WRAP":
             names = self.plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
             if not names:

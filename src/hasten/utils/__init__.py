@@ -10,7 +10,7 @@ _EXPORTS = {
         "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
         "GradientAccumulationPlugin", "DataLoaderConfiguration", "ProjectConfiguration", "TorchDynamoPlugin",
         "DynamoBackend",
-        "LoggerType", "ProfileKwargs",
+        "LoggerType", "ProfileKwargs", "ActivationCheckpointingKwargs",
     )},
     **{name: ".fp8_recipes" for name in (
         "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",

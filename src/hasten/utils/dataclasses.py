@@ -180,6 +180,46 @@ class AutocastKwargs(KwargsHandler):
     cache_enabled: Optional[bool] = None
 
 
+_CHECKPOINT_MODES = ("full", "selective", "every_k")
+
+
+@dataclass
+class ActivationCheckpointingKwargs(KwargsHandler):
+    """Activation checkpointing of the model's repeated blocks, applied at ``prepare`` (hasten only).
+
+    Works with one process, DDP, FSDP2 and tensor parallelism (DeepSpeed has its own settings).
+    The blocks are the modules of ``block_classes``, else transformers' ``_no_split_modules``, else
+    the items of a ``ModuleList`` of one class; a model without any is an error.
+
+    mode: "full" recomputes every block in backward (keeps only its input); "every_k" does so for
+        blocks 0, every, 2*every, ...; "selective" keeps each block's matrix-product and attention
+        outputs and recomputes the cheap ops between them.
+    every: with mode="every_k", the spacing of checkpointed blocks (a whole number >= 2).
+    offload: keep what the checkpointed blocks save for backward (their inputs) in host memory.
+    block_classes: class names of the blocks, e.g. ["LlamaDecoderLayer"].
+    """
+
+    mode: str = "full"
+    every: Optional[int] = None
+    offload: bool = False
+    block_classes: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _CHECKPOINT_MODES:
+            raise ValueError(f"ActivationCheckpointingKwargs(mode={self.mode!r}); use one of {list(_CHECKPOINT_MODES)}")
+        if self.mode == "every_k":
+            if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 2:
+                raise ValueError(f"ActivationCheckpointingKwargs(mode='every_k', every={self.every!r}); every must be a "
+                                 "whole number >= 2 (every=1 is mode='full')")
+        elif self.every is not None:
+            raise ValueError(f"ActivationCheckpointingKwargs(every={self.every!r}) applies to mode='every_k' only, not "
+                             f"mode={self.mode!r}; set mode='every_k' or drop every")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"ActivationCheckpointingKwargs(offload={self.offload!r}); use True or False")
+        if isinstance(self.block_classes, str):
+            self.block_classes = [n.strip() for n in self.block_classes.split(",") if n.strip()]
+
+
 @dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradient accumulation behaves.

@@ -71,7 +71,10 @@ class FullyShardedDataParallelPlugin:
             its fields, or a dtype name ("bf16"/"fp16"); default from ``mixed_precision``.
         state_dict_type: "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (what ``get_state_dict``-style
             helpers return by default; ``save_state`` always writes sharded DCP files).
-        activation_checkpointing: recompute the wrapped layers' activations in backward.
+        activation_checkpointing: recompute the wrapped layers' activations in backward (other
+            modes, and checkpointing without FSDP: ``ActivationCheckpointingKwargs``).
+        activation_checkpointing_offload: with ``activation_checkpointing``, keep the checkpointed
+            layers' inputs in host memory until backward.
         cpu_ram_efficient_loading: only process 0 holds real weights (the others build the model
             on ``meta``, e.g. under ``init_empty_weights()``); they receive them after sharding.
         ignored_modules: modules (or a regex of module names) left unsharded.
@@ -138,9 +141,9 @@ class FullyShardedDataParallelPlugin:
         self.activation_checkpointing = _flag("activation_checkpointing", self.activation_checkpointing)
         self.activation_checkpointing_offload = _flag("activation_checkpointing_offload",
                                                       self.activation_checkpointing_offload)
-        if self.activation_checkpointing_offload:
-            raise ValueError("FullyShardedDataParallelPlugin: activation_checkpointing_offload=True is not supported by "
-                             "hasten; use activation_checkpointing=True alone")
+        if self.activation_checkpointing_offload and not self.activation_checkpointing:
+            raise ValueError("FullyShardedDataParallelPlugin: activation_checkpointing_offload=True needs "
+                             "activation_checkpointing=True (it offloads what the checkpointed layers keep)")
         self.cpu_ram_efficient_loading = _flag("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading)
         if self.ignored_modules is None:
             self.ignored_modules = os.environ.get("FSDP_IGNORED_MODULES") or None
