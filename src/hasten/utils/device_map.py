@@ -84,9 +84,9 @@ def get_max_memory(max_memory: Optional[MemoryMap] = None) -> dict[Union[int, st
                          "e.g. max_memory={0: '20GiB', 'cpu': '60GiB'}")
     count = _accelerator_count()
     missing = sorted(k for k in max_memory if isinstance(k, int) and k >= count)
-    if missing:
-        logger.warning("max_memory names GPUs %s, but only %d are visible", missing, count)
-    sizes = {k: convert_file_size_to_int(v) for k, v in max_memory.items()}
+    if missing:  # placing layers there would fail later with torch's "not compiled with CUDA" or an index error
+        logger.warning("max_memory names GPUs %s, but only %d are visible; they get no layers", missing, count)
+    sizes = {k: convert_file_size_to_int(v) for k, v in max_memory.items() if k not in missing}
     order = sorted(k for k in sizes if isinstance(k, int)) + [k for k in ("mps", "cpu", "disk") if k in sizes]
     return {k: sizes[k] for k in order}
 
