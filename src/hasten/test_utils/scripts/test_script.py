@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from hasten import Accelerator, AcceleratorState, DataLoaderConfiguration, GradientState, PartialState
+from hasten import Accelerator, DataLoaderConfiguration, PartialState
+from hasten.state import AcceleratorState, GradientState
 from hasten.test_utils.testing import are_the_same_tensors
 from hasten.test_utils.training import RegressionDataset, RegressionModel
 from hasten.utils import gather_object, set_seed, synchronize_rng_states
@@ -159,6 +160,7 @@ def training_check() -> None:
 
 
 def main() -> None:
+    fresh_accelerator()  # are_the_same_tensors asks the accelerator's state, as in Accelerate
     state = PartialState()
     checks = [init_state_check, process_execution_check, rng_sync_check, dl_preparation_check,
               gather_for_metrics_check, split_between_processes_check, trigger_check, training_check]
