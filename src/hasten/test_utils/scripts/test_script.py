@@ -168,7 +168,6 @@ def main() -> None:
         check()
         state.wait_for_everyone()
         state.print(f"{check.__name__}: ok on {state.num_processes} process(es)")
-    AcceleratorState._reset_state(True)
 
 
 if __name__ == "__main__":

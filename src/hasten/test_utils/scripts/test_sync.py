@@ -137,7 +137,6 @@ def main() -> None:
         check()
         state.wait_for_everyone()
         state.print(f"{name}: ok on {state.num_processes} process(es)")
-    AcceleratorState._reset_state(True)
 
 
 if __name__ == "__main__":
