@@ -211,13 +211,10 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
     _wrap_test_methods(func_or_cls)
     # Subclasses are defined after the decorator ran: wrap their test methods as they are created,
     # after whatever the class's own __init_subclass__ does.
-    previous = func_or_cls.__dict__.get("__init_subclass__")
+    previous = inspect.getattr_static(func_or_cls, "__init_subclass__")  # the class's own, or inherited
 
     def __init_subclass__(subclass: type, **kwargs: Any) -> None:
-        if previous is not None:
-            previous.__get__(None, subclass)(**kwargs)
-        else:
-            super(func_or_cls, subclass).__init_subclass__(**kwargs)
+        previous.__get__(None, subclass)(**kwargs)
         _wrap_test_methods(subclass)
 
     func_or_cls.__init_subclass__ = classmethod(__init_subclass__)
