@@ -164,6 +164,34 @@ def run_side(name: str, workdir: str, files: list, env: dict, timeout: float, lo
     return results
 
 
+def render_markdown(rows: list, source: str) -> str:
+    """The docs section for the per-file rows of a log (``{"side", "file", "counts", "timed_out"}``)."""
+    sides = {}
+    for row in rows:
+        sides.setdefault(row["side"], {})[row["file"]] = row
+    files = sorted({row["file"] for row in rows})
+    names = [s for s in ("accelerate", "hasten") if s in sides]
+
+    def cell(side: str, name: str) -> str:
+        row = sides[side].get(name)
+        if row is None:
+            return "not run"
+        c = row["counts"]
+        text = f"{c['passed']} / {c['failed']} / {c['skipped']} / {c['errors']}"
+        return text + (" (timed out)" if row["timed_out"] else "")
+
+    lines = ["## Accelerate's own test suite", "",
+             f"Accelerate's `tests/test_*.py` ({source}), run on CPU with `python tools/accelerate_suite.py`: "
+             "for hasten the word `accelerate` is replaced by `hasten` in the test files, nothing else. "
+             "Each cell: passed / failed / skipped / errors (an error that stops a file at import counts once).",
+             "", "| file | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| `{name}` | " + " | ".join(cell(side, name) for side in names) + " |" for name in files]
+    totals = {side: {k: sum(r["counts"][k] for r in sides[side].values()) for k in OUTCOMES} for side in names}
+    lines.append("| **total** | " + " | ".join(
+        " / ".join(str(totals[side][k]) for k in OUTCOMES) for side in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def side_env(python_path: list) -> dict:
     """The environment of a side: CPU only, Hub offline, its own import path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HASTEN_", "ACCELERATE_", "PYTEST_"))}
@@ -184,8 +212,20 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--extra-path", action="append", default=[], help="a folder added to the import path")
     parser.add_argument("--hasten-src", default=os.path.join(ROOT, "src"), help="hasten's source (default: %(default)s)")
     parser.add_argument("--log", help="append one JSON line per file (counts and failure messages) here")
+    parser.add_argument("--markdown", help="write the docs section (a table of the counts) to this file")
+    parser.add_argument("--render", nargs="+", metavar="LOG", help="only write --markdown from earlier --log files")
     parser.add_argument("--workdir", help="where to put the copies (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
+    source = args.tests or f"Accelerate's repository at {args.ref}"
+    if args.render:
+        rows = [json.loads(line) for log in args.render for line in open(log)]
+        text = render_markdown(rows, source)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        else:
+            print(text, end="")
+        return 0
 
     work = args.workdir or tempfile.mkdtemp(prefix="accelerate-suite-")
     try:
@@ -218,11 +258,17 @@ def main(argv: Optional[list] = None) -> int:
             sides.append(("accelerate", original, side_env([plugin_dir, *extra])))
         if args.side in ("both", "hasten"):
             sides.append(("hasten", renamed, side_env([plugin_dir, os.path.abspath(args.hasten_src), *extra])))
-        totals = {}
+        totals, all_results = {}, []
         for name, folder, env in sides:
             results = run_side(name, folder, files, env, args.timeout, args.log)
+            all_results.append((name, results))
             totals[name] = {k: sum(r.counts[k] for r in results) for k in OUTCOMES}
         print(json.dumps(totals))
+        if args.markdown:
+            rows = [{"side": name, "file": r.name, "counts": r.counts, "timed_out": r.timed_out}
+                    for name, results in all_results for r in results]
+            with open(args.markdown, "w") as f:
+                f.write(render_markdown(rows, source))
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
