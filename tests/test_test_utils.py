@@ -242,3 +242,21 @@ def test_get_launch_command_runs_the_test_scripts_on_two_processes(tmp_path):
     assert path_in_hasten_package("test_utils", "scripts", "test_cli.py").is_file()
     with pytest.raises(RuntimeError, match="failed with returncode 3"):
         execute_subprocess_async([sys.executable, "-c", "import sys; sys.exit(3)"], quiet=True, echo=False)
+
+
+def test_compare_against_test_finds_missing_feature_lines(tmp_path, monkeypatch):
+    from hasten.test_utils.examples import compare_against_test
+
+    def script(name, body):
+        path = tmp_path / "examples" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("def training_function(config):\n" + body + "    return 0\n\ndef main():\n    pass\n")
+        return str(path)
+
+    monkeypatch.chdir(tmp_path)
+    script("nlp_example.py", "    model = build()\n")
+    feature = script("feature.py", "    model = build()\n    accelerator.save_state('x')\n")
+    complete = script("complete.py", "    model = build()\n")
+    assert compare_against_test(complete, feature, parser_only=False) == ["    accelerator.save_state('x')\n"]
+    script("complete.py", "    model = build()\n    accelerator.save_state('x')\n")
+    assert compare_against_test(complete, feature, parser_only=False) == []

@@ -33,8 +33,9 @@ _EXPORTS = {
         "require_wandb", "require_xpu", "skip"), ".testing"),
     **dict.fromkeys(("device_count", "torch_device", "memory_allocated_func", "get_backend"), ".backend"),
     **dict.fromkeys(("RegressionDataset", "RegressionModel", "RegressionModel4XPU"), ".training"),
+    "compare_against_test": ".examples",
 }
-_SCRIPTS = ("test_script", "test_sync", "test_ops")
+_SCRIPTS = ("test_script", "test_sync", "test_ops")  # modules of scripts/
 __all__ = sorted([*_EXPORTS, *_SCRIPTS])
 
 
