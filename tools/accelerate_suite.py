@@ -7,7 +7,8 @@
 What it does, as a user migrating a test suite would:
 
 1. takes a fetched copy of Accelerate's ``tests/`` folder: a folder given with ``--tests``, else the
-   folder extracted (``git archive``) from the git directory ``--repo`` at ``--ref``;
+   folder extracted (``git archive``, with ``examples/`` for tests/test_examples.py) from the git
+   directory ``--repo`` at ``--ref``;
 2. for the hasten side, copies it and replaces the lowercase word ``accelerate`` by ``hasten``
    everywhere in the text files (``import accelerate`` -> ``import hasten``, ``accelerate launch``
    -> ``hasten launch``, ``path_in_accelerate_package`` -> ``path_in_hasten_package``). Nothing else
@@ -86,8 +87,9 @@ class FileResult:
 
 
 def extract_tests(repo: str, ref: str, dest: str) -> str:
-    """Extract ``tests/`` of the git directory ``repo`` at ``ref`` into ``dest``; return its path."""
-    archive = subprocess.run(["git", "-C", repo, "archive", "--format=tar", ref, "tests"],
+    """Extract ``tests/`` (and ``examples/``, which tests/test_examples.py reads) of the git directory
+    ``repo`` at ``ref`` into ``dest``; return the tests' path."""
+    archive = subprocess.run(["git", "-C", repo, "archive", "--format=tar", ref, "tests", "examples"],
                              check=True, capture_output=True).stdout
     with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
