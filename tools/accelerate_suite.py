@@ -56,8 +56,10 @@ def _write(nodeid, outcome, message=""):
 
 def _reason(report):
     text = getattr(report, "longreprtext", "") or ""
-    lines = [l for l in text.splitlines() if l.startswith("E ")]
-    return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "")
+    lines = [l for l in text.splitlines() if l.startswith("E ") and "Use -v to get more diff" not in l]
+    # The first "E" lines say what went wrong (the assertion, the exception); the last ones are detail.
+    return (" / ".join(l[1:].strip() for l in lines[:2]) if lines
+            else text.strip().splitlines()[-1] if text.strip() else "")
 
 def pytest_runtest_logreport(report):
     if report.when == "call" or report.outcome != "passed":
