@@ -23,6 +23,20 @@ from unittest import mock
 import torch
 
 from ..state import AcceleratorState, GradientState
+# Accelerate's testing module also hands on these names of its utils; test suites import them from here.
+from ..utils import (  # noqa: F401
+    check_cuda_fp8_capability, compare_versions, gather, is_aim_available, is_bnb_available,
+    is_clearml_available, is_comet_ml_available, is_cuda_available, is_datasets_available,
+    is_deepspeed_available, is_dvclive_available, is_fp8_available, is_fp16_available, is_habana_gaudi1,
+    is_hpu_available, is_import_timer_available, is_matplotlib_available, is_mlflow_available,
+    is_mlu_available, is_mps_available, is_musa_available, is_neuron_available, is_npu_available,
+    is_pandas_available, is_peft_available, is_pippy_available, is_pytest_available,
+    is_schedulefree_available, is_sdaa_available, is_swanlab_available, is_tensorboard_available,
+    is_timm_available, is_torch_version, is_torch_xla_available, is_torchao_available,
+    is_torchdata_stateful_dataloader_available, is_torchvision_available, is_trackio_available,
+    is_transformer_engine_available, is_transformer_engine_mxfp8_available, is_transformers_available,
+    is_triton_available, is_wandb_available, is_xpu_available,
+)
 from ..utils.env_compat import kept_environment
 from ..utils.env_compat import str_to_bool
 from .backend import device_count, get_backend, memory_allocated_func, torch_device  # noqa: F401 - re-exported
