@@ -221,6 +221,10 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
     return func_or_cls
 
 
+# The name a suite gets when it replaces the word accelerate by hasten (as the migration guide says).
+purge_hasten_environment = purge_accelerate_environment
+
+
 def _requires(check: Callable[[], bool], package: str, decorated: Callable) -> Callable:
     @functools.wraps(decorated)
     def run(*args: Any, **kwargs: Any) -> Any:
