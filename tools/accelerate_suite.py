@@ -193,6 +193,18 @@ def render_markdown(rows: list, source: str) -> str:
     totals = {side: {k: sum(r["counts"][k] for r in sides[side].values()) for k in OUTCOMES} for side in names}
     lines.append("| **total** | " + " | ".join(
         " / ".join(str(totals[side][k]) for k in OUTCOMES) for side in names) + " |")
+    # What stops a whole file (an error in collecting it), side by side: what a user meets first.
+    for side in names:
+        stopped = [(name, row["failures"][0][1]) for name, row in sorted(sides[side].items())
+                   if row.get("failures") and row["failures"][0][0] == name and not row["timed_out"]]
+        if stopped:
+            lines += ["", f"Files that stop before their first test under {side}:", ""]
+            # Without the machine's paths: the docs must not name this checkout.
+            lines += [f"- `{name}`: " + re.sub(r" \\(/[^)]*\\)", "", why).lstrip("E ").replace("|", "/")
+                      for name, why in stopped]
+    lines += ["", "Rerun: `python tools/accelerate_suite.py --extra-path DIR --markdown tools/accelerate_suite_result.md` "
+              "(DIR holds the suite's extra packages: `pip install --no-deps --target DIR parameterized`), then "
+              "`python tools/compat_table.py > docs/compatibility.md`."]
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +281,7 @@ def main(argv: Optional[list] = None) -> int:
             totals[name] = {k: sum(r.counts[k] for r in results) for k in OUTCOMES}
         print(json.dumps(totals))
         if args.markdown:
-            rows = [{"side": name, "file": r.name, "counts": r.counts, "timed_out": r.timed_out}
+            rows = [{"side": name, "file": r.name, "counts": r.counts, "timed_out": r.timed_out, "failures": r.failures}
                     for name, results in all_results for r in results]
             with open(args.markdown, "w") as f:
                 f.write(render_markdown(rows, source))
