@@ -200,7 +200,7 @@ def render_markdown(rows: list, source: str) -> str:
         if stopped:
             lines += ["", f"Files that stop before their first test under {side}:", ""]
             # Without the machine's paths: the docs must not name this checkout.
-            lines += [f"- `{name}`: " + re.sub(r" \\(/[^)]*\\)", "", why).lstrip("E ").replace("|", "/")
+            lines += [f"- `{name}`: " + re.sub(r" \(/[^)]*\)", "", why).lstrip("E ").replace("|", "/")
                       for name, why in stopped]
     lines += ["", "Rerun: `python tools/accelerate_suite.py --extra-path DIR --markdown tools/accelerate_suite_result.md` "
               "(DIR holds the suite's extra packages: `pip install --no-deps --target DIR parameterized`), then "
