@@ -83,7 +83,13 @@ def render(data: dict) -> str:
         for sec, name, state, note in table:
             if sec == section:
                 lines.append(f"| `{name}` | {state} | {note.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    # The counts of Accelerate's own test suite, as tools/accelerate_suite.py --markdown wrote them.
+    suite = os.path.join(HERE, "accelerate_suite_result.md")
+    if os.path.exists(suite):
+        with open(suite) as f:
+            text += "\n" + f.read()
+    return text
 
 
 def main() -> int:

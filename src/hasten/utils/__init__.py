@@ -91,6 +91,7 @@ _EXPORTS = {
         "str_to_bool", "get_int_from_env", "parse_flag_from_env", "parse_choice_from_env", "are_libraries_initialized",
         "convert_dict_to_env_variables", "get_current_device_type", "get_gpu_info", "check_cuda_p2p_ib_support",
         "check_cuda_fp8_capability", "get_cpu_distributed_information", "purge_accelerate_environment",
+        "purge_hasten_environment",
         "deepspeed_required", "torchao_required", "is_habana_gaudi1",
     )},
     **{name: ".fsdp_utils" for name in (

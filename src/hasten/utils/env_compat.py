@@ -7,14 +7,17 @@ None of them imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 from .environment import PREFIXES
 
@@ -162,28 +165,64 @@ def _ours(key: str) -> bool:
     return key.startswith(PREFIXES)
 
 
+@contextlib.contextmanager
+def kept_environment() -> Iterator[None]:
+    """Put the ``HASTEN_*``/``ACCELERATE_*`` variables back as they were on entry when the block ends:
+    those set inside are removed, those changed or removed get their old values back."""
+    before = {k: v for k, v in os.environ.items() if _ours(k)}
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if _ours(k) and k not in before]:
+            del os.environ[key]
+        os.environ.update(before)
+
+
+# The wrappers purge_accelerate_environment made, so that a method inherited from a decorated base
+# is not wrapped twice (a weak set: it does not keep classes alive).
+_PURGING = weakref.WeakSet()
+
+
+def _purging(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with kept_environment():
+            return func(*args, **kwargs)
+
+    _PURGING.add(run)
+    return run
+
+
+def _wrap_test_methods(cls: type) -> None:
+    """Wrap every ``test*`` function ``cls`` has, its own and inherited, that is not wrapped yet."""
+    for name in dir(cls):
+        if name.startswith("test"):
+            method = inspect.getattr_static(cls, name)
+            if inspect.isfunction(method) and method not in _PURGING:
+                setattr(cls, name, _purging(method))
+
+
 def purge_accelerate_environment(func_or_cls: Any) -> Any:
     """Decorator: the ``HASTEN_*``/``ACCELERATE_*`` variables a function (or each ``test*`` method of a
     class) sets or changes are put back as they were when it returns, so one test cannot leak settings
-    into the next."""
-    if isinstance(func_or_cls, type):
-        for name in list(vars(func_or_cls)):
-            method = getattr(func_or_cls, name)
-            if name.startswith("test") and callable(method):
-                setattr(func_or_cls, name, purge_accelerate_environment(method))
-        return func_or_cls
+    into the next. On a class it covers the inherited test methods and those of every subclass too."""
+    if not isinstance(func_or_cls, type):
+        return _purging(func_or_cls)
+    _wrap_test_methods(func_or_cls)
+    # Subclasses are defined after the decorator ran: wrap their test methods as they are created,
+    # after whatever the class's own __init_subclass__ does.
+    previous = inspect.getattr_static(func_or_cls, "__init_subclass__")  # the class's own, or inherited
 
-    @functools.wraps(func_or_cls)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        before = {k: v for k, v in os.environ.items() if _ours(k)}
-        try:
-            return func_or_cls(*args, **kwargs)
-        finally:
-            for key in [k for k in os.environ if _ours(k) and k not in before]:
-                del os.environ[key]
-            os.environ.update(before)
+    def __init_subclass__(subclass: type, **kwargs: Any) -> None:
+        previous.__get__(None, subclass)(**kwargs)
+        _wrap_test_methods(subclass)
 
-    return run
+    func_or_cls.__init_subclass__ = classmethod(__init_subclass__)
+    return func_or_cls
+
+
+# The name a suite gets when it replaces the word accelerate by hasten (as the migration guide says).
+purge_hasten_environment = purge_accelerate_environment
 
 
 def _requires(check: Callable[[], bool], package: str, decorated: Callable) -> Callable:
