@@ -36,8 +36,6 @@ def status(name: str, present: bool) -> tuple[str, str]:
         return "different", DIFFERENT[name]
     if present:
         return "present", "big-model inference" if name in BIG_MODEL else ""
-    if name in BIG_MODEL:
-        return "pending", "big-model inference: a separate change adds it"
     return "missing", "not in hasten yet"
 
 
@@ -59,7 +57,7 @@ def rows(data: dict) -> list[tuple[str, str, str, str]]:
 
 def render(data: dict) -> str:
     table = rows(data)
-    counts = {s: sum(1 for r in table if r[2] == s) for s in ("present", "different", "refused", "pending", "missing")}
+    counts = {s: sum(1 for r in table if r[2] == s) for s in ("present", "different", "refused", "missing")}
     lines = [
         "# Compatibility with Accelerate's public names",
         "",
@@ -72,7 +70,6 @@ def render(data: dict) -> str:
         "- **different**: present, but behaves differently as the note says;",
         "- **refused**: the feature cannot exist in hasten; the name still imports (a script that imports it "
         "loads), and using it raises `hasten.utils.FeatureNotAvailableError` with the note's text;",
-        "- **pending**: belongs to big-model inference, which a separate change adds;",
         "- **missing**: not in hasten yet.",
         "",
         "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(table)}).",
