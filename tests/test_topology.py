@@ -86,7 +86,7 @@ def test_env_prefixes():
 def test_each_local_rank_gets_its_own_gpu_or_a_clear_error():
     """torchrun --nproc_per_node 2 on one GPU: the second process stops with the fixes instead of taking cuda:0
     too (both processes on one GPU hang in NCCL's first collective)."""
-    from hasten.state import own_gpu
+    from hasten.device_choice import own_gpu
 
     assert [own_gpu(rank, 2, None) for rank in (0, 1)] == [0, 1]
     with pytest.raises(RuntimeError) as err:

@@ -111,7 +111,8 @@ def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
         return None
     if not isinstance(config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a hasten.utils.ParallelismConfig, got {type(config).__name__}")
-    from .state import PartialState, pick_device
+    from .device_choice import pick_device
+    from .state import PartialState
     from .topology import detect_topology
 
     partial = PartialState._shared_state

@@ -20,86 +20,12 @@ import torch
 import torch.distributed as dist
 
 from . import progress
+from .device_choice import MULTI_TYPES, choose_backend, fsdp_wanted, own_gpu, pick_device  # noqa: F401 - own_gpu: public here too
 from .group_lifetime import round_store, save_group, tear_down_at_exit
 from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
 from .utils.environment import parse_choice, parse_flag
-
-_MULTI_TYPES = {
-    "cuda": DistributedType.MULTI_GPU,
-    "xpu": DistributedType.MULTI_XPU,
-    "npu": DistributedType.MULTI_NPU,
-    "mlu": DistributedType.MULTI_MLU,
-    "musa": DistributedType.MULTI_MUSA,
-    "hpu": DistributedType.MULTI_HPU,
-    "cpu": DistributedType.MULTI_CPU,
-}
-_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
-
-
-def choose_backend(device_type: str, cpu_offload: bool = False) -> str:
-    """The process-group backend for ``device_type``.
-
-    FSDP2's CPU offload keeps shards and gradients in host memory, and collectives then run on CPU
-    tensors (the gradient-norm total, ``full_tensor()`` of a shard, rank 0's weights broadcast to the
-    others): an accelerator's backend gets gloo beside it for those (``cuda:nccl,cpu:gloo``, as
-    torchtitan and Accelerate do for offload). Only then: gloo needs its own connections, which a
-    multi-node job may have to configure (``GLOO_SOCKET_IFNAME``).
-    """
-    backend = _BACKENDS.get(device_type, "gloo")
-    if cpu_offload and backend != "gloo":
-        return f"{device_type}:{backend},cpu:gloo"
-    return backend
-
-
-def serves_cpu_tensors(backend: str) -> bool:
-    """Whether a process group made with ``backend`` runs collectives on CPU tensors."""
-    return backend == "gloo" or "cpu:" in backend
-
-
-def _fsdp_wanted(fsdp_plugin: Any) -> tuple[bool, bool]:
-    """(FSDP asked for, with CPU offload) from a plugin or, without one, ``hasten launch --use_fsdp``'s environment."""
-    from .utils.fsdp_plugin import _flag, offloads_to_cpu
-
-    if fsdp_plugin is None or fsdp_plugin == "from-environment":
-        if fsdp_plugin is None and not parse_flag("USE_FSDP"):
-            return False, False
-        return True, _flag("offload_params", None)
-    return True, offloads_to_cpu(getattr(fsdp_plugin, "cpu_offload", False))
-
-
-def pick_device(topology: Topology, cpu: bool) -> torch.device:
-    """CUDA by local rank, then XPU, then MPS (single process), else CPU."""
-    if cpu:
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        index = own_gpu(topology.local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return torch.device("cuda", index)
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return torch.device("xpu", topology.local_rank % max(1, xpu.device_count()))
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available() and topology.world_size == 1:
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def own_gpu(local_rank: int, count: int, visible: Optional[str]) -> int:
-    """The GPU of the process with ``local_rank`` on a node showing ``count`` GPUs: its local rank.
-
-    Raises when the node has fewer GPUs than that: two processes on one GPU would hang in their first
-    NCCL collective, so the process stops here and says how to start the job instead.
-    """
-    if local_rank < count:
-        return local_rank
-    raise RuntimeError(
-        f"local rank {local_rank} has no GPU of its own: this node shows {count} CUDA device(s) "
-        f"(CUDA_VISIBLE_DEVICES={visible!r}) and processes cannot share one. Start at most {count} process(es) "
-        f"per node (hasten launch --num_processes {count}), or run on CPU (hasten launch --cpu, "
-        "HASTEN_USE_CPU=1, or Accelerator(cpu=True))"
-    )
-
 
 class SharedDict:
     """Mixin: every instance of a subclass shares one ``__dict__`` (a process-wide singleton)."""
@@ -153,7 +79,7 @@ class PartialState(SharedDict):
         if self.initialized:
             return
         # Set by AcceleratorState: the plugin the Accelerator got (FSDP needs a group even on one process).
-        fsdp, offload = _fsdp_wanted(kwargs.pop("_fsdp_plugin", None))
+        fsdp, offload = fsdp_wanted(kwargs.pop("_fsdp_plugin", None))
         cpu = cpu or parse_flag("USE_CPU")
         topo = detect_topology()
         device = pick_device(topo, cpu)
@@ -172,7 +98,7 @@ class PartialState(SharedDict):
         self.owns_group = False  # True once this process made its own one-process group
         if fsdp and not topo.distributed:
             self.open_one_process_group(backend, **kwargs)
-        self.distributed_type = _MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
+        self.distributed_type = MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
         self.debug = parse_flag("DEBUG")
         self.fork_launched = parse_flag("FORK_LAUNCHED")
         if device.type == "cuda":
@@ -446,7 +372,7 @@ class AcceleratorState(SharedDict):
         fsdp = fsdp_plugin if deepspeed_plugin is None else None
         made = PartialState._shared_state.get("device") is not None
         partial = PartialState(cpu, _fsdp_plugin=fsdp, **kwargs)
-        wanted, offload = _fsdp_wanted(fsdp)
+        wanted, offload = fsdp_wanted(fsdp)
         if made and not self.initialized and wanted:
             # PartialState() came first (without the plugin): FSDP on one process still needs its group.
             extra = dict(kwargs)

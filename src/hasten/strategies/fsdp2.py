@@ -322,7 +322,7 @@ def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
 
 def check_offload_backend(device_type: str, backend: str) -> None:
     """Refuse CPU offload on a process group that cannot move CPU tensors (an accelerator's backend alone)."""
-    from ..state import choose_backend, serves_cpu_tensors
+    from ..device_choice import choose_backend, serves_cpu_tensors
 
     if not serves_cpu_tensors(backend):
         raise ValueError(
