@@ -436,6 +436,21 @@ def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str
                 yield name, passing.get_tensor(name) if transient(name) else source.view.tensor(name)
 
 
+def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                  keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
+    """A prepared model (FSDP2, tensor parallel): each process reads the slices of its shards."""
+    from .strategies.shard_loading import load_into_sharded
+
+    given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
+             "keep_in_fp32_modules": keep_in_fp32_modules}
+    unsupported = [k for k, v in given.items() if v]
+    if unsupported:
+        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a prepared (sharded) "
+                         "model, whose layout and dtype prepare() fixed; leave them out (the model's dtype wins), "
+                         "or load before preparing")
+    return load_into_sharded(model, checkpoint, strict)
+
+
 def load_checkpoint_in_model(
     model: "torch.nn.Module",
     checkpoint: PathLike,
@@ -465,7 +480,13 @@ def load_checkpoint_in_model(
     model, for ``dispatch_model`` to load per forward. Buffers mapped to ``"disk"`` stay in RAM unless
     ``offload_buffers``. offload_state_dict is accepted and needs no action (nothing is held beyond
     one tensor); offload_8bit_bnb (bitsandbytes) raises. full_state_dict / broadcast_from_rank0
-    concern sharded (DTensor) models only.
+    are accepted for Accelerate's signature and need no action.
+
+    A prepared model (FSDP2, tensor parallel, HSDP, dp_shard x tp: DTensor parameters), possibly
+    still on ``meta`` (built under ``init_empty_weights()`` on every process), is filled in place
+    with each process reading only the slices of its own shards; every process must call it then,
+    and every process raises when one fails. Its parameters on ``meta`` must all be in the
+    checkpoint (whatever ``strict``).
     Returns ``(missing_keys, unexpected_keys)``.
     """
     import torch
@@ -475,10 +496,7 @@ def load_checkpoint_in_model(
         raise TypeError(f"load_checkpoint_in_model needs a torch.nn.Module, got a {type(model).__name__}")
     _check_offload(device_map, offload_folder, offload_8bit_bnb)
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise NotImplementedError(
-            "load_checkpoint_in_model: the model is sharded (DTensor parameters); load the checkpoint into the "
-            "unsharded model before preparing it, or use accelerator.load_state for a prepared one"
-        )
+        return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
     sources, aliases = _checkpoint_sources(checkpoint)
     shapes: dict[str, Optional[tuple]] = {}
