@@ -62,7 +62,23 @@ def test_fsdp2_meta_model_filled_from_sharded_index(two):
 
 def test_tp_meta_model_filled_from_sharded_index(two):
     for r in two.assert_passed("check_tp_untied_index"):
-        assert "Shard(dim=0)" in r["placements"]
+        assert r["placements"] == "(Shard(dim=1),)"  # row-wise: each process reads a strided block
+
+
+@pytest.fixture(scope="module")
+def four(checkpoints):
+    return run_checks("checks_shard_loading", world_size=4, env={"SHARD_LOADING_TMP": checkpoints}, timeout=400,
+                      only=["check_dp_shard_times_tp", "check_hsdp_tied"])
+
+
+def test_dp_shard_times_tp_meta_model_filled(four):
+    for r in four.assert_passed("check_dp_shard_times_tp"):
+        assert "Shard(dim=1)" in r["placements"] and "Shard(dim=0)" in r["placements"], r
+
+
+def test_hsdp_meta_model_filled_with_tied_embeddings(four):
+    for r in four.assert_passed("check_hsdp_tied"):
+        assert "Replicate()" in r["placements"], r
 
 
 def test_missing_key_refused_on_every_process(two):
