@@ -85,13 +85,12 @@ def _same_as_real(make, name: str, tied: bool) -> dict:
     return {"placements": str(model.model.layers[0].mlp.down_proj.weight.placements)}
 
 
-def _loaded(acc: Accelerator, name: str, tied: bool):
-    folder = _folder(name)
+def _loaded(acc: Accelerator, name: str, tied: bool, reference: str = ""):
     model = acc.prepare(_empty(tied))
     assert any(p.is_meta for p in model.parameters()), "prepare filled the model itself"
-    load_checkpoint_in_model(model, folder)
+    load_checkpoint_in_model(model, _folder(name))
     assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
-    return model, folder
+    return model, _folder(reference or name)
 
 
 def _same_weights(acc, model, folder) -> None:
@@ -102,9 +101,9 @@ def _same_weights(acc, model, folder) -> None:
     assert not different, different
 
 
-def _fsdp2_case(name: str, tied: bool) -> dict:
+def _fsdp2_case(name: str, tied: bool, reference: str = "") -> dict:
     acc = _fsdp2()
-    model, folder = _loaded(acc, name, tied)
+    model, folder = _loaded(acc, name, tied, reference)
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight, "the tie was lost"
     _same_weights(acc, model, folder)
@@ -123,6 +122,24 @@ def _fsdp2_case(name: str, tied: bool) -> dict:
 
 def check_fsdp2_tied_one_file():
     return _fsdp2_case("tied", True)
+
+
+def check_fsdp2_hasten_saved():
+    return _fsdp2_case("hasten_saved", True, reference="tied")
+
+
+def check_meta_buffer_refused():
+    from transformers import LlamaForCausalLM
+
+    acc = _fsdp2()
+    with init_empty_weights(include_buffers=True):
+        model = LlamaForCausalLM(llama_config(True))
+    model = acc.prepare(model)
+    try:
+        load_checkpoint_in_model(model, _folder("tied"))
+    except Exception as e:  # noqa: BLE001 - the kind and message are judged by the test
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("loaded although inv_freq has no value")
 
 
 def check_fsdp2_untied_index():

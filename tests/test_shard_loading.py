@@ -12,7 +12,7 @@ from distributed import run_checks
 pytest.importorskip("transformers")
 
 
-def _save(folder: str, tied: bool, intermediate: int = 64, max_shard_size=None) -> None:
+def _save(folder: str, tied: bool, intermediate: int = 64, max_shard_size=None):
     from transformers import LlamaForCausalLM
 
     import checks_shard_loading
@@ -24,6 +24,7 @@ def _save(folder: str, tied: bool, intermediate: int = 64, max_shard_size=None) 
             p.add_(torch.randn_like(p) * 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,11 @@ def checkpoints(tmp_path_factory) -> str:
     from safetensors.torch import load_file, save_file
 
     tmp = str(tmp_path_factory.mktemp("shard_loading"))
-    _save(os.path.join(tmp, "tied"), True)
+    model = _save(os.path.join(tmp, "tied"), True)
+    # hasten's own save: checksums, and the tied name recorded as an alias (stored once)
+    from hasten.saving import save_model
+
+    save_model(model.state_dict(), os.path.join(tmp, "hasten_saved"), max_shard_size="40KB", is_main_process=True)
     _save(os.path.join(tmp, "tied_index"), True, max_shard_size="40KB")
     _save(os.path.join(tmp, "untied_index"), False, max_shard_size="40KB")
     _save(os.path.join(tmp, "wrong_shape"), False, intermediate=48)
@@ -53,6 +58,16 @@ def two(checkpoints):
 def test_fsdp2_meta_model_filled_from_one_file_with_tied_embeddings(two):
     for r in two.assert_passed("check_fsdp2_tied_one_file"):
         assert "Shard(dim=0)" in r["placements"]
+
+
+def test_fsdp2_meta_model_filled_from_hasten_save_model(two):
+    two.assert_passed("check_fsdp2_hasten_saved")
+
+
+def test_meta_buffer_that_no_checkpoint_holds_refused(two):
+    for message in two.assert_passed("check_meta_buffer_refused"):
+        assert message.startswith("CheckpointMismatchError"), message
+        assert "model.rotary_emb.inv_freq" in message and "include_buffers" in message, message
 
 
 def test_fsdp2_meta_model_filled_from_sharded_index(two):

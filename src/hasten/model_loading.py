@@ -112,8 +112,9 @@ def _verified_map(path: str) -> tuple[Any, Optional[str]]:
     return mapped, recorded
 
 
-def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
-    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum."""
+def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
+    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
+    ``release``: drop the pages the checksum read (the caller reads parts of the file later)."""
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
@@ -121,6 +122,8 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Opt
 
         mapped, recorded = _verified_map(path)
         mapped.close()  # the map stays; only its spare descriptor goes
+        if release:
+            mapped.release_pages()
         try:
             with safe_open(path, framework="pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -209,7 +212,9 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     return index, checksums
 
 
-def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, str]]:
+def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[_Source], dict[str, str]]:
+    """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: see
+    ``_read_source`` (one file's pages at a time in memory while checksums are verified)."""
     from .checkpointing.fileio import CheckpointCorruptError
 
     path = os.fspath(checkpoint)
@@ -225,7 +230,7 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
     if not os.path.lexists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
     if not path.endswith(".index.json"):
-        source, aliases, _, _ = _read_source(path)
+        source, aliases, _, _ = _read_source(path, release)
         return [source], aliases
     index, checksums = read_weights_index(path)
     metadata = index.get("metadata") or {}
@@ -240,7 +245,7 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
         if checksums is not None and filename not in checksums:
             raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
                                          "index is damaged")
-        source, shard_aliases, shard_id, recorded = _read_source(shard)
+        source, shard_aliases, shard_id, recorded = _read_source(shard, release)
         if save_id is not None and shard_id is not None and shard_id != save_id:
             raise RuntimeError(
                 f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "

@@ -80,7 +80,7 @@ def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
     from ..model_loading import _checkpoint_sources
     from ..saving import CheckpointMismatchError, _listing
 
-    sources, aliases = _checkpoint_sources(checkpoint)
+    sources, aliases = _checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
     found: dict[str, tuple[Any, str]] = {}
     for source in sources:
         for key in source.shapes:
