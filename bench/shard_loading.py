@@ -105,7 +105,7 @@ def _worker(variant: str, folder: str, out: str) -> None:
     stepped = time.time()
     result = {"rank": rank, "floor_mb": floor / 1024, "peak_loaded_mb": peak_loaded / 1024,
               "peak_step_mb": _rss_kb("VmHWM") / 1024, "to_loaded_s": loaded - launched,
-              "to_step_s": stepped - launched, "loss": float(loss)}
+              "to_step_s": stepped - launched, "loss": loss.item()}
     with open(os.path.join(out, f"{variant}-{rank}.json"), "w") as f:
         json.dump(result, f)
     acc.wait_for_everyone()
@@ -129,8 +129,14 @@ def _launch(variant: str, world: int, folder: str, out: str, timeout: float) -> 
         if variant == "accelerate":
             env.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_VERSION="2")
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", variant, folder, out], env=env))
+    deadline = time.time() + timeout
     for p in procs:
-        p.wait(timeout=timeout)
+        try:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            break
     results = []
     for rank in range(world):
         path = os.path.join(out, f"{variant}-{rank}.json")
