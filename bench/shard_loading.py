@@ -14,7 +14,7 @@ starts N fresh gloo processes (torchrun's variables) that each:
                     ``meta``, ``prepare`` with ``cpu_ram_efficient_loading=True`` broadcasts the weights;
   * ``accelerate``: Accelerate's ``cpu_ram_efficient_loading`` (FSDP2): ``from_pretrained`` under
                     ``ACCELERATE_USE_FSDP`` (process 0 loads, the others get ``meta``), ``prepare``.
-then run one training step (forward, backward, SGD step) on 16 tokens. Reported per process:
+then run one training step (forward, backward, SGD step) on 16 tokens (``--no-step``: a forward). Reported per process:
 the peak resident set size (``VmHWM``) once loaded and after the step, the RSS after imports
 (the floor any process pays), and the seconds from the launch to the loaded model and to the end
 of the first step. Rounds run the variants in rotating order; medians over rounds, the worst
@@ -97,11 +97,15 @@ def _worker(variant: str, folder: str, out: str) -> None:
             load_checkpoint_in_model(model, folder)
     loaded = time.time()
     peak_loaded = _rss_kb("VmHWM")
-    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=1e-3))
     ids = torch.arange(16, device=acc.device).unsqueeze(0) * 7 % CONFIG["vocab_size"]
-    loss = model(ids, labels=ids).loss
-    acc.backward(loss)
-    opt.step()
+    if os.environ.get("BENCH_STEP", "1") == "1":
+        opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=1e-3))
+        loss = model(ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+    else:  # --no-step: a forward only (the check that every variant loaded the same weights)
+        with torch.no_grad():
+            loss = model(ids, labels=ids).loss
     stepped = time.time()
     result = {"rank": rank, "floor_mb": floor / 1024, "peak_loaded_mb": peak_loaded / 1024,
               "peak_step_mb": _rss_kb("VmHWM") / 1024, "to_loaded_s": loaded - launched,
@@ -117,7 +121,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(variant: str, world: int, folder: str, out: str, timeout: float) -> list[dict]:
+def _launch(variant: str, world: int, folder: str, out: str, timeout: float, step: bool = True) -> list[dict]:
     port = _free_port()
     launched = time.time()
     procs = []
@@ -125,7 +129,7 @@ def _launch(variant: str, world: int, folder: str, out: str, timeout: float) -> 
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", HASTEN_USE_CPU="1", ACCELERATE_USE_CPU="true",
-                   BENCH_LAUNCHED=repr(launched))
+                   BENCH_LAUNCHED=repr(launched), BENCH_STEP="1" if step else "0")
         if variant == "accelerate":
             env.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_VERSION="2")
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", variant, folder, out], env=env))
@@ -160,6 +164,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-step", dest="step", action="store_false",
+                        help="a forward instead of a training step (the step's own peak and time left out)")
     args = parser.parse_args()
     folder = os.path.join(args.dir, f"llama-{args.layers}")
     facts = _make(folder, args.layers)
@@ -171,7 +177,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
             for variant in order:
-                got = _launch(variant, world, folder, out, args.timeout)
+                got = _launch(variant, world, folder, out, args.timeout, args.step)
                 print(f"  world {world} round {r} {variant}: " + (json.dumps(got) if got else "FAILED"), flush=True)
                 if got:
                     runs[variant].append(got)
