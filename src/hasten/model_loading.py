@@ -112,8 +112,9 @@ def _verified_map(path: str) -> tuple[Any, Optional[str]]:
     return mapped, recorded
 
 
-def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
-    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum."""
+def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
+    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
+    ``release``: drop the pages the checksum read (the caller reads parts of the file later)."""
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
@@ -121,6 +122,8 @@ def _read_source(path: str) -> tuple[_Source, dict[str, str], Optional[str], Opt
 
         mapped, recorded = _verified_map(path)
         mapped.close()  # the map stays; only its spare descriptor goes
+        if release:
+            mapped.release_pages()
         try:
             with safe_open(path, framework="pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -209,7 +212,9 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     return index, checksums
 
 
-def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, str]]:
+def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[_Source], dict[str, str]]:
+    """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: see
+    ``_read_source`` (one file's pages at a time in memory while checksums are verified)."""
     from .checkpointing.fileio import CheckpointCorruptError
 
     path = os.fspath(checkpoint)
@@ -225,7 +230,7 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
     if not os.path.lexists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
     if not path.endswith(".index.json"):
-        source, aliases, _, _ = _read_source(path)
+        source, aliases, _, _ = _read_source(path, release)
         return [source], aliases
     index, checksums = read_weights_index(path)
     metadata = index.get("metadata") or {}
@@ -240,7 +245,7 @@ def _checkpoint_sources(checkpoint: PathLike) -> tuple[list[_Source], dict[str, 
         if checksums is not None and filename not in checksums:
             raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
                                          "index is damaged")
-        source, shard_aliases, shard_id, recorded = _read_source(shard)
+        source, shard_aliases, shard_id, recorded = _read_source(shard, release)
         if save_id is not None and shard_id is not None and shard_id != save_id:
             raise RuntimeError(
                 f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
@@ -436,6 +441,21 @@ def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str
                 yield name, passing.get_tensor(name) if transient(name) else source.view.tensor(name)
 
 
+def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                  keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
+    """A prepared model (FSDP2, tensor parallel): each process reads the slices of its shards."""
+    from .strategies.shard_loading import load_into_sharded
+
+    given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
+             "keep_in_fp32_modules": keep_in_fp32_modules}
+    unsupported = [k for k, v in given.items() if v]
+    if unsupported:
+        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a prepared (sharded) "
+                         "model, whose layout and dtype prepare() fixed; leave them out (the model's dtype wins), "
+                         "or load before preparing")
+    return load_into_sharded(model, checkpoint, strict)
+
+
 def load_checkpoint_in_model(
     model: "torch.nn.Module",
     checkpoint: PathLike,
@@ -465,7 +485,13 @@ def load_checkpoint_in_model(
     model, for ``dispatch_model`` to load per forward. Buffers mapped to ``"disk"`` stay in RAM unless
     ``offload_buffers``. offload_state_dict is accepted and needs no action (nothing is held beyond
     one tensor); offload_8bit_bnb (bitsandbytes) raises. full_state_dict / broadcast_from_rank0
-    concern sharded (DTensor) models only.
+    are accepted for Accelerate's signature and need no action.
+
+    A prepared model (FSDP2, tensor parallel, HSDP, dp_shard x tp: DTensor parameters), possibly
+    still on ``meta`` (built under ``init_empty_weights()`` on every process), is filled in place
+    with each process reading only the slices of its own shards; every process must call it then,
+    and every process raises when one fails. Its parameters on ``meta`` must all be in the
+    checkpoint (whatever ``strict``).
     Returns ``(missing_keys, unexpected_keys)``.
     """
     import torch
@@ -475,10 +501,7 @@ def load_checkpoint_in_model(
         raise TypeError(f"load_checkpoint_in_model needs a torch.nn.Module, got a {type(model).__name__}")
     _check_offload(device_map, offload_folder, offload_8bit_bnb)
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise NotImplementedError(
-            "load_checkpoint_in_model: the model is sharded (DTensor parameters); load the checkpoint into the "
-            "unsharded model before preparing it, or use accelerator.load_state for a prepared one"
-        )
+        return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
     sources, aliases = _checkpoint_sources(checkpoint)
     shapes: dict[str, Optional[tuple]] = {}

@@ -433,6 +433,12 @@ class MappedFile:
         else:
             (bounce or Bounce()).to_device(self.fd(), start, flat)
 
+    def release_pages(self) -> None:
+        """Drop the pages read through the mapping (e.g. by a checksum): they left the process's
+        resident memory, and come back from the file if read again (nothing here writes them)."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def fd(self) -> int:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)

@@ -77,7 +77,12 @@ class DTensorStrategy(Strategy):
         if on_meta and not efficient:
             raise ValueError("prepare() got a model with parameters on the meta device; set "
                              "FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True) so that process 0's "
-                             "weights fill it, or build the model with real weights")
+                             "weights fill it (or, with the model on meta on every process, "
+                             "hasten.load_checkpoint_in_model(prepared_model, folder) after prepare), or build the "
+                             "model with real weights")
+        # Process 0 on meta too: the model stays on meta, sharded, for load_checkpoint_in_model
+        # to fill from a checkpoint folder (no process ever holds the whole model).
+        efficient = efficient and not _rank0_on_meta(on_meta, self.state)
         full = _rank0_weights(model, self.state) if efficient else None
         before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
         if self.mesh.sizes["cp"] > 1:
@@ -303,13 +308,18 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, buffer.to(device))
 
 
+def _rank0_on_meta(on_meta: bool, state: Any) -> bool:
+    """Whether process 0 built its model on ``meta`` (every process learns it: one broadcast)."""
+    flag = torch.tensor([int(on_meta)], device=state.device)
+    if state.num_processes > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _rank0_weights(model: nn.Module, state: Any) -> Optional[dict[str, Any]]:
     """Process 0's full weights (its state dict and non-persistent buffers), kept before sharding."""
     if state.process_index != 0:
         return None
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("cpu_ram_efficient_loading=True: process 0 must build the model with real weights (only the "
-                         "other processes use init_empty_weights())")
     persistent = model.state_dict()
     extra = {n: b for n, b in model.named_buffers() if n not in persistent}
     return {"state": {k: v for k, v in persistent.items()}, "buffers": extra}
