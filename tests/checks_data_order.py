@@ -25,6 +25,26 @@ def _global_steps(loader, epochs: int = EPOCHS) -> list:
     return steps
 
 
+def resume_run(folder: str, mode: str) -> list:
+    """One process: "full" trains 3 epochs and saves at step 2 of epoch 1 (a "saved" mark follows
+    the batch of that step); "resume" scrambles the global generator, loads, and trains on."""
+    set_seed(123)
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(list(range(26)), batch_size=4, shuffle=True))
+    seen: list = []
+    if mode == "resume":
+        torch.manual_seed(999)  # whatever a fresh process's generator holds, load_state restores it
+        acc.load_state(folder)
+    for epoch in range(EPOCHS if mode == "full" else 2):
+        for step, batch in enumerate(loader):
+            seen.append(batch.tolist())
+            torch.rand(1)  # training's use of the global generator
+            if mode == "full" and epoch == 1 and step == 2:
+                acc.save_state(folder)
+                seen.append("saved")
+    return seen
+
+
 def check_two_by_b_is_one_by_2b():
     reset_state()
     set_seed(42)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from checks_data_order import resume_run
 from distributed import reset_state, run_checks
 from hasten import Accelerator
 from hasten.data_loader import prepare_data_loader
@@ -99,44 +100,16 @@ def test_data_seed_alone_keeps_the_plain_order_and_says_so(fresh_state):
     assert _epochs(loader) == plain
 
 
-RESUME_SCRIPT = r"""
-import json, sys, torch
-from torch.utils.data import DataLoader
-from hasten import Accelerator
-from hasten.utils import set_seed
-
-folder, mode = sys.argv[1], sys.argv[2]
-set_seed(123)
-acc = Accelerator()
-loader = acc.prepare(DataLoader(list(range(26)), batch_size=4, shuffle=True))
-seen = []
-if mode == "resume":
-    torch.manual_seed(999)  # a fresh process: whatever the global generator held, load_state restores it
-    acc.load_state(folder)
-for epoch in range(3 if mode == "full" else 2):
-    for step, batch in enumerate(loader):
-        seen.append(batch.tolist())
-        torch.rand(1)
-        if mode == "full" and epoch == 1 and step == 2:
-            acc.save_state(folder)
-            seen.append("saved")
-print(json.dumps(seen))
-"""
-
-
-def _run(folder: str, mode: str) -> list:
-    env = dict(os.environ, HASTEN_USE_CPU="1")
-    done = subprocess.run([sys.executable, "-c", RESUME_SCRIPT, folder, mode], capture_output=True, text=True,
-                          timeout=180, env=env)
+def test_save_mid_epoch_and_load_in_a_fresh_process_resumes_the_exact_batches(fresh_state, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    full = resume_run(folder, "full")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from checks_data_order import resume_run; "
+            "print(json.dumps(resume_run(sys.argv[2], 'resume')))")
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), folder],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_save_mid_epoch_and_load_in_a_fresh_process_resumes_the_exact_batches(tmp_path):
-    full = _run(str(tmp_path / "ckpt"), "full")
-    after_save = full[full.index("saved") + 1:]
-    # the resumed run goes on with the rest of epoch 1 and then epoch 2, as the uninterrupted run did
-    assert _run(str(tmp_path / "ckpt"), "resume") == after_save
+    # the fresh process goes on with the rest of epoch 1 and then epoch 2, as the uninterrupted run did
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == full[full.index("saved") + 1:]
 
 
 # -- two processes ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The order in which a sampler walks a dataset: the seeded shuffle that every process agrees on,
+"""The order in which a sampler walks a dataset: the shuffles that every process agrees on,
 and computing a whole epoch's order at once, so that a resumed pass starts at its position
 directly instead of walking the skipped indices (``BatchSamplerShard`` uses ``seek_batches``).
 """
