@@ -136,14 +136,19 @@ def check_shuffle_agrees_and_changes():
     for _ in range(3):
         mine = [i for b in dl for i in b.tolist()]
         epochs.append([mine] if n == 1 else gather_object([mine]))
-    dl.set_epoch(1)
-    again = [i for b in dl for i in b.tolist()]
-    seeded = [prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True), data_seed=7)
-              for _ in range(2)]
+    # set_epoch(e) repeating epoch e is the seedable sampler's promise (seed + epoch, as Accelerate's);
+    # the default shuffle draws a new order per pass, as a plain DataLoader does.
+    seedable = prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True), use_seedable_sampler=True)
+    seedable_epochs = [[i for b in seedable for i in b.tolist()] for _ in range(2)]
+    seedable.set_epoch(1)
+    again = [i for b in seedable for i in b.tolist()]
+    seeded = [prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True), data_seed=7,
+                                  use_seedable_sampler=True) for _ in range(2)]
     runs = [[i for b in d for i in b.tolist()] for d in seeded]
     gen = torch.Generator().manual_seed(5)
     with_gen = prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True, generator=gen))
-    return {"epochs": epochs, "epoch1_again": again, "seeded": runs, "own_generator": with_gen.sampler.generator is gen}
+    return {"epochs": epochs, "epoch1_again": again, "seedable_epoch1": seedable_epochs[1], "seeded": runs,
+            "own_generator": with_gen.sampler.generator is gen}
 
 
 def check_iterable_shard_no_duplicates():
@@ -250,7 +255,8 @@ def check_skip_first_batches():
 
 
 def check_resume_state_dict():
-    dl = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3)
+    dl = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3,
+                                    use_seedable_sampler=True)
     _ = _batches(dl)  # epoch 0
     seen, state = [], None
     for i, batch in enumerate(dl):  # epoch 1, interrupted after 2 batches
@@ -258,10 +264,12 @@ def check_resume_state_dict():
         if i == 1:
             state = dl.state_dict()
             break
-    fresh = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3)
+    fresh = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3,
+                                    use_seedable_sampler=True)
     fresh.load_state_dict(state)
     rest = _batches(fresh)
-    reference = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3)
+    reference = prepare_data_loader(DataLoader(list(range(20)), batch_size=2, shuffle=True), data_seed=3,
+                                    use_seedable_sampler=True)
     reference.set_epoch(1)
     whole = _batches(reference)
     assert seen + rest == whole, (seen, rest, whole)

@@ -127,7 +127,7 @@ def _epochs(loader, acc, passes):
 
 
 def check_break_keeps_the_position_and_a_new_for_starts_the_next_epoch():
-    acc = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=7))
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=7, use_seedable_sampler=True))
     reference = _epochs(acc.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True)), acc, 3)
     loader = acc.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True))
     out = {"reference": reference}

@@ -592,7 +592,8 @@ def test_seeking_gives_the_same_batches_as_walking_and_reads_no_skipped_data(fre
             Counting.reads += 1
             return i
 
-    dl = prepare_data_loader(torch.utils.data.DataLoader(Counting(), batch_size=10, shuffle=True), data_seed=1)
+    dl = prepare_data_loader(torch.utils.data.DataLoader(Counting(), batch_size=10, shuffle=True), data_seed=1,
+                             use_seedable_sampler=True)
     full = [b.tolist() for b in dl]
     dl.set_epoch(0)
     dl.load_state_dict({"epoch": 0, "batches_yielded": 90})

@@ -190,7 +190,8 @@ def test_seedable_random_sampler():
     assert first != second and sorted(first) == list(range(20))
     a.set_epoch(0)
     assert list(a) == first
-    assert SeedableRandomSampler(range(5), generator=torch.Generator().manual_seed(9)).initial_seed == 9
+    # as Accelerate's: the default seed is torch's initial seed, also when a generator is given
+    assert SeedableRandomSampler(range(5), generator=torch.Generator().manual_seed(9)).initial_seed == torch.initial_seed()
     c = SeedableRandomSampler(range(5), replacement=True, num_samples=12, data_seed=1)
     assert len(list(c)) == 12
 
@@ -233,7 +234,7 @@ def test_prepare_bad_arguments():
 
 def test_epochs_skip_and_resume_in_process():
     make = lambda: prepare_data_loader(DataLoader(list(range(12)), batch_size=2, shuffle=True), data_seed=5,
-                                       num_processes=2, process_index=0)
+                                       use_seedable_sampler=True, num_processes=2, process_index=0)
     dl = make()
     e0, e1 = [b.tolist() for b in dl], [b.tolist() for b in dl]
     assert e0 != e1 and dl.iteration == 2
@@ -305,7 +306,8 @@ def test_shuffle_same_on_every_rank_new_each_epoch(two, one):
         assert sorted(together) == list(range(12))  # same permutation on both ranks: no overlap
         orders.append(together)
     assert len({tuple(o) for o in orders}) == 3  # new order each epoch
-    assert r0["epoch1_again"] == r0["epochs"][1][0] and r1["epoch1_again"] == r0["epochs"][1][1]
+    assert r0["epoch1_again"] == r0["seedable_epoch1"] and r1["epoch1_again"] == r1["seedable_epoch1"]
+    assert r0["seedable_epoch1"] != r1["seedable_epoch1"]
     assert r0["seeded"][0] == r0["seeded"][1] and sorted(r0["seeded"][0] + r1["seeded"][0]) == list(range(12))
     assert r0["own_generator"] is True
     (solo,) = one.assert_passed("check_shuffle_agrees_and_changes")

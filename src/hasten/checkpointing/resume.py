@@ -33,7 +33,7 @@ def convert_loader_state(state: dict[str, Any], saved: dict[str, Any], dataloade
     # The shuffle seed and the state of the (process-synchronised) sampler generator at the start of
     # the pass decide the epoch's sample order for every number of processes; the rest is per process.
     state = {k: v for k, v in state.items() if k in ("epoch", "batches_yielded", "sampler_seed",
-                                                     "sampler_generator_state")}
+                                                     "sampler_epoch_seed", "sampler_generator_state")}
     done = int(state.get("batches_yielded", 0))
     if not done:
         return state

@@ -241,6 +241,9 @@ class PreparedLoaderMixin:
         out = dict(self.state_dict(), sampler_seed=position.sampler_seed(self))
         if self._in_iteration and not self.end_of_dataloader:
             out.update(self._pass_states)
+            epoch_seed = position.sampler_epoch_seed(self)
+            if epoch_seed is not None:
+                out["sampler_epoch_seed"] = epoch_seed
             if self._seed_state is not None:
                 out["seed_generator_state"] = self._seed_state
             if self._stream_after is not None:
@@ -257,7 +260,7 @@ class PreparedLoaderMixin:
         keys = ("seed_generator_state", "sampler_generator_state", "dataset_state", "stream_head",
                 "stream_pending")
         self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
-        position.set_sampler_seed(self, state_dict.get("sampler_seed"))
+        position.set_sampler_seed(self, state_dict.get("sampler_seed"), state_dict.get("sampler_epoch_seed"))
 
     @property
     def takes_even_batches(self) -> bool:

@@ -1,4 +1,4 @@
-"""The order in which a sampler walks a dataset: the seeded shuffle that every process agrees on,
+"""The order in which a sampler walks a dataset: the shuffles that every process agrees on,
 and computing a whole epoch's order at once, so that a resumed pass starts at its position
 directly instead of walking the skipped indices (``BatchSamplerShard`` uses ``seek_batches``).
 """
@@ -20,19 +20,14 @@ class SeedableRandomSampler(RandomSampler):
 
     Args:
         data_source, replacement, num_samples, generator: as ``torch.utils.data.RandomSampler``.
-        data_seed: the seed; default: ``generator.initial_seed()`` when a generator is given, else
-            ``torch.initial_seed()`` (``prepare_data_loader`` makes it agree across processes).
+        data_seed: the seed; default: ``torch.initial_seed()``, as Accelerate's (a given ``generator``
+            is not drawn from; ``prepare_data_loader`` makes the seed agree across processes).
     """
 
     def __init__(self, data_source: Any, replacement: bool = False, num_samples: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, data_seed: Optional[int] = None) -> None:
         super().__init__(data_source, replacement=replacement, num_samples=num_samples, generator=generator)
-        if data_seed is not None:
-            self.initial_seed = int(data_seed)
-        elif generator is not None:
-            self.initial_seed = int(generator.initial_seed())
-        else:
-            self.initial_seed = int(torch.initial_seed())
+        self.initial_seed = int(data_seed) if data_seed is not None else int(torch.initial_seed())
         self.epoch = 0
 
     def __iter__(self) -> Iterator[int]:
@@ -48,17 +43,65 @@ class SeedableRandomSampler(RandomSampler):
         self.epoch = int(epoch)
 
 
+class SharedRandomSampler(RandomSampler):
+    """A ``RandomSampler`` (without a generator of its own) whose every process walks the order that
+    process 0's plain ``RandomSampler`` would have walked.
+
+    Each pass draws its seed from the global torch generator exactly as ``RandomSampler`` does (same
+    draw, at the same moment: the first index asked for), so with one process the order, and what
+    is left of the global generator, are those of the unprepared DataLoader. ``agree`` then replaces
+    the seed by process 0's (a broadcast), so every process shuffles alike even when the user's
+    global generators differ. ``resume_seed`` (set from a checkpoint) is used by the next pass
+    instead of a draw: the restored global generator is already past that pass's draw.
+
+    Args:
+        data_source, replacement, num_samples: as ``torch.utils.data.RandomSampler``.
+        agree: ``seed -> process 0's seed``; None: this process decides alone.
+    """
+
+    def __init__(self, data_source: Any, replacement: bool = False, num_samples: Optional[int] = None,
+                 agree: Optional[Callable[[int], int]] = None) -> None:
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples)
+        self.agree = agree
+        self.epoch_seed: Optional[int] = None  # the seed of the current (or last) pass
+        self.resume_seed: Optional[int] = None
+
+    def next_generator(self) -> torch.Generator:
+        """The generator of a new pass (draws from the global generator unless resuming)."""
+        seed, self.resume_seed = self.resume_seed, None
+        if seed is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())  # RandomSampler's own draw
+            if self.agree is not None:
+                seed = int(self.agree(seed))
+        self.epoch_seed = seed
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return generator
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator = self.next_generator()
+        try:
+            yield from super().__iter__()
+        finally:
+            self.generator = None  # the next pass draws a new seed, as a plain RandomSampler does
+
 
 # -- seeking without walking the skipped indices ----------------------------------------------------
 def fast_order(sampler: Any) -> Optional[Callable[[], Any]]:
     """For samplers whose whole order can be computed at once: a function returning it (a list or
     range) with the same side effects as iterating the sampler; None for other samplers.
 
-    Covers ``SequentialSampler`` and ``SeedableRandomSampler`` without replacement; resuming with
-    them costs one permutation, wherever in the epoch the resume lands.
+    Covers ``SequentialSampler``, ``SeedableRandomSampler`` and ``SharedRandomSampler`` without
+    replacement; resuming with them costs one permutation, wherever in the epoch the resume lands.
     """
     if type(sampler) is SequentialSampler:
         return lambda: range(len(sampler.data_source))
+    if type(sampler) is SharedRandomSampler and not sampler.replacement:
+        n = len(sampler.data_source)
+        if sampler.num_samples != n:
+            return None
+        # What RandomSampler.__iter__ yields for num_samples == len(data_source): one permutation.
+        return lambda: torch.randperm(n, generator=sampler.next_generator()).tolist()
     if type(sampler) is SeedableRandomSampler and not sampler.replacement:
         n = len(sampler.data_source)
         if sampler.num_samples != n:

@@ -99,13 +99,23 @@ def sampler_seed(loader: Any) -> Optional[int]:
     return int(seed) if isinstance(seed, int) else None
 
 
-def set_sampler_seed(loader: Any, seed: Optional[int]) -> None:
-    """Use the shuffle seed of the run that saved (a new process may have agreed on another one)."""
-    if seed is None:
-        return
+def sampler_epoch_seed(loader: Any) -> Optional[int]:
+    """The seed the current pass of a ``SharedRandomSampler`` drew (None for other samplers)."""
     sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
-    if sampler is not None and hasattr(sampler, "initial_seed"):
+    seed = getattr(sampler, "epoch_seed", None)
+    return int(seed) if isinstance(seed, int) else None
+
+
+def set_sampler_seed(loader: Any, seed: Optional[int], epoch_seed: Optional[int] = None) -> None:
+    """Use the shuffle seed of the run that saved (a new process may have agreed on another one);
+    ``epoch_seed``: the seed the interrupted pass drew, which the resumed pass uses instead of a draw."""
+    sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+    if sampler is None:
+        return
+    if seed is not None and hasattr(sampler, "initial_seed"):
         sampler.initial_seed = int(seed)
+    if hasattr(sampler, "resume_seed"):
+        sampler.resume_seed = None if epoch_seed is None else int(epoch_seed)
 
 
 # -- iterable datasets that can say where they are ------------------------------------------------

@@ -12,35 +12,46 @@ from ..state import PartialState, data_parallel as current_data_parallel
 from ..topology import DataParallel
 from ..utils.operations import broadcast_object_list
 from .loaders import DataLoaderShard, SkipDataLoader, _TaggedCollate, loader_settings
-from .order import SeedableRandomSampler
+from .order import SeedableRandomSampler, SharedRandomSampler
 from .samplers import BatchSamplerShard, IterableDatasetShard, SkipBatchSampler
 
 
 # -- prepare ----------------------------------------------------------------------------------------
-def _agreed_seed(data_seed: Optional[int], generator: Optional[torch.Generator], state: PartialState) -> int:
-    """The shuffle seed every process uses: data_seed, the user's generator, else process 0's."""
-    if data_seed is not None:
-        return int(data_seed)
-    if generator is not None:
-        return int(generator.initial_seed())
-    seed = [int(torch.initial_seed())]
-    if state.use_distributed:
-        broadcast_object_list(seed, from_process=0)
-    return seed[0]
+def _process_zero_seed(seed: int) -> int:
+    """Process 0's ``seed`` on every process (a broadcast when processes run)."""
+    if not PartialState().use_distributed:
+        return int(seed)
+    box = [int(seed)]
+    broadcast_object_list(box, from_process=0)
+    return int(box[0])
 
 
-def _seedable(batch_sampler: Any, data_seed: Optional[int], state: PartialState) -> tuple[Any, bool]:
-    """A copy of ``batch_sampler`` whose RandomSampler is replaced by a SeedableRandomSampler."""
+def _shuffling(batch_sampler: Any, use_seedable_sampler: bool, data_seed: Optional[int],
+               agree: bool) -> tuple[Any, bool]:
+    """A copy of ``batch_sampler`` whose ``RandomSampler`` is replaced so that every process walks one
+    order; returns it and whether it was replaced.
+
+    ``use_seedable_sampler``: a :class:`SeedableRandomSampler` seeded by ``data_seed``, else process
+    0's ``torch.initial_seed()`` (Accelerate's order: seed + epoch). Otherwise a ``RandomSampler``
+    without a generator becomes a :class:`SharedRandomSampler` (the plain DataLoader's order, process
+    0's draw; ``agree``: broadcast it); one with the user's generator is kept (synchronised through
+    ``rng_types``).
+    """
     inner = getattr(batch_sampler, "sampler", None)
-    if not isinstance(inner, RandomSampler) or isinstance(inner, SeedableRandomSampler):
+    if not isinstance(inner, RandomSampler) or isinstance(inner, (SeedableRandomSampler, SharedRandomSampler)):
         return batch_sampler, False
-    if inner.generator is not None and data_seed is None:
+    if use_seedable_sampler:
+        seed = data_seed if data_seed is not None else _process_zero_seed(torch.initial_seed())
+        sampler: RandomSampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement,
+                                                       num_samples=inner._num_samples, generator=inner.generator,
+                                                       data_seed=seed)
+    elif inner.generator is not None:
         # The user's generator draws the order, as in a plain DataLoader (re-seeding it before an
         # epoch repeats that epoch's order); the "generator" RNG type keeps it equal on every process.
         return batch_sampler, False
-    seed = _agreed_seed(data_seed, inner.generator, state)
-    sampler = SeedableRandomSampler(inner.data_source, replacement=inner.replacement, num_samples=inner._num_samples,
-                                    generator=inner.generator, data_seed=seed)
+    else:
+        sampler = SharedRandomSampler(inner.data_source, replacement=inner.replacement,
+                                      num_samples=inner._num_samples, agree=_process_zero_seed if agree else None)
     new = copy.copy(batch_sampler)
     new.sampler = sampler
     return new, True
@@ -91,14 +102,17 @@ def prepare_data_loader(
     ``drop_last``); with ``dispatch_batches`` (default: iterable dataset and ``put_on_device``)
     process 0 reads the data and sends each process its part instead.
 
-    A ``RandomSampler`` without a generator of its own (or any, given ``data_seed``) is replaced by a
-    :class:`SeedableRandomSampler` so that every process shuffles identically: the seed is
-    ``data_seed``, else process 0's ``torch.initial_seed()``; each pass (or ``set_epoch``) gives a
-    new order. A sampler with the user's ``generator`` keeps drawing from it, as in a plain
-    DataLoader; ``rng_types`` with "generator" copies its state from process 0 at every pass. Custom
-    samplers and batch samplers are kept. The dataset, collate_fn, workers and other DataLoader
-    settings are kept. ``use_seedable_sampler`` is accepted for compatibility (shuffling is always
-    made reproducible); ``use_stateful_dataloader`` too: prepared loaders always have
+    Shuffling keeps the plain DataLoader's order, sharded: a ``RandomSampler`` without a generator
+    of its own is replaced by a :class:`SharedRandomSampler`, which draws each epoch's seed from the
+    global generator as ``RandomSampler`` does and uses process 0's draw on every process (so with
+    one process the batches are those of the unprepared loader, and N processes share that global
+    order). A sampler with the user's ``generator`` keeps drawing from it, as in a plain DataLoader;
+    ``rng_types`` with "generator" copies its state from process 0 at every pass.
+    ``use_seedable_sampler``: a :class:`SeedableRandomSampler` instead (order from ``data_seed``,
+    else process 0's ``torch.initial_seed()``, plus the epoch), as in Accelerate; ``data_seed`` has no
+    effect without it. Custom samplers and batch samplers are kept. The dataset, collate_fn, workers
+    and other DataLoader settings are kept. ``use_stateful_dataloader`` is accepted for
+    compatibility: prepared loaders always have
     ``state_dict``/``load_state_dict``. ``data_parallel`` (hasten's): the data-parallel view to shard
     over (the Accelerator passes its strategy's); default: the running Accelerator's.
     """
@@ -134,7 +148,14 @@ def prepare_data_loader(
                 "prepare_data_loader cannot shard a map-style DataLoader built with batch_size=None and a plain "
                 "sampler (it yields single samples); give it a batch_size, or a batch sampler as `sampler`"
             )
-        batch_sampler, replaced = _seedable(batch_sampler, data_seed, state)
+        if data_seed is not None and not use_seedable_sampler:
+            from ..state import warn_once
+
+            warn_once(f"data_seed={data_seed} only seeds the shuffle together with use_seedable_sampler=True (as in "
+                      "Accelerate); without it a shuffling DataLoader keeps the order the plain DataLoader has")
+        # Only process 0 walks the batch sampler of a dispatching loader: nothing to agree on then.
+        batch_sampler, replaced = _shuffling(batch_sampler, use_seedable_sampler, data_seed,
+                                             agree=not dispatch_batches)
         if not replaced:
             synchronized_generator = getattr(getattr(batch_sampler, "sampler", None), "generator", None)
     else:

@@ -242,9 +242,11 @@ class DataLoaderConfiguration:
     split_batches: the loader's batch size is the global one and is split across processes.
     dispatch_batches: rank 0 reads every batch and sends each rank its slice (default: True for
     iterable datasets, False otherwise). even_batches: pad the end so every rank gets the same
-    number of batches. use_seedable_sampler: accepted for compatibility and ignored: hasten's shuffling
-    is always reproducible and identical on every rank. data_seed: seed of the shuffle (default: agreed
-    across ranks at prepare time). non_blocking: asynchronous host-to-device copies.
+    number of batches. use_seedable_sampler: shuffle with a ``SeedableRandomSampler`` (order from
+    ``data_seed`` + epoch, as Accelerate's); by default a shuffling loader keeps the plain DataLoader's
+    order (process 0's draw, sharded), identical on every rank. data_seed: that sampler's seed
+    (default: process 0's ``torch.initial_seed()``); no effect without use_seedable_sampler, as in
+    Accelerate (a warning says so). non_blocking: asynchronous host-to-device copies.
     """
 
     split_batches: bool = False
