@@ -35,7 +35,7 @@ TOP_LEVEL_ELSEWHERE = {
 # Accelerator methods that belong to other work or need engines hasten does not have yet.
 ACCELERATOR_ELSEWHERE = {
     "profile", "init_trackers", "log", "get_tracker",  # issue 12
-    "lomo_backward", "maybe_context_parallel", "deepspeed_ulysses_dl_adapter", "fp8_backend",
+    "maybe_context_parallel", "fp8_backend",
 }
 # Names that scripts import from accelerate.utils (the issue's list).
 UTILS_NAMES = [

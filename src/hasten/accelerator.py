@@ -279,6 +279,12 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         return skip_first_batches(dataloader, num_batches=num_batches)
 
     # -- the training step ----------------------------------------------------------------------
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backward and update with the prepared LOMO optimizers (``hasten.optimizer.lomo_backward``)."""
+        from .optimizer import lomo_backward
+
+        lomo_backward(self._optimizers, loss, learning_rate)
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` divided by the accumulation steps and scaled for fp16."""
         token = progress.enter(progress.BACKWARD)  # DDP all-reduces the gradients in here
@@ -477,19 +483,27 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         inner = self.unwrap_model(model, keep_torch_compile=False)
         if safe_serialization and self.strategy.write_full_weights(inner, save_directory, max_shard_size, main):
             return
-        state_dict = self.get_state_dict(model)
+        if any(p.device.type == "meta" for p in inner.parameters()):  # offloaded (big-model hooks): read them back
+            from .utils.offload_state import get_state_dict_offloaded_model
+
+            state_dict = get_state_dict_offloaded_model(inner)
+            missing = [k for k in inner.state_dict() if k not in state_dict]
+            if missing:
+                raise ValueError(f"save_model: {missing} are on the meta device with no offloaded copy; load "
+                                 "them (load_checkpoint_in_model) before saving")
+        else:
+            state_dict = self.get_state_dict(model)
         save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
                    is_main_process=self.is_local_main_process if self.project_configuration.save_on_each_node
                    else self.is_main_process)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Add objects (with ``state_dict``/``load_state_dict``) to what ``save_state`` will store."""
-        for i, obj in enumerate(objects):
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
-                    f"register_for_checkpointing: object at position {i} ({type(obj).__name__}) has no "
-                    "state_dict()/load_state_dict(); wrap it in a class that provides both"
-                )
+        bad = [f"Item at index {i} ({type(obj).__name__})" for i, obj in enumerate(objects)
+               if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))]
+        if bad:  # ValueError, and every bad item named, as Accelerate
+            raise ValueError(f"register_for_checkpointing: {'; '.join(bad)} has no state_dict()/load_state_dict(); "
+                             "wrap each in a class that provides both")
         first = len(self._custom_objects)
         self._prepared.custom_objects.extend(objects)
         self._restore_registered_since(first)  # resume=...: state saved for objects registered after the resume

@@ -16,11 +16,17 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
+from ._lazy import lazy_module
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
     from .hooks import UserCpuOffloadHook
+
+# Accelerate's module also offers these two; they live in their own modules here, loaded on first use.
+__getattr__, __dir__ = lazy_module(__name__, {"load_checkpoint_in_model": "hasten.model_loading",
+                                              "attach_layerwise_casting_hooks": "hasten.layerwise_casting"})
 
 PathLike = Union[str, "os.PathLike[str]"]
 DeviceLike = Union[int, str, "torch.device"]

@@ -11,6 +11,7 @@ from .data import (
     BatchSamplerShard,
     DataLoaderDispatcher,
     DataLoaderShard,
+    DataLoaderStateMixin,
     EpochPlan,
     IterableDatasetShard,
     SeedableRandomSampler,
@@ -24,7 +25,7 @@ from .data import (
 )
 
 __all__ = [
-    "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "EpochPlan", "IterableDatasetShard",
+    "BatchSamplerShard", "DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "EpochPlan", "IterableDatasetShard",
     "SeedableRandomSampler", "SkipBatchSampler", "SkipDataLoader", "StepRecord", "gather_for_metrics",
     "get_sampler", "prepare_data_loader", "skip_first_batches",
 ]

@@ -11,6 +11,7 @@ is ``torch.cuda.is_initialized()`` at launch time; nothing in torch is patched t
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -151,6 +152,10 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
     child_env = dict(env, HASTEN_FORK_LAUNCHED="1", OMP_NUM_THREADS=str(threads), HASTEN_FAILURE_DIR=records,
                      # torch.cuda.is_available() (the agent calls it) must not initialise CUDA here
                      PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    # Cyclic garbage of an earlier launch (an agent, its TCP store) must be freed here: freed in a
+    # forked child instead, a store's destructor waits for a server thread the child does not have.
+    gc.collect()
+    failure: Optional[LaunchError] = None
     try:
         with patch_environment(**child_env):
             config = elastic_launch_config(
@@ -163,9 +168,15 @@ def _fork_launch(function: Callable, args: tuple, nprocs: int, env: dict[str, st
     except ChildFailedError as err:
         found = failure_report.from_agent(err.failures, node=node_rank, records_dir=records)
         first = failure_report.first_failure(found)
-        raise LaunchError(failure_report.report(found), first.rank, first.exitcode, err.name, err.failures) from None
+        failure = LaunchError(failure_report.report(found), first.rank, first.exitcode, err.name, err.failures)
+        # The agent's frames hold its rendezvous store (a listening server): a caller that keeps the
+        # error (a test runner does) must not keep the store, so the frames are cleared and the
+        # error is raised outside this block, without the agent's error as its context.
+        traceback.clear_frames(err.__traceback__)
     finally:
         shutil.rmtree(records, ignore_errors=True)
+    if failure is not None:
+        raise failure
 
 
 def notebook_launcher(function: Callable, args: tuple = (), num_processes: Optional[int] = None,

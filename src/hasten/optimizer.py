@@ -126,3 +126,27 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def lomo_backward(optimizers: list[AcceleratedOptimizer], loss: torch.Tensor, learning_rate: Optional[float]) -> None:
+    """Backward and update in one pass with LOMO optimizers (``lomo_optim.Lomo``/``AdaLomo``), as
+    ``Accelerator.lomo_backward``: each prepared LOMO optimizer runs its ``fused_backward``.
+
+    LOMO updates every parameter as soon as its gradient exists, so there is no separate
+    ``optimizer.step()`` and no gradient accumulation: the rate is given with the loss.
+    """
+    if learning_rate is None:
+        raise ValueError("lomo_backward: learning_rate is None; pass the rate of this step, e.g. "
+                         "accelerator.lomo_backward(loss, scheduler.get_last_lr()[0])")
+    try:
+        from lomo_optim import AdaLomo, Lomo
+    except ImportError:
+        raise ImportError("lomo_backward needs the LOMO optimizers, which are not installed: pip install lomo-optim, "
+                          "and prepare a lomo_optim.Lomo or AdaLomo optimizer") from None
+    lomo = [o.optimizer for o in optimizers if isinstance(o.optimizer, (Lomo, AdaLomo))]
+    if not lomo:
+        raise ValueError(f"lomo_backward: none of the prepared optimizers "
+                         f"({[type(o.optimizer).__name__ for o in optimizers]}) is a lomo_optim Lomo or AdaLomo; "
+                         "prepare one, or use accelerator.backward(loss) and optimizer.step()")
+    for optimizer in lomo:
+        optimizer.fused_backward(loss, learning_rate)

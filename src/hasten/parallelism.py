@@ -54,6 +54,16 @@ class ParallelLayoutMixin:
         """The ``ParallelismConfig`` in use, or ``None`` (plain data parallelism)."""
         return self._parallelism_config
 
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        """The loader for DeepSpeed Ulysses sequence parallelism; hasten has none (``sp_size`` must be 1,
+        ``ParallelismConfig`` refuses more), so ``dl`` is returned as it is, as Accelerate does at sp_size 1.
+        For long sequences, use ``cp_size`` (context parallelism)."""
+        sp_size = getattr(self.parallelism_config, "sp_size", 1) or 1
+        if sp_size > 1:  # not reachable through ParallelismConfig; an object made otherwise is refused
+            raise ValueError(f"deepspeed_ulysses_dl_adapter: sp_size={sp_size}: DeepSpeed Ulysses sequence "
+                             "parallelism is not available in hasten; use ParallelismConfig(cp_size=...) instead")
+        return dl
+
     @property
     def torch_device_mesh(self) -> Optional[Any]:
         """The torch ``DeviceMesh`` of the ``parallelism_config`` layout, or ``None`` without one (or

@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import uuid
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
@@ -324,13 +325,22 @@ def save(obj: Any, f: Union[PathLike, IO[bytes]], save_on_each_node: bool = Fals
         from safetensors.torch import save_file
 
         tensors, aliases = _prepare(obj, safe=True, what="save(safe_serialization=True)")
-        if aliases:
+        if aliases and not isinstance(obj, OrderedDict):
             pairs = [f"{a!r} is {c!r}" for a, c in aliases.items()]
             raise ValueError(
                 f"save(safe_serialization=True): safetensors cannot store tensors that share memory ({_listing(pairs)}); "
-                "use save_model, which records the ties, or clone one of each pair"
+                "pass a module's state_dict() (its ties are then stored once), use save_model, which records the "
+                "ties, or clone one of each pair"
             )
         metadata = {"format": "pt"}
+        if aliases:  # a state_dict(), as Accelerate: one name of each tie is kept (safetensors cannot share memory)
+            import warnings
+
+            pairs = [f"{a!r} (same tensor as {c!r})" for a, c in aliases.items()]
+            warnings.warn(f"save(safe_serialization=True): left out {_listing(pairs)}, which share memory with "
+                          f"saved tensors; the ties are recorded in the file's metadata ({ALIASES_KEY!r}), which "
+                          "load_checkpoint_in_model uses to restore them", UserWarning, stacklevel=2)
+            metadata[ALIASES_KEY] = json.dumps(dict(aliases), sort_keys=True)
         if path is None:
             f.write(safe_bytes(tensors, metadata=metadata))  # type: ignore[union-attr]
         else:

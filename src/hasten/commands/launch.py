@@ -30,15 +30,30 @@ _OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu
                        "MULTI_HPU": "hpu"}
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "launch", help="Start a training script on every process (torch's elastic agent).",
+def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``hasten launch`` (a sub-command of ``subparsers``, or alone), as Accelerate's
+    ``launch_command_parser``: ``launch_command(launch_command_parser().parse_args([...]))`` launches."""
+    from .arg_parser import ArgParser
+
+    settings = dict(
+        help="Start a training script on every process (torch's elastic agent).",
         description="Start SCRIPT on the configured processes. Each setting comes from its flag, else the "
                     "environment, else the config file, else its default (see --dry_run).",
         usage="hasten launch [flags] script.py [script args]  (or -m module, --no_python program)",
     )
-    add_launch_arguments(p)
-    p.set_defaults(func=launch_command)
+    if subparsers is not None:
+        parser = subparsers.add_parser("launch", **settings)
+        parser.set_defaults(func=_launch_from_cli)
+    else:
+        settings.pop("help")
+        parser = ArgParser(prog="hasten launch", **settings)
+        parser.set_defaults(func=launch_command)
+    add_launch_arguments(parser)
+    return parser
+
+
+def add_parser(subparsers: Any) -> None:
+    launch_command_parser(subparsers)
 
 
 def _config(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Optional[str], dict, str]:
@@ -367,12 +382,30 @@ def _display_command(plan: Plan) -> list[str]:
     return [entrypoint, *args]
 
 
-def launch_command(args: argparse.Namespace) -> int:
+def _launch_from_cli(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if getattr(args, "dry_run", False):
         print(explain(plan))
         return 0
     return run_plan(plan, exec_ok=getattr(args, "_exec_ok", False))
+
+
+def launch_command(args: argparse.Namespace) -> None:
+    """Run the job ``args`` (from ``launch_command_parser``) from Python and wait for it, as Accelerate's.
+
+    The caller's environment is left as it was; a job that fails raises
+    ``subprocess.CalledProcessError`` with its exit status (a bad setting: ``HastenCLIError``).
+    """
+    import subprocess
+
+    saved = dict(os.environ)
+    try:
+        code = _launch_from_cli(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if code:
+        raise subprocess.CalledProcessError(code, [args.training_script, *getattr(args, "training_script_args", [])])
 
 
 def run_plan(plan: Plan, exec_ok: bool = False) -> int:

@@ -126,6 +126,21 @@ def _specs(outline: Any, out: list) -> list:
     return out
 
 
+def _default_sampling(dataset: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the sampler a ``DataLoader`` would build from ``batch_size``/``shuffle``/``drop_last``."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    kwargs = dict(kwargs)
+    shuffle = kwargs.pop("shuffle", False)
+    sampler = RandomSampler(dataset, generator=kwargs.get("generator")) if shuffle else SequentialSampler(dataset)
+    batch_size = kwargs.pop("batch_size", 1)
+    if batch_size is None:  # no batching: one sample at a time
+        kwargs["sampler"] = sampler
+    else:
+        kwargs["batch_sampler"] = BatchSampler(sampler, batch_size, kwargs.pop("drop_last", False))
+    return kwargs
+
+
 class _HeadSkipBatchSampler(BatchSampler):
     """Yields the first ``head`` batches, then those from ``skip`` on: O(1) skipping, exact padding."""
 
@@ -184,6 +199,8 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
         iterable = isinstance(dataset, IterableDataset)
         inner = None
         if not iterable:
+            if kwargs.get("batch_sampler") is None and kwargs.get("sampler") is None:
+                kwargs = _default_sampling(dataset, kwargs)  # built by hand, as a DataLoader: batch_size=, shuffle=
             key = "batch_sampler" if kwargs.get("batch_sampler") is not None else "sampler"
             inner = kwargs[key]
             if not isinstance(inner, _HeadSkipBatchSampler):

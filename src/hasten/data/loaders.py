@@ -71,7 +71,42 @@ def place(batch: Any, device: Optional[torch.device], non_blocking: bool) -> Any
     return send_to_device(batch, device, non_blocking=non_blocking)
 
 
-class PreparedLoaderMixin:
+class DataLoaderStateMixin:
+    """Where a loader is in its pass, as the gradient state reads it (Accelerate's mixin, for loaders of one's own).
+
+    ``end_of_dataloader``: the batch handed out last is the pass's last. ``remainder``: samples in
+    the last global batch when it is short (``-1`` when unknown or with ``drop_last``). A subclass
+    provides ``dataset``, ``total_batch_size``, ``_drop_last`` and ``gradient_state``, and calls
+    ``begin()`` before its pass and ``end()`` after it.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.end_of_dataloader = False
+        cls.remainder = -1
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def begin(self) -> None:
+        """Register this loader as the running one, its remainder known when it can be."""
+        self.reset()
+        try:
+            if not self._drop_last:
+                length = getattr(self, "total_dataset_length", None)
+                length = len(self.dataset) if length is None else length
+                self.remainder = length % self.total_batch_size
+        except (TypeError, AttributeError, ZeroDivisionError, NotImplementedError):
+            pass
+        self.gradient_state._add_dataloader(self)
+
+    def end(self) -> None:
+        """The pass is over: the loader that ran before this one (if any) is the running one again."""
+        self.gradient_state._remove_dataloader(self)
+
+
+class PreparedLoaderMixin(DataLoaderStateMixin):
     """Epoch, resume and ``gather_for_metrics`` bookkeeping shared by the prepared loaders.
 
     Attributes read by ``gather_for_metrics``: ``_plan`` (the current :class:`EpochPlan`),

@@ -3,8 +3,23 @@ objects (``dataclasses``) and the fp8 recipes (``fp8_recipes``) can build on it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import Any
+
+# Prefixes of the variables from which fields left unset take their value (as Accelerate, a value
+# that came from the environment differs from the default, so to_kwargs reports it).
+_SETTING_PREFIXES = ("HASTEN_", "ACCELERATE_")
+
+
+def _default_without_environment(cls: type) -> Any:
+    hidden = {k: v for k, v in os.environ.items() if k.startswith(_SETTING_PREFIXES)}
+    for key in hidden:
+        del os.environ[key]
+    try:
+        return cls()
+    finally:
+        os.environ.update(hidden)
 
 
 class KwargsHandler:
@@ -15,5 +30,5 @@ class KwargsHandler:
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields whose value differs from the default."""
-        default = self.__class__()
+        default = _default_without_environment(self.__class__)
         return {k: v for k, v in self.to_dict().items() if getattr(default, k) != v}

@@ -22,9 +22,13 @@ if TYPE_CHECKING:  # pragma: no cover
 DeviceLike = Union[int, str, "torch.device"]
 
 # Accelerate keeps the planner in this module; here it has its own module, imported on first use.
+# The same holds for the checkpoint loader, the offload helpers and align_module_device.
 __getattr__, __dir__ = lazy_module(__name__, {
-    name: "hasten.utils.device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
-                                     "clean_device_map", "convert_file_size_to_int")
+    **{name: "hasten.utils.device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
+                                        "clean_device_map", "convert_file_size_to_int")},
+    "load_checkpoint_in_model": "hasten.model_loading",
+    "align_module_device": "hasten.hooks",
+    **{name: "hasten.utils.offload_state" for name in ("get_state_dict_offloaded_model", "get_state_dict_from_offload")},
 })
 
 
@@ -383,7 +387,12 @@ def check_device_map(model: "nn.Module", device_map: Mapping[str, DeviceLike]) -
     import warnings
 
     modules = dict(model.named_modules())
-    unknown = [k for k in device_map if k and k not in modules and k.rpartition(".")[0] not in modules]
+    def names_a_tensor(key: str) -> bool:  # "layer.weight": a direct parameter or buffer of a submodule
+        parent, _, leaf = key.rpartition(".")
+        owner = modules.get(parent)
+        return owner is not None and (leaf in owner._parameters or leaf in owner._buffers)
+
+    unknown = [k for k in device_map if k and k not in modules and not names_a_tensor(k)]
     if unknown:
         warnings.warn(f"device_map names {unknown}, which are not submodules (or tensors) of "
                       f"{type(model).__name__}; those entries are unused", UserWarning, stacklevel=3)

@@ -541,6 +541,8 @@ def listify(data: Any) -> Any:
 
 
 def _is_half_float(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):  # the common case, and the one torch.compile can trace
+        return data.dtype in (torch.float16, torch.bfloat16)
     return getattr(data, "dtype", None) in (torch.float16, torch.bfloat16) and callable(getattr(data, "float", None))
 
 

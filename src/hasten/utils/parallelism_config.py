@@ -116,6 +116,22 @@ class ParallelismConfig:
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SIZES + ("cp_backend",)}
 
+    def build_device_mesh(self, device_type: str) -> Any:
+        """The torch ``DeviceMesh`` of this layout on ``device_type`` ("cuda", "cpu", ...), with the joint
+        dimensions ``dp``, ``dp_shard_cp`` and ``dp_cp`` flattened as Accelerate's; ``None`` when every
+        size is 1. Collective: every process of the (already initialised) process group calls it."""
+        if self.total_size == 1:
+            return None
+        import torch.distributed as dist
+
+        from ..strategies.mesh import ParallelMesh
+
+        if not (dist.is_available() and dist.is_initialized()):
+            world, rank = 1, 0  # the layout check below names the mismatch before torch would hang
+        else:
+            world, rank = dist.get_world_size(), dist.get_rank()
+        return ParallelMesh(self.sizes(), rank, world, device_type).device_mesh()
+
     # -- checks before the process group ----------------------------------------------------------
     def check(self, world_size: int, sharded: bool, device_type: str) -> None:
         """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
