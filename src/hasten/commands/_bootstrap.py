@@ -61,6 +61,15 @@ def _under_launcher() -> bool:
     return bool(os.environ.get("HASTEN_FAILURE_DIR"))
 
 
+def _restarts_left() -> bool:
+    """The agent will start this job again after a failure (``--max_restarts`` not used up)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+
+
 def write_record(kind: str, summary: str, text: str = "", consequence: bool = False, exit_code: int = 1) -> None:
     """Leave the failure where the agent looks for it (torch's error-file format plus ours)."""
     now = time.time()
@@ -255,7 +264,12 @@ def main(argv: list) -> None:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
         write_record("exception", summary, text, is_peer_failure(exc), 1)
-        if not _under_launcher():
+        if _under_launcher() and _restarts_left():
+            # The agent restarts the job and the launcher reports only the last attempt: one line here.
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            print(f"hasten: rank {os.environ.get('RANK')} failed in attempt {attempt + 1} (the job restarts): "
+                  f"{summary}", file=sys.stderr, flush=True)
+        elif not _under_launcher():
             exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
             sys.excepthook(type(exc), exc, tb)
         sys.exit(1)
