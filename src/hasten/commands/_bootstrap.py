@@ -267,8 +267,9 @@ def main(argv: list) -> None:
         if _under_launcher() and _restarts_left():
             # The agent restarts the job and the launcher reports only the last attempt: one line here.
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            print(f"hasten: rank {os.environ.get('RANK')} failed in attempt {attempt + 1} (the job restarts): "
-                  f"{summary}", file=sys.stderr, flush=True)
+            why = "its collective broke (another process failed)" if is_peer_failure(exc) else summary
+            print(f"hasten: rank {os.environ.get('RANK')} failed in attempt {attempt + 1} (the job restarts): {why}",
+                  file=sys.stderr, flush=True)
         elif not _under_launcher():
             exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
             sys.excepthook(type(exc), exc, tb)
