@@ -123,6 +123,9 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
             print(f"hasten: error: a process failed: {err}", file=sys.stderr)
             return 1
         print(failure_report.report(found, quiet=plan.quiet), file=sys.stderr)
+        if plan.res["log_dir"]:
+            print(f"hasten: every failed rank's traceback: {logs.root_log_dir}/attempt_*/<local rank>/traceback.log",
+                  file=sys.stderr)
         return failure_report.exit_status(failure_report.first_failure(found))
     except SignalException as exc:
         if watchdog.report is not None:
