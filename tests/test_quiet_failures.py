@@ -96,3 +96,33 @@ def test_ctrl_c_is_one_line_and_exit_status_130(tmp_path):
     assert proc.returncode == 130, err
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
     assert err.strip().splitlines() == ["hasten: interrupted (Ctrl-C); stopped 2 processes"], err
+
+
+WARNING = '''
+import warnings
+from hasten.warning_kinds import HastenWarning
+
+warnings.warn("hasten says this", HastenWarning)
+warnings.warn("the user says this", UserWarning)
+with warnings.catch_warnings(record=True) as caught:  # pytest's way of catching still catches it
+    warnings.simplefilter("always")
+    warnings.warn("caught", HastenWarning)
+assert [str(w.message) for w in caught] == ["caught"]
+'''
+
+
+def test_the_wrapper_shows_hasten_warnings_in_one_line_and_obeys_dash_w(tmp_path):
+    from hasten.commands.elastic import BOOTSTRAP
+
+    path = tmp_path / "warn.py"
+    path.write_text(WARNING)
+    env = clean_env(tmp_path / "absent.yaml")
+    shown = subprocess.run([sys.executable, BOOTSTRAP, path], env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stderr.splitlines()
+    assert lines[0] == "hasten: warning: hasten says this", shown.stderr
+    assert "UserWarning: the user says this" in lines[1] and "caught" not in shown.stderr, shown.stderr
+    quiet = subprocess.run([sys.executable, "-W", "ignore::hasten.warning_kinds.HastenWarning", BOOTSTRAP, path],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and "hasten says this" not in quiet.stderr, quiet.stderr
+    assert "UserWarning: the user says this" in quiet.stderr, quiet.stderr
