@@ -41,6 +41,7 @@ from .utils.dataclasses import (
     TorchDynamoPlugin,
 )
 from .utils.other import unwrap_compiled
+from .warning_kinds import HastenWarning
 
 
 class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, TrackingMixin, ParallelLayoutMixin):
@@ -339,7 +340,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             return
         if not self.strategy.supports_join:
             warnings.warn(f"join_uneven_inputs works with DistributedDataParallel only; with {self.distributed_type} "
-                          "it has no effect", stacklevel=3)
+                          "it has no effect", HastenWarning, stacklevel=3)
             yield
             return
         from torch.distributed.algorithms.join import Join
@@ -350,7 +351,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             if len(changed) < len(self._dataloaders):
                 warnings.warn(f"join_uneven_inputs(even_batches={even_batches}) cannot change "
                               f"{len(self._dataloaders) - len(changed)} dataloader(s) that shard an iterable dataset "
-                              "on each process (dispatch_batches=False); they keep their setting", stacklevel=3)
+                              "on each process (dispatch_batches=False); they keep their setting",
+                              HastenWarning, stacklevel=3)
             for dl in changed:
                 dl.set_even_batches(even_batches)
         else:

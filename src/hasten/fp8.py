@@ -40,6 +40,7 @@ from .utils.fp8_backends import (
     recipe_label,
     require_backend,
 )
+from .warning_kinds import HastenWarning
 
 logger = get_logger(__name__)
 
@@ -253,7 +254,7 @@ class Float8Plan:
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, stacklevel=5)  # the script line that called prepare()
+            warnings.warn(message, HastenWarning, stacklevel=5)  # the script line that called prepare()
 
 
 def too_small_for_float8(layer: nn.Module, recipe: str) -> bool:

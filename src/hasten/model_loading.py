@@ -29,6 +29,7 @@ from .saving import (
     _listing,
     find_aliases,
 )
+from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -299,7 +300,7 @@ def _check_ties(ties: Mapping[str, set], device_map: Optional[Mapping[str, Any]]
                                  "devices; put the modules holding them on the same device (infer_auto_device_map "
                                  "does this)")
             warnings.warn(f"load_checkpoint_in_model: tied weights {devices} are mapped to different devices; they "
-                          "stay tied, on the device of the first one loaded", stacklevel=3)
+                          "stay tied, on the device of the first one loaded", HastenWarning, stacklevel=3)
 
 
 def _device_for(name: str, device_map: Optional[Mapping[str, Any]]) -> Any:
@@ -546,7 +547,7 @@ def load_checkpoint_in_model(
         warnings.warn(
             f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks {_listing(missing) if missing else 'nothing'} "
             f"and has extra {_listing(unexpected) if unexpected else 'nothing'} for {type(model).__name__}; the "
-            "matching weights were loaded (strict=True makes this an error)", stacklevel=2,
+            "matching weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=2,
         )
 
     placer = _Placer(model, device_map, dtype, keep_in_fp32_modules or [], offload_folder, offload_buffers)

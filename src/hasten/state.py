@@ -26,6 +26,7 @@ from .strategy_rules import distributed_type_for
 from .topology import DataParallel, Topology, detect_topology
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, PrecisionType
 from .utils.environment import parse_choice, parse_flag
+from .warning_kinds import HastenWarning
 
 class SharedDict:
     """Mixin: every instance of a subclass shares one ``__dict__`` (a process-wide singleton)."""
@@ -549,4 +550,4 @@ def is_initialized() -> bool:
 def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - the set is the memory
     if message not in _seen:
         _seen.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, HastenWarning, stacklevel=3)

@@ -25,6 +25,7 @@ import torch
 
 from . import layout, restorer, rng, unpickling
 from .fileio import CheckpointCorruptError
+from ..warning_kinds import HastenWarning
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
 _SIGNS = re.compile(r"^(pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
@@ -233,7 +234,8 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
         out["scaler"] = _dict(path("scaler.pt"), _torch_load(path("scaler.pt")))
     elif "scaler.pt" in names or scaler_here:
         warnings.warn("load_state: the Accelerate checkpoint and this run differ in fp16 gradient scaling; the "
-                      "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"), stacklevel=5)
+                      "scaler " + ("state is ignored" if "scaler.pt" in names else "starts fresh"),
+                      HastenWarning, stacklevel=5)
     out["loaders"] = _loader_positions(acc, folder, names)
     rng_files = sorted((n for n in names if _RNG.match(n)), key=lambda n: int(_RNG.match(n).group(1)))
     if rng_files:
@@ -248,7 +250,7 @@ def _read(acc: Any, folder: str, names: set[str], allow_pickle: bool, custom_lat
         out["rng_world"] = saved_world
     else:
         warnings.warn("load_state: the Accelerate checkpoint has no random_states_*.pkl; random generators and "
-                      "the step counter are left as they are", stacklevel=5)
+                      "the step counter are left as they are", HastenWarning, stacklevel=5)
     return out
 
 
@@ -272,11 +274,12 @@ def _loader_positions(acc: Any, folder: str, names: set[str]) -> list[Optional[d
         sampler = dl.get_sampler() if hasattr(dl, "get_sampler") else getattr(dl, "sampler", None)
         if isinstance(sampler, torch.utils.data.RandomSampler):
             warnings.warn(f"load_state: dataloader {i} continues after {done} batches ({file}); its shuffled order "
-                          "is hasten's, not torchdata's, so the samples of the rest of the epoch differ", stacklevel=6)
+                          "is hasten's, not torchdata's, so the samples of the rest of the epoch differ",
+                          HastenWarning, stacklevel=6)
         out.append({"epoch": int(getattr(dl, "iteration", 0)), "batches_yielded": done})
     if "sampler.bin" in names:
         warnings.warn("load_state: sampler.bin (a pickled Accelerate sampler object) is not unpickled; the "
-                      "loader's shuffling follows hasten's seed", stacklevel=6)
+                      "loader's shuffling follows hasten's seed", HastenWarning, stacklevel=6)
     return out
 
 
@@ -331,5 +334,5 @@ def load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool,
                          f"{acc.num_processes}: process r takes the random states of saved process r % "
                          f"{loaded['rng_world']}")
     for note in notes:
-        warnings.warn(f"load_state: {note}", stacklevel=4)
+        warnings.warn(f"load_state: {note}", HastenWarning, stacklevel=4)
     return folder

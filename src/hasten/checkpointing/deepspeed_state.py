@@ -283,7 +283,7 @@ class DeepSpeedCheckpoint:
                 f"{entry.get('world_size')} processes and this run is {self._this_run()}: the consolidated fp32 "
                 "weights were loaded, the optimizer state (moments, step counts, fp16 loss scale) was not restored "
                 "and the optimizers start fresh (with the saved hyperparameters, learning rate included); "
-                "schedulers, data positions, RNG and registered objects were restored",
+                "schedulers, data positions, RNG and registered objects were restored", HastenWarning,
                 stacklevel=4)
             self.weights, self.groups = {}, {}
             return
@@ -526,5 +526,6 @@ _HOW_TO_STEP = ("foreach", "fused", "capturable", "differentiable")
 
 
 from .backends import register  # noqa: E402
+from ..warning_kinds import HastenWarning
 
 register(KEY, DeepSpeedCheckpoint.for_reading)

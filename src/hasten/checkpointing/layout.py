@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 from ..contained import why_outside
 from ..saving import fsync_fd, fsync_path
+from ..warning_kinds import HastenWarning
 
 MANIFEST = "manifest.json"
 FORMAT = "hasten-checkpoint"
@@ -302,7 +303,7 @@ def warn_skipped(skipped: list[str]) -> None:
         import warnings
 
         warnings.warn("passed over newer checkpoint folders that are not complete hasten checkpoints (damaged, "
-                      "interrupted, or not hasten's):\n  - " + "\n  - ".join(skipped), stacklevel=3)
+                      "interrupted, or not hasten's):\n  - " + "\n  - ".join(skipped), HastenWarning, stacklevel=3)
 
 
 def write_manifest(folder: str, manifest: dict[str, Any]) -> None:

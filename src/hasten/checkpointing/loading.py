@@ -15,6 +15,7 @@ from ..state import warn_once
 from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .collectives import broadcast_from_main, gather
 from .fileio import HASH_THREADS, Bounce, CheckpointCorruptError, quiet_frombuffer
+from ..warning_kinds import HastenWarning
 
 _KINDS = {
     "mismatch": CheckpointMismatchError, "corrupt": CheckpointCorruptError,
@@ -107,7 +108,7 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     checksums = bool(extra.pop("_verify_checksums", True))
     extra.pop("map_location", None)  # state always goes where the live objects are
     if extra:
-        warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", stacklevel=3)
+        warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", HastenWarning, stacklevel=3)
     allow_pickle = load_kwargs.get("weights_only", True) is False
     quiet_frombuffer()
     folder = resolve_folder(acc, input_dir)
@@ -200,7 +201,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
                      f"dataloaders continue at the same sample, process r takes the random states of saved process "
                      f"r % {saved_world}, so the run is not bitwise identical to one that kept {saved_world} processes")
     for note in notes:
-        warnings.warn(f"load_state: {note}", stacklevel=3)
+        warnings.warn(f"load_state: {note}", HastenWarning, stacklevel=3)
     return folder
 
 
@@ -247,7 +248,7 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
         out["scaler"] = reader.state(contents["scaler"])[0]
     elif contents["scaler"] is not None or acc.precision.scaler is not None:
         warnings.warn("load_state: the checkpoint and this run differ in fp16 gradient scaling; the scaler "
-                      + ("state is ignored" if contents["scaler"] else "starts fresh"), stacklevel=4)
+                      + ("state is ignored" if contents["scaler"] else "starts fresh"), HastenWarning, stacklevel=4)
     out["custom"] = [reader.state(e["file"], allow_pickle)[0] for e in contents["custom_objects"]]
     source = resume.saved_rank_for(acc.process_index, int(manifest["world_size"]))
     rank_state, _ = reader.state(saver.rank_file(source))

@@ -18,6 +18,7 @@ from . import commit, layout, resume, rng, saver
 from .collectives import broadcast_from_main
 from .loading import load_checkpoint
 from .prehooks import CheckpointSession
+from ..warning_kinds import HastenWarning
 
 
 class CheckpointMixin:
@@ -124,10 +125,10 @@ class CheckpointMixin:
             staging_limit = staging_limit_bytes(staging_limit)
         if not safe_serialization:
             warnings.warn("save_state(safe_serialization=False): hasten checkpoints always store weights as "
-                          "safetensors", stacklevel=2)
+                          "safetensors", HastenWarning, stacklevel=2)
         if save_model_func_kwargs:
             warnings.warn(f"save_state ignores {sorted(save_model_func_kwargs)} (DeepSpeed/Megatron options)",
-                          stacklevel=2)
+                          HastenWarning, stacklevel=2)
         if not pc.automatic_checkpoint_naming and output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
         self._refuse_sharded_on_each_node()
@@ -247,7 +248,8 @@ class CheckpointMixin:
         try:
             if pc.automatic_checkpoint_naming:
                 if output_dir is not None:
-                    warnings.warn("save_state(output_dir) is ignored with automatic_checkpoint_naming", stacklevel=3)
+                    warnings.warn("save_state(output_dir) is ignored with automatic_checkpoint_naming",
+                                  HastenWarning, stacklevel=3)
                 root = layout.auto_root(pc.project_dir)
                 os.makedirs(root, exist_ok=True)
                 layout.recover_all(root)  # before numbering: a recovered checkpoint keeps its number

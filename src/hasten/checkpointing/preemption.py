@@ -29,6 +29,8 @@ import signal
 import warnings
 from typing import Any, Iterable, Optional, Sequence
 
+from ..warning_kinds import HastenWarning
+
 _HANDLERS = itertools.count()  # handlers are installed in the same order on every process
 
 
@@ -117,11 +119,12 @@ class PreemptionHandler:
             return
         if clock[0] == self.target[0] and clock > self.target:  # ran apart without meeting in a collective
             warnings.warn(f"preemption: this process passed the agreed boundary {self.target} (at {clock}) "
-                          "before learning it; saving here", stacklevel=2)
+                          "before learning it; saving here", HastenWarning, stacklevel=2)
         self.uninstall()
         acc = self.accelerator
         self.saved = acc.save_state(self.output_dir)
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another process"
         if acc.is_main_process:
-            warnings.warn(f"preemption ({name}): saved {self.saved}; exiting with code {self.exit_code}", stacklevel=2)
+            warnings.warn(f"preemption ({name}): saved {self.saved}; exiting with code {self.exit_code}",
+                          HastenWarning, stacklevel=2)
         raise SystemExit(self.exit_code)

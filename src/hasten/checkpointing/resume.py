@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from . import layout
 from .collectives import broadcast_from_main
+from ..warning_kinds import HastenWarning
 
 RESUME_CHOICES = ("auto", "never")
 
@@ -48,7 +49,7 @@ def convert_loader_state(state: dict[str, Any], saved: dict[str, Any], dataloade
         warnings.warn(
             f"dataloader {index}: {samples} samples of epoch {state.get('epoch')} were consumed in batches of "
             f"{old_total}; with batches of {new_total} the resume starts at sample {steps * new_total}, so "
-            f"{rest} samples are seen twice",
+            f"{rest} samples are seen twice", HastenWarning,
             stacklevel=4,
         )
     state["batches_yielded"] = steps

@@ -22,6 +22,7 @@ import torch
 from ..saving import ALIASES_KEY, find_aliases
 from . import codec, rng
 from .fileio import write_bytes, write_safetensors
+from ..warning_kinds import HastenWarning
 
 SKELETON_KEY = "hasten_skeleton"
 CLASS_KEY = "hasten_class"
@@ -152,7 +153,7 @@ def plan_custom(objects: list[Any]) -> list[dict[str, Any]]:
                 f"register_for_checkpointing object {i} ({name}): its state needs pickle ({e}); it is saved as "
                 f"custom_checkpoint_{i}.pt and loading it needs load_state(..., load_kwargs={{'weights_only': False}}) "
                 "(only for checkpoints you trust). Return tensors, numbers, strings, lists and dicts from "
-                "state_dict() to avoid this",
+                "state_dict() to avoid this", HastenWarning,
                 stacklevel=4,
             )
             entries.append({"file": f"custom_checkpoint_{i}.pt", "class": name, "pickle": True})

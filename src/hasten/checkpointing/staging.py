@@ -38,6 +38,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..warning_kinds import HastenWarning
+
 _ALIGN = 64  # every view starts on a cache line (more than any dtype's alignment)
 _PAGE = 4096
 
@@ -106,7 +108,7 @@ class Arena:
         if error != 0:
             warnings.warn(f"save_state(blocking=False): page-locking {flat.numel() / 2**30:.1f} GiB of staging memory "
                           f"failed (CUDA error {error}); staging into pageable memory, which copies from the GPU "
-                          "more slowly", stacklevel=6)
+                          "more slowly", HastenWarning, stacklevel=6)
             return False
         self._finalizer = weakref.finalize(self, _unpin, flat, flat.data_ptr())
         self._finalizer.atexit = False  # never call into CUDA while the interpreter shuts down
@@ -221,7 +223,7 @@ class Stager:
                 f"this save's staging buffers; {spilled} bytes are staged into pageable memory made for each save and "
                 "freed once it is written (slower: fresh pages at every save, CUDA tensors copied synchronously). "
                 "Raise the limit (or HASTEN_STAGING_MEMORY_LIMIT) to keep them between saves. Said once.",
-                stacklevel=4)
+                HastenWarning, stacklevel=4)
         return views
 
     def stage(self, items: list) -> list:

@@ -55,6 +55,21 @@ def _skip_runner_frames(tb):
     return tb
 
 
+def _under_launcher() -> bool:
+    """True when ``hasten launch``'s agent started this process: the launcher collects the records
+    and prints the first failing rank's traceback itself, so this process does not print its own."""
+    return bool(os.environ.get("HASTEN_FAILURE_DIR"))
+
+
+def _restarts_left() -> bool:
+    """The agent will start this job again after a failure (``--max_restarts`` not used up)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+
+
 def write_record(kind: str, summary: str, text: str = "", consequence: bool = False, exit_code: int = 1) -> None:
     """Leave the failure where the agent looks for it (torch's error-file format plus ours)."""
     now = time.time()
@@ -81,6 +96,14 @@ def write_record(kind: str, summary: str, text: str = "", consequence: bool = Fa
             os.replace(tmp, path)
         except OSError:
             pass  # reporting must never hide the original error
+    if text and paths[0]:
+        # The full traceback, readable, in this rank's folder of the agent's log folder (--log_dir):
+        # the terminal shows only the first failing rank's.
+        try:
+            with open(os.path.join(os.path.dirname(paths[0]), "traceback.log"), "a") as f:
+                f.write(text)
+        except OSError:
+            pass
 
 
 def _sibling(name: str):
@@ -156,6 +179,35 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before the request took effect
 
 
+def _show_hasten_warnings() -> None:
+    """Show hasten's own warnings (``HastenWarning``) as one line ``hasten: warning: ...``.
+
+    Set here, in a process the launcher owns, never by the library: ``python script.py`` keeps
+    Python's display. Only the display changes: Python applies the filters (``-W``,
+    ``PYTHONWARNINGS``, ``warnings.filterwarnings``) before calling ``showwarning``, every other
+    category goes to the display it replaces, and ``catch_warnings(record=True)`` (pytest) or
+    ``logging.captureWarnings`` still take over as usual.
+    """
+    import warnings
+
+    python_display = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        # By name: this file must not import the hasten package (see the module docstring).
+        if not any(c.__name__ == "HastenWarning" and c.__module__.startswith("hasten") for c in category.__mro__):
+            return python_display(message, category, filename, lineno, file, line)
+        stream = sys.stderr if file is None else file
+        if stream is None:
+            return None
+        try:
+            stream.write(f"hasten: warning: {message}\n")
+        except (OSError, ValueError):
+            pass  # like Python's own display: a warning never fails the script
+        return None
+
+    warnings.showwarning = show
+
+
 def _is_zip(path: str) -> bool:
     import zipfile
 
@@ -171,6 +223,7 @@ def main(argv: list) -> None:
     target, args = argv[0], argv[1:]
     _die_with_launcher()
     _sibling("_lines").install()
+    _show_hasten_warnings()
     _start_heartbeat()
     sys.argv = [target, *args]
     if module:
@@ -195,12 +248,14 @@ def main(argv: list) -> None:
     except SystemExit:
         raise
     except KeyboardInterrupt as exc:
-        # Stopped (Ctrl-C, or the launcher passing on a signal): not a failure to record. Show
-        # where it stopped, then end by SIGINT as Python itself would.
+        # Stopped (Ctrl-C, or the launcher passing on a signal): not a failure to record. Under the
+        # launcher, which says in one line that the job was interrupted, stay silent; else show
+        # where it stopped. Then end by SIGINT as Python itself would.
         import signal
 
-        traceback.print_exception(type(exc), exc, _skip_runner_frames(exc.__traceback__))
-        sys.stderr.flush()
+        if not _under_launcher():
+            traceback.print_exception(type(exc), exc, _skip_runner_frames(exc.__traceback__))
+            sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         raise
@@ -209,8 +264,15 @@ def main(argv: list) -> None:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
         write_record("exception", summary, text, is_peer_failure(exc), 1)
-        exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
-        sys.excepthook(type(exc), exc, tb)
+        if _under_launcher() and _restarts_left():
+            # The agent restarts the job and the launcher reports only the last attempt: one line here.
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            why = "its collective broke (another process failed)" if is_peer_failure(exc) else summary
+            print(f"hasten: rank {os.environ.get('RANK')} failed in attempt {attempt + 1} (the job restarts): {why}",
+                  file=sys.stderr, flush=True)
+        elif not _under_launcher():
+            exc.__traceback__ = tb  # some hooks (torch's rank-prefixing one) read it from the exception
+            sys.excepthook(type(exc), exc, tb)
         sys.exit(1)
     _finish()
 

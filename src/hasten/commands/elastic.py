@@ -49,6 +49,7 @@ def run_elastic(plan: "Plan") -> int:
     debug = bool(plan.res["debug"])
     os.environ["HASTEN_LAUNCHER_PID"] = str(os.getpid())
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    import torch.distributed.launcher.api  # noqa: F401 - imported now so that its loggers' levels stay ours
 
     _quiet_torch_logs(debug, plan.quiet)  # after the imports: torch sets its loggers' levels on import
 
@@ -122,15 +123,21 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
             print(f"hasten: error: a process failed: {err}", file=sys.stderr)
             return 1
         print(failure_report.report(found, quiet=plan.quiet), file=sys.stderr)
+        if plan.res["log_dir"]:
+            print(f"hasten: every failed rank's traceback: {logs.root_log_dir}/attempt_*/<local rank>/traceback.log",
+                  file=sys.stderr)
         return failure_report.exit_status(failure_report.first_failure(found))
     except SignalException as exc:
         if watchdog.report is not None:
             return hangs.HANG_EXIT_STATUS
         sig = getattr(exc, "sigval", signal.SIGTERM)
-        print(f"hasten: stopped by {signal.Signals(sig).name}; the processes were stopped too", file=sys.stderr)
+        if sig == signal.SIGINT:
+            print(_interrupted(plan), file=sys.stderr)
+        else:
+            print(f"hasten: stopped by {signal.Signals(sig).name}; the processes were stopped too", file=sys.stderr)
         return 128 + int(sig)
     except KeyboardInterrupt:
-        print("hasten: interrupted; the processes were stopped", file=sys.stderr)
+        print(_interrupted(plan), file=sys.stderr)
         return 130
     except Exception as exc:  # rendezvous and store errors: one line, no traceback unless --debug
         if debug:
@@ -142,3 +149,9 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
     if (plan.res["log_dir"] or plan.res["tee"]) and not plan.quiet:
         print(f"hasten: logs in {logs.root_log_dir}", file=sys.stderr)
     return 0
+
+
+def _interrupted(plan: "Plan") -> str:
+    """The one line for Ctrl-C: the processes print nothing of their own (``_bootstrap.py``)."""
+    count = plan.nproc_per_node
+    return f"hasten: interrupted (Ctrl-C); stopped {count} process{'es' if count != 1 else ''}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 from dataclasses import dataclass
@@ -187,5 +188,12 @@ def report(failures: list[Failure], quiet: bool = False) -> str:
     return "\n".join(lines)
 
 
+# "[/__w/pytorch/.../pair.cc:553] " before a native library's message: where in C++, not what happened.
+_NATIVE_SOURCE = re.compile(r"^(\w+: )?\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\] ")
+
+
 def _short(text: str, limit: int = 90) -> str:
+    """One line for a consequence: its first sentence, without the native source location."""
+    text = _NATIVE_SOURCE.sub(lambda m: m.group(1) or "", text.strip())
+    text = text.split(". ", 1)[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,6 +15,8 @@ import os
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
+from ..warning_kinds import HastenWarning
+
 # A tensor with more elements than this is stored as a description, not as its values.
 _MAX_LISTED_ELEMENTS = 64
 
@@ -136,7 +138,7 @@ class InertRun:
 def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - the set is the memory
     if message not in _seen:
         _seen.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, HastenWarning, stacklevel=3)
 
 
 # -- values ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .modeling import compute_module_sizes, compute_module_total_buffer_size, find_tied_parameters, get_max_layer_size
+from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -341,7 +342,7 @@ def _warn_offloaded_buffers(model: "nn.Module", device_map: dict, planner: _Plan
     if total and not any(planner.budgets[g] >= total + planner.used.get(g, 0) for g in gpus):
         warnings.warn(f"the offloaded modules hold {total} bytes of buffers, which stay on the GPU and do not fit "
                       "in any GPU's remaining budget; pass offload_buffers=True if you run out of memory",
-                      stacklevel=3)
+                      HastenWarning, stacklevel=3)
 
 
 def clean_device_map(device_map: dict[str, Any], module_name: str = "") -> dict[str, Any]:

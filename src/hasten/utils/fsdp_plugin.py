@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
+from ..warning_kinds import HastenWarning
+
 _WRAPS = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 _STATE_DICTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 # torch's StateDictType numbers them 1 (full), 2 (local), 3 (sharded); Accelerate accepts the number too.
@@ -152,7 +154,7 @@ class FullyShardedDataParallelPlugin:
                              "model under init_empty_weights() and set cpu_ram_efficient_loading=True")
         if self.notes:
             warnings.warn("FullyShardedDataParallelPlugin: fsdp_version=1 settings translated to FSDP2: "
-                          + "; ".join(self.notes), stacklevel=3)
+                          + "; ".join(self.notes), HastenWarning, stacklevel=3)
 
     def set_auto_wrap_policy(self, model: Any) -> None:
         """Check the wrap policy against ``model`` before ``prepare`` (Accelerate's method): with

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .._lazy import lazy_module
+from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -272,7 +273,7 @@ def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_ma
                                  "(or \"\" for everything not listed)") from None
         if len(set(devices.values())) > 1:
             warnings.warn(f"Tied parameters are on different devices: {devices}; put their modules on one device in "
-                          "the device_map, or use device_map='auto'", UserWarning, stacklevel=2)
+                          "the device_map, or use device_map='auto'", HastenWarning, stacklevel=2)
 
 
 def _get_tensor(model: "nn.Module", name: str) -> "torch.Tensor":
@@ -395,7 +396,7 @@ def check_device_map(model: "nn.Module", device_map: Mapping[str, DeviceLike]) -
     unknown = [k for k in device_map if k and k not in modules and not names_a_tensor(k)]
     if unknown:
         warnings.warn(f"device_map names {unknown}, which are not submodules (or tensors) of "
-                      f"{type(model).__name__}; those entries are unused", UserWarning, stacklevel=3)
+                      f"{type(model).__name__}; those entries are unused", HastenWarning, stacklevel=3)
     uncovered = []
     for name in model.state_dict():
         try:
@@ -465,7 +466,7 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
                                      "file is damaged") from None
     if metadata is None:
         warnings.warn(f"{checkpoint_file} has no safetensors metadata; reading it as a PyTorch checkpoint",
-                      UserWarning, stacklevel=2)
+                      HastenWarning, stacklevel=2)
         metadata = {"format": "pt"}
     if metadata.get("format") not in ("pt", "tf", "flax"):
         raise OSError(f"{checkpoint_file} has safetensors metadata format={metadata.get('format')!r}, not 'pt', 'tf' "

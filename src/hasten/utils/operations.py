@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import progress
 from ..state import PartialState
+from ..warning_kinds import HastenWarning
 
 REDUCTIONS = ("sum", "mean", "max", "min", "none")
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -392,7 +393,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     return recursively_apply(_reduce_one, tensor, key, scale, state)
 
 
-class CannotPadNestedTensorWarning(UserWarning):
+class CannotPadNestedTensorWarning(HastenWarning):
     """``pad_across_processes`` met a nested (jagged) tensor, which it leaves as is."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 from ..commands.run_summary import SUMMARY_ENV  # torch-free; the launcher reads what the main process writes
 from .environment import get_env
 from .throughput import Metrics, Throughput, Window, rates
+from ..warning_kinds import HastenWarning
 
 PEAK_ENV = "AVAILABLE_FLOPS"  # HASTEN_AVAILABLE_FLOPS (or ACCELERATE_AVAILABLE_FLOPS)
 
@@ -89,7 +90,8 @@ class ThroughputMonitor(Throughput):
                          separator=separator)
         if peak is None and accelerator.is_main_process:
             warnings.warn(f"ThroughputMonitor: no peak FLOP/s known for {accelerator.device}, so no MFU; pass "
-                          "available_flops= or set HASTEN_AVAILABLE_FLOPS (dense FLOP/s of one device)", stacklevel=2)
+                          "available_flops= or set HASTEN_AVAILABLE_FLOPS (dense FLOP/s of one device)",
+                          HastenWarning, stacklevel=2)
         self._accelerator = accelerator
         self.step = -1
         self._calls = 0
