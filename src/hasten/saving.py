@@ -20,6 +20,7 @@ import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
+from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -339,7 +340,7 @@ def save(obj: Any, f: Union[PathLike, IO[bytes]], save_on_each_node: bool = Fals
             pairs = [f"{a!r} (same tensor as {c!r})" for a, c in aliases.items()]
             warnings.warn(f"save(safe_serialization=True): left out {_listing(pairs)}, which share memory with "
                           f"saved tensors; the ties are recorded in the file's metadata ({ALIASES_KEY!r}), which "
-                          "load_checkpoint_in_model uses to restore them", UserWarning, stacklevel=2)
+                          "load_checkpoint_in_model uses to restore them", HastenWarning, stacklevel=2)
             metadata[ALIASES_KEY] = json.dumps(dict(aliases), sort_keys=True)
         if path is None:
             f.write(safe_bytes(tensors, metadata=metadata))  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .dtensor import _move_buffers, strip_checkpoint_prefix
+from ..warning_kinds import HastenWarning
 
 
 class _Slot(NamedTuple):
@@ -270,6 +271,6 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
             f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks "
             f"{_listing(plan.missing) if plan.missing else 'nothing'} and has extra "
             f"{_listing(plan.unexpected) if plan.unexpected else 'nothing'} for {type(model).__name__}; the matching "
-            "weights were loaded (strict=True makes this an error)", stacklevel=3,
+            "weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=3,
         )
     return LoadResult(plan.missing, plan.unexpected)

@@ -8,6 +8,7 @@ module's weights are materialised at a time besides the result.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Union
+from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -40,7 +41,7 @@ def get_state_dict_offloaded_model(model: "nn.Module") -> dict[str, "torch.Tenso
     missing -= set(state)
     if missing:
         warnings.warn(f"these tensors are on the meta device with no offloaded copy and were left out: "
-                      f"{sorted(missing)}", UserWarning, stacklevel=2)
+                      f"{sorted(missing)}", HastenWarning, stacklevel=2)
     return {key: state[key] for key in model.state_dict() if key in state}
 
 
