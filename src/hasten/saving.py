@@ -20,6 +20,7 @@ import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
+
 from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -8,6 +8,7 @@ module's weights are materialised at a time besides the result.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Union
+
 from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
