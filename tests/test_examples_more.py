@@ -40,3 +40,16 @@ def test_finetune_transformers_trains_saves_and_resumes_exactly(tmp_path):
     resumed_out = _launch("finetune_transformers.py", *flags, "--resume_from_checkpoint", str(tmp_path / "epoch_0"))
     assert "epoch 1, step 8" in resumed_out, resumed_out
     assert _epochs(resumed_out) == {1: full[1]}, (resumed_out, full)
+
+
+@pytest.mark.parametrize("device_map", ["auto", "cpu_disk"])
+def test_big_model_inference_generates_what_the_whole_model_does(device_map):
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "big_model_inference.py"), "--tiny",
+                          "--device_map", device_map], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ok: the same logits and tokens" in out.stdout, out.stdout
+    generated = re.search(r"generated: \[([\d, ]+)\]", out.stdout).group(1).split(", ")
+    assert len(generated) == 8 and len(set(generated)) > 1, out.stdout  # real decoding, not one repeated token
+    if device_map == "cpu_disk":
+        assert "'model.layers.3': 'disk'" in out.stdout, out.stdout
