@@ -2,7 +2,8 @@
 
     hasten launch --num_processes 8 examples/deepspeed_zero.py --model_name_or_path ./my-llama --zero_stage 3
     hasten launch --cpu --num_processes 2 examples/deepspeed_zero.py --tiny --output_dir out          # a try on CPU
-    hasten launch --cpu --num_processes 2 examples/deepspeed_zero.py --tiny --output_dir out --resume_from_checkpoint out/epoch_0
+    hasten launch --cpu --num_processes 2 examples/deepspeed_zero.py --tiny --output_dir out \
+        --resume_from_checkpoint out/epoch_0
 
 DeepSpeed must be installed (`pip install deepspeed`; on a machine without CUDA, `DS_BUILD_OPS=0`).
 The loop is the plain one: `accelerator.backward` runs DeepSpeed's backward, `clip_grad_norm_`

@@ -35,7 +35,7 @@ def tiny_model_and_data(seed: int):
         input_ids = torch.randint(1, 32, (n, 16), generator=g) + 31 * labels[:, None]  # id 0 is the pad token
         return TensorDataset(input_ids, torch.ones_like(input_ids), labels)
 
-    return model, make(512, seed + 1), make(128, seed + 2)
+    return model, make(512, seed + 1), make(128, seed + 2), None
 
 
 def pretrained_model_and_data(name_or_path: str, train_file: str, validation_file: str):
@@ -54,8 +54,9 @@ def pretrained_model_and_data(name_or_path: str, train_file: str, validation_fil
     num_labels = int(max(train.tensors[2].max(), evaluation.tensors[2].max())) + 1
     model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=num_labels)
     if model.config.pad_token_id is None:  # decoder-only models need it to find each sequence's last token
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return model, train, evaluation
+        pad = tokenizer.pad_token_id
+        model.config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
+    return model, train, evaluation, tokenizer
 
 
 def main() -> None:
@@ -84,10 +85,10 @@ def main() -> None:
     set_seed(args.seed)  # before the model is built, so every process starts from the same weights
 
     if args.tiny:
-        model, train_set, eval_set = tiny_model_and_data(args.seed)
+        model, train_set, eval_set, tokenizer = tiny_model_and_data(args.seed)
     else:
         with accelerator.main_process_first():  # one process downloads, the others then read the cache
-            model, train_set, eval_set = pretrained_model_and_data(args.model_name_or_path, args.train_file,
+            model, train_set, eval_set, tokenizer = pretrained_model_and_data(args.model_name_or_path, args.train_file,
                                                                    args.validation_file)
     train_dataloader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True)
     eval_dataloader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
@@ -145,6 +146,8 @@ def main() -> None:
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save)
+    if tokenizer is not None and accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
     accelerator.end_training()
 
 

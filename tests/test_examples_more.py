@@ -1,4 +1,4 @@
-"""The examples users copy (examples/*.py) run as written, with `--tiny`, on 2 CPU processes."""
+"""The examples users copy (examples/*.py) run as written, with `--tiny`, on 2 processes."""
 
 import os
 import re
@@ -7,13 +7,17 @@ import sys
 
 import pytest
 
+from devices import launch_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _launch(script: str, *args: str, launch_flags: tuple = ("--cpu", "--num_processes", "2"), cwd=None) -> str:
-    """Runs an example under `hasten launch`; returns its output, failing the test with it on a non-zero exit."""
-    out = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", *launch_flags,
+def _launch(script: str, *args: str, cwd=None) -> str:
+    """Runs an example on 2 processes under `hasten launch` (GPUs where the machine has 2, else `--cpu`);
+    returns its output, failing the test with it on a non-zero exit."""
+    flags = [*launch_flags(2), "--num_processes", "2"]
+    out = subprocess.run([sys.executable, "-m", "hasten.commands.cli", "launch", *flags,
                           os.path.join(EXAMPLES, script), *args], capture_output=True, text=True, timeout=400, cwd=cwd)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
@@ -119,14 +123,16 @@ def test_slurm_scripts_parse_plan_both_nodes_and_train_on_two_local_nodes(tmp_pa
     train = os.path.join(EXAMPLES, "train.py")
     node_line = ["bash", os.path.join(slurm, "launch_node.sh"), train, "--epochs", "1"]
     for node in (0, 1):  # the exact line each node runs, checked without running anything
-        env = {**_slurm_env(node, port, shim), "EXTRA_LAUNCH_ARGS": "--cpu --dry_run"}
+        env = {**_slurm_env(node, port, shim), "EXTRA_LAUNCH_ARGS": "--cpu --dry_run"}  # cpu-on-purpose
         plan = subprocess.run(node_line, env=env, capture_output=True, text=True, timeout=120)
         assert plan.returncode == 0, plan.stdout + plan.stderr
         assert f"starts 1 process(es) on machine {node} of 2" in plan.stdout, plan.stdout
         assert f"c10d rendezvous at 127.0.0.1:{port}" in plan.stdout, plan.stdout
-    # Both "nodes" on this machine, one process each: one training run of 2 processes.
-    nodes = [subprocess.Popen(node_line, env={**_slurm_env(node, port, shim), "EXTRA_LAUNCH_ARGS": "--cpu"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    # Both "nodes" on this machine, one process each: one training run of 2 processes. On the CPU even
+    # on a GPU machine, since each "node" would give its process the same first GPU.  # cpu-on-purpose
+    envs = [{**_slurm_env(node, port, shim), "EXTRA_LAUNCH_ARGS": "--cpu"} for node in (0, 1)]  # cpu-on-purpose
+    nodes = [subprocess.Popen(node_line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for env in envs]
     outputs = [p.communicate(timeout=400)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs
     # accelerator.print prints once per machine: each node reports the same gathered evaluation.
