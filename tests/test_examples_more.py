@@ -46,17 +46,15 @@ def test_finetune_transformers_trains_saves_and_resumes_exactly(tmp_path):
     assert _epochs(resumed_out) == {1: full[1]}, (resumed_out, full)
 
 
-@pytest.mark.parametrize("device_map", ["auto", "cpu_disk"])
-def test_big_model_inference_generates_what_the_whole_model_does(device_map):
+def test_big_model_inference_from_ram_and_disk_generates_what_the_whole_model_does():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "big_model_inference.py"), "--tiny",
-                          "--device_map", device_map], capture_output=True, text=True, timeout=300)
+                          "--device_map", "cpu_disk"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok: the same logits and tokens" in out.stdout, out.stdout
     generated = re.search(r"generated: \[([\d, ]+)\]", out.stdout).group(1).split(", ")
     assert len(generated) == 8 and len(set(generated)) > 1, out.stdout  # real decoding, not one repeated token
-    if device_map == "cpu_disk":
-        assert "'model.layers.3': 'disk'" in out.stdout, out.stdout
+    assert "'model.layers.3': 'disk'" in out.stdout, out.stdout
 
 
 def _counting_accuracy(folder) -> float:
@@ -82,20 +80,17 @@ def test_fsdp2_trains_resumes_from_shards_and_saves_full_weights(tmp_path):
     assert "epoch 1, step 16" in resumed_out and _epochs(resumed_out) == {1: full[1]}, (resumed_out, full)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_trains_clips_resumes_and_saves(tmp_path, stage, monkeypatch):
+def test_deepspeed_zero3_trains_clips_checkpoints_and_saves(tmp_path, monkeypatch):
+    """One launch, to keep the suite fast: ZeRO-3 resume is tested in tests/test_deepspeed.py (the
+    example's resume path is the fine-tuning example's, run in the test above)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     monkeypatch.setenv("DS_BUILD_OPS", "0")
-    flags = ["--tiny", "--zero_stage", str(stage), "--output_dir", str(tmp_path)]
-    first = re.findall(r"epoch (\d+): step (\d+) train loss ([\d.]+)", _launch("deepspeed_zero.py", *flags,
-                                                                              "--num_train_epochs", "1"))
-    assert first == [("0", "8", first[0][2])], first  # 256 / (8 x 2 processes x 2 accumulated) = 8 steps
-    resumed_out = _launch("deepspeed_zero.py", *flags, "--num_train_epochs", "2",
-                          "--resume_from_checkpoint", str(tmp_path / "epoch_0"))
-    second = re.findall(r"epoch (\d+): step (\d+) train loss ([\d.]+)", resumed_out)
-    assert "epoch 1, step 8" in resumed_out and [(e, s) for e, s, _ in second] == [("1", "16")], resumed_out
-    assert float(second[0][2]) < float(first[0][2]), (first, second)  # the restored optimizer goes on learning
+    out = _launch("deepspeed_zero.py", "--tiny", "--zero_stage", "3", "--output_dir", str(tmp_path))
+    rows = re.findall(r"epoch (\d+): step (\d+) train loss ([\d.]+)", out)
+    # 256 samples / (8 per batch x 2 processes x 2 accumulated) = 8 optimizer steps an epoch.
+    assert [(e, s) for e, s, _ in rows] == [("0", "8"), ("1", "16")] and float(rows[1][2]) < float(rows[0][2]), out
+    assert all((tmp_path / f"epoch_{e}").is_dir() for e in (0, 1))
     assert _counting_accuracy(tmp_path / "final") > 0.5  # consolidated weights reload with from_pretrained
 
 
