@@ -136,7 +136,7 @@ class SharedDict:
 
 # What PartialState.__init__ sets: reading one from a reset state gets an explanation.
 _PARTIAL_FIELDS = frozenset({"topology", "device", "backend", "distributed_type", "debug", "fork_launched",
-                             "owns_group"})
+                             "owns_group", "group_closed"})
 
 
 class PartialState(SharedDict):
@@ -170,6 +170,7 @@ class PartialState(SharedDict):
         self.device = device
         self.backend = backend if topo.distributed else None
         self.owns_group = False  # True once this process made its own one-process group
+        self.group_closed = False  # True once end_training/destroy_process_group tore the group down
         if fsdp and not topo.distributed:
             self.open_one_process_group(backend, **kwargs)
         self.distributed_type = _MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
@@ -272,7 +273,16 @@ class PartialState(SharedDict):
     # -- synchronisation ------------------------------------------------------------------------
     @progress.collective("wait_for_everyone")
     def wait_for_everyone(self) -> None:
-        """Block until every process reaches this point."""
+        """Block until every process reaches this point.
+
+        After ``end_training()`` (or ``destroy_process_group()``) the group is gone and every process has
+        already met there; scripts such as transformers' ``run_*_no_trainer.py`` still call this before
+        saving, so it returns at once (with a warning) rather than failing inside torch."""
+        if self.use_distributed and getattr(self, "group_closed", False) and not dist.is_initialized():
+            warnings.warn("wait_for_everyone() after end_training(): the process group is closed and every "
+                          "process already met in end_training(), so this returns at once. Call "
+                          "end_training() last to keep later synchronisation", stacklevel=2)
+            return
         if self.use_distributed:
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])
@@ -368,6 +378,7 @@ class PartialState(SharedDict):
             dist.destroy_process_group(group)
             if group is None:
                 self.owns_group = False
+                self.group_closed = True
 
     @classmethod
     def _reset_state(cls) -> None:
