@@ -3,16 +3,17 @@
 It takes the same command-line arguments the real script takes for local files and makes the same
 Accelerate calls in the same order (trackers, save_state every N steps, load_state +
 skip_first_batches on resume, gather_for_metrics, end_training then wait_for_everyone before
-save_pretrained), so the harness and its test run without a transformers checkout. It is written
+save_pretrained), so the harness and its test run without a transformers checkout. It reads its
+json-lines files itself, so it runs without the ``datasets`` package. It is written
 against ``accelerate`` on purpose: the harness replaces the word, as it does for the real scripts.
 """
 
 import argparse
+import json
 import math
 import os
 
 import torch
-from datasets import load_dataset
 from torch.utils.data import DataLoader
 
 from accelerate import Accelerator
@@ -40,18 +41,19 @@ def main():
     accelerator = Accelerator(**tracking)
     if args.seed is not None:
         set_seed(args.seed)
-    raw = load_dataset("json", data_files={"train": args.train_file, "validation": args.validation_file})
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
 
-    def to_blocks(batch):
-        ids = sum(tokenizer(batch["text"])["input_ids"], [])
+    def to_blocks(path):
+        with open(path) as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()]
+        ids = sum(tokenizer(texts)["input_ids"], [])
         usable = len(ids) // args.block_size * args.block_size
-        blocks = [ids[i:i + args.block_size] for i in range(0, usable, args.block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        blocks = [torch.tensor(ids[i:i + args.block_size]) for i in range(0, usable, args.block_size)]
+        return [{"input_ids": b, "labels": b.clone()} for b in blocks]
 
     with accelerator.main_process_first():
-        data = raw.map(to_blocks, batched=True, remove_columns=["text"])
+        data = {"train": to_blocks(args.train_file), "validation": to_blocks(args.validation_file)}
     train = DataLoader(data["train"], shuffle=True, collate_fn=default_data_collator,
                        batch_size=args.per_device_train_batch_size)
     evaluation = DataLoader(data["validation"], collate_fn=default_data_collator,
@@ -61,7 +63,6 @@ def main():
     scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=0,
                               num_training_steps=max_steps * accelerator.num_processes)
     model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, optimizer, train, evaluation, scheduler)
-    max_steps = args.num_train_epochs * len(train)
     if args.with_tracking:
         accelerator.init_trackers("clm_no_trainer", {"lr": args.learning_rate, "epochs": args.num_train_epochs})
 
