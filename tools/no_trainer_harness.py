@@ -307,6 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = [n for n in args.scripts.split(",") if n]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES]
+    if not os.path.isdir(args.examples):
+        parser.error(f"--examples {args.examples!r} is not a folder; give a transformers checkout's examples/pytorch")
     if unknown:
         parser.error(f"unknown script or mode {unknown}; scripts: {', '.join(SPECS)}; modes: {', '.join(MODES)}")
     print("| script        | mode      | res  |  secs  | note |\n|---|---|---|---|---|", flush=True)
