@@ -167,12 +167,17 @@ def hastenize(source: str) -> str:
     return re.sub(r"\baccelerate\b", "hasten", source)
 
 
+def checkpoints(output_dir: str) -> list[str]:
+    """The ``step_N`` folders a run left in ``output_dir`` in step order, then the ``epoch_N`` ones."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [d for d in os.listdir(output_dir) if re.fullmatch(r"(step|epoch)_\d+", d)]
+    return sorted(found, key=lambda d: (d.startswith("epoch"), int(d.split("_")[1])))
+
+
 def first_checkpoint(output_dir: str) -> Optional[str]:
     """The earliest ``step_N`` (else ``epoch_N``) folder a run left in ``output_dir``."""
-    if not os.path.isdir(output_dir):
-        return None
-    found = [d for d in os.listdir(output_dir) if re.fullmatch(r"(step|epoch)_\d+", d)]
-    found.sort(key=lambda d: (d.startswith("epoch"), int(d.split("_")[1])))
+    found = checkpoints(output_dir)
     return os.path.join(output_dir, found[0]) if found else None
 
 
@@ -218,6 +223,12 @@ def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, 
         problems.append("no final model saved")
     if code == 0 and not mode.endswith("resume") and first_checkpoint(output_dir) is None:
         problems.append("no checkpoint written")
+    if code == 0 and mode.endswith("resume"):
+        # A resumed run must take as many steps as the run it resumes: its last step folder is the same.
+        whole = [d for d in checkpoints(os.path.join(work, "out", f"{name}-{mode.split('-')[0]}")) if d[0] == "s"]
+        ours = [d for d in checkpoints(output_dir) if d[0] == "s"]
+        if whole and (ours or whole)[-1] != whole[-1]:
+            problems.append(f"resumed run ended at {(ours or ['its start'])[-1]}, the whole run at {whole[-1]}")
     return RunResult(name, mode, "FAIL" if problems else "pass", seconds, "; ".join(problems))
 
 

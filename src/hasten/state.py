@@ -281,7 +281,7 @@ class PartialState(SharedDict):
         if self.use_distributed and getattr(self, "group_closed", False) and not dist.is_initialized():
             warnings.warn("wait_for_everyone() after end_training(): the process group is closed and every "
                           "process already met in end_training(), so this returns at once. Call "
-                          "end_training() last to keep later synchronisation", stacklevel=2)
+                          "end_training() last to keep later synchronisation", stacklevel=_user_stacklevel())
             return
         if self.use_distributed:
             if self.backend == "nccl":
@@ -384,6 +384,16 @@ class PartialState(SharedDict):
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn`` stacklevel naming the first caller outside hasten (the user's line), however
+    many hasten wrappers (Accelerator, collective decorators) lie between."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_timeout(kwargs: dict) -> None:
