@@ -260,7 +260,7 @@ def common_args(spec: ScriptSpec, work: str, name: str) -> list[str]:
     data_args = write_data(spec.data, os.path.join(work, "data", name))
     return ["--model_name_or_path", model_dir, *data_args, "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "4", "--num_train_epochs", "2", "--seed", "42",
-            "--checkpointing_steps", "3", "--with_tracking", "--report_to", "tensorboard", *spec.extra_args]
+            "--checkpointing_steps", "2", "--with_tracking", "--report_to", "tensorboard", *spec.extra_args]
 
 
 # The stand-in under tools/no_trainer_standin (hasten's own, for the test): same arguments, no ``datasets``.
