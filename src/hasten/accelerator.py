@@ -274,10 +274,19 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         return self._prepared.add(data_loader, prepared, "dataloaders")
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """A loader that starts after ``num_batches`` batches of ``dataloader`` (for resuming)."""
+        """A loader that starts after ``num_batches`` batches of ``dataloader`` (for resuming).
+
+        Scripts written for Accelerate (transformers' ``run_*_no_trainer.py``) resume by hand: after
+        ``load_state`` they run the interrupted epoch through ``skip_first_batches(loader, n)`` and
+        the next epochs through ``loader``. hasten's ``load_state`` already restored ``loader`` to
+        batch ``n``; the returned loader now plays that pass (from its start, skipping ``n``, as in
+        Accelerate) and ``loader`` goes on with the next epoch, so no batch is skipped twice."""
         from .data_loader import skip_first_batches
 
-        return skip_first_batches(dataloader, num_batches=num_batches)
+        skipped = skip_first_batches(dataloader, num_batches=num_batches)
+        if getattr(dataloader, "_resume_skip", 0):  # restored by load_state, not iterated since
+            dataloader.load_state_dict({"epoch": dataloader.iteration + 1, "batches_yielded": 0})
+        return skipped
 
     # -- the training step ----------------------------------------------------------------------
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:

@@ -63,7 +63,7 @@ class SharedDict:
 
 # What PartialState.__init__ sets: reading one from a reset state gets an explanation.
 _PARTIAL_FIELDS = frozenset({"topology", "device", "backend", "distributed_type", "debug", "fork_launched",
-                             "owns_group"})
+                             "owns_group", "group_closed"})
 
 
 class PartialState(SharedDict):
@@ -97,6 +97,7 @@ class PartialState(SharedDict):
         self.device = device
         self.backend = backend if topo.distributed else None
         self.owns_group = False  # True once this process made its own one-process group
+        self.group_closed = False  # True once end_training/destroy_process_group tore the group down
         if fsdp and not topo.distributed:
             self.open_one_process_group(backend, **kwargs)
         self.distributed_type = MULTI_TYPES.get(device.type, DistributedType.MULTI_CPU) if topo.distributed else DistributedType.NO
@@ -199,7 +200,16 @@ class PartialState(SharedDict):
     # -- synchronisation ------------------------------------------------------------------------
     @progress.collective("wait_for_everyone")
     def wait_for_everyone(self) -> None:
-        """Block until every process reaches this point."""
+        """Block until every process reaches this point.
+
+        After ``end_training()`` (or ``destroy_process_group()``) the group is gone and every process has
+        already met there; scripts such as transformers' ``run_*_no_trainer.py`` still call this before
+        saving, so it returns at once (with a warning) rather than failing inside torch."""
+        if self.use_distributed and getattr(self, "group_closed", False) and not dist.is_initialized():
+            warnings.warn("wait_for_everyone() after end_training(): the process group is closed and every "
+                          "process already met in end_training(), so this returns at once. Call "
+                          "end_training() last to keep later synchronisation", stacklevel=_user_stacklevel())
+            return
         if self.use_distributed:
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])
@@ -295,11 +305,22 @@ class PartialState(SharedDict):
             dist.destroy_process_group(group)
             if group is None:
                 self.owns_group = False
+                self.group_closed = True
 
     @classmethod
     def _reset_state(cls) -> None:
         """Forget the singleton (tests); the process group stays."""
         cls._shared_state.clear()
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn`` stacklevel naming the first caller outside hasten (the user's line), however
+    many hasten wrappers (Accelerator, collective decorators) lie between."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_timeout(kwargs: dict) -> None:

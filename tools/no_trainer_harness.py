@@ -1,0 +1,337 @@
+"""Run transformers' ``examples/pytorch/**/run_*_no_trainer.py`` scripts on hasten, offline.
+
+The scripts are written for Accelerate; this harness copies each one with the word ``accelerate``
+replaced by ``hasten`` (nothing else changed), builds what they need locally -- tiny models built
+from configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
+saved as a ``PreTrainedTokenizerFast``, generated csv/json data -- and runs each script:
+
+- ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps`` and tracking on;
+- ``2p``: two CPU processes (``hasten launch --cpu --num_processes 2``);
+- ``1p-resume`` / ``2p-resume``: the same again with ``--resume_from_checkpoint`` pointing at the
+  first checkpoint the matching run wrote.
+
+Needs ``datasets`` (and ``evaluate`` for scripts with a metric) importable by the Python that runs
+it; nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
+Metrics that ``evaluate`` would download are replaced by a local metric script where hasten ships
+one (accuracy); scripts needing another metric are reported as skipped, with the reason.
+
+Usage::
+
+    python tools/no_trainer_harness.py --examples /path/to/transformers/examples/pytorch \\
+        [--scripts clm,glue] [--modes 1p,2p,1p-resume,2p-resume] [--work /tmp/nt] [--timeout 600]
+
+Prints one table row per run and ``N passed, N failed`` (skips counted apart); exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Optional
+
+WORDS = ("alpha beta gamma delta river stone cloud light green small quick brown lazy dog cat runs "
+         "jumps over under near far blue red house tree").split()
+LABEL_WORDS = ("good", "bad")  # glue: the label is whether the sentence holds the word "good"
+MODES = ("1p", "2p", "1p-resume", "2p-resume")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptSpec:
+    """How to run one example script: its path under examples/pytorch, the tiny model it needs,
+    its data files and arguments, and the ``evaluate`` metric it loads (None: none)."""
+
+    path: str
+    model: str  # "gpt2" or "bert"
+    data: str  # "text" or "glue"
+    extra_args: tuple[str, ...] = ()
+    metric: Optional[str] = None
+    skip_reason: Optional[str] = None
+    needs_datasets: bool = True  # the real scripts load their files with ``datasets``; the stand-in does not
+
+
+SPECS: dict[str, ScriptSpec] = {
+    "clm": ScriptSpec("language-modeling/run_clm_no_trainer.py", "gpt2", "text", ("--block_size", "16")),
+    "mlm": ScriptSpec("language-modeling/run_mlm_no_trainer.py", "bert", "text",
+                      ("--max_seq_length", "16", "--line_by_line", "True")),
+    "glue": ScriptSpec("text-classification/run_glue_no_trainer.py", "bert", "glue",
+                       ("--max_length", "16", "--pad_to_max_length"), metric="accuracy"),
+    "ner": ScriptSpec("token-classification/run_ner_no_trainer.py", "bert", "glue",
+                      skip_reason="its metric 'seqeval' would be downloaded by evaluate (no local copy)"),
+    "swag": ScriptSpec("multiple-choice/run_swag_no_trainer.py", "bert", "glue",
+                       skip_reason="needs SWAG-shaped data (not generated yet)"),
+    "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "glue",
+                     skip_reason="its metric 'squad' would be downloaded by evaluate (no local copy)"),
+    "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
+                                skip_reason="its metric 'rouge' would be downloaded by evaluate (no local copy)"),
+    "translation": ScriptSpec("translation/run_translation_no_trainer.py", "t5", "glue",
+                              skip_reason="its metric 'sacrebleu' would be downloaded by evaluate (no local copy)"),
+}
+
+# A local stand-in for evaluate's "accuracy" metric: evaluate.load("accuracy") finds ./accuracy/accuracy.py
+# in the working directory before it would go to the Hub.
+ACCURACY_METRIC = '''
+import datasets
+import evaluate
+
+
+class Accuracy(evaluate.Metric):
+    """Fraction of predictions equal to their references (local, written for the hasten harness)."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="accuracy", citation="", inputs_description="predictions, references",
+            features=datasets.Features({"predictions": datasets.Value("int64"),
+                                        "references": datasets.Value("int64")}))
+
+    def _compute(self, predictions, references):
+        hits = sum(int(p == r) for p, r in zip(predictions, references))
+        return {"accuracy": hits / max(len(references), 1)}
+'''
+
+
+def sentences(count: int, seed: int) -> list[str]:
+    """``count`` generated sentences of 4-9 words."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS + list(LABEL_WORDS)) for _ in range(rng.randint(4, 9))) for _ in range(count)]
+
+
+def build_tokenizer(folder: str) -> None:
+    """Train a WordLevel tokenizer on generated text; save it as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(sentences(200, 0), trainers.WordLevelTrainer(special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   bos_token="[CLS]", eos_token="[SEP]", model_max_length=32)
+    fast.save_pretrained(folder)
+
+
+def build_model(kind: str, folder: str) -> None:
+    """A tiny model of ``kind`` built from a config, saved with its tokenizer in ``folder``."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    build_tokenizer(folder)
+    vocab = len(AutoTokenizer.from_pretrained(folder))
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    elif kind == "bert":
+        model = BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=32,
+                                           max_position_embeddings=32))
+    else:
+        raise ValueError(f"no tiny model of kind {kind!r}; known: gpt2, bert")
+    model.save_pretrained(folder)
+
+
+def write_data(kind: str, folder: str) -> list[str]:
+    """Training and validation files for ``kind``; returns the script arguments naming them."""
+    os.makedirs(folder, exist_ok=True)
+    paths = {split: os.path.join(folder, f"{split}.{'json' if kind == 'text' else 'csv'}")
+             for split in ("train", "validation")}
+    for split, count in (("train", 48), ("validation", 16)):
+        rows = sentences(count, seed=1 if split == "train" else 2)
+        if kind == "text":
+            with open(paths[split], "w") as f:
+                for row in rows:
+                    f.write(json.dumps({"text": row}) + "\n")
+        elif kind == "glue":
+            with open(paths[split], "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["sentence1", "label"])
+                writer.writerows([row, int("good" in row.split())] for row in rows)
+        else:
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue")
+    return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
+
+
+def hastenize(source: str) -> str:
+    """The script's text with the word ``accelerate`` replaced by ``hasten`` (what a migrating user does)."""
+    return re.sub(r"\baccelerate\b", "hasten", source)
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """The ``step_N`` folders a run left in ``output_dir`` in step order, then the ``epoch_N`` ones."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [d for d in os.listdir(output_dir) if re.fullmatch(r"(step|epoch)_\d+", d)]
+    return sorted(found, key=lambda d: (d.startswith("epoch"), int(d.split("_")[1])))
+
+
+def first_checkpoint(output_dir: str) -> Optional[str]:
+    """The earliest ``step_N`` (else ``epoch_N``) folder a run left in ``output_dir``."""
+    found = checkpoints(output_dir)
+    return os.path.join(output_dir, found[0]) if found else None
+
+
+@dataclasses.dataclass
+class RunResult:
+    script: str
+    mode: str
+    status: str  # "pass", "FAIL" or "skip"
+    seconds: float = 0.0
+    note: str = ""
+
+
+def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, timeout: int) -> RunResult:
+    """Run ``script`` in ``mode``; pass means exit 0, the final model saved and (first runs) a checkpoint."""
+    processes = 2 if mode.startswith("2p") else 1
+    output_dir = os.path.join(work, "out", f"{name}-{mode}")
+    shutil.rmtree(output_dir, ignore_errors=True)
+    args = base_args + ["--output_dir", output_dir]
+    if mode.endswith("resume"):
+        checkpoint = first_checkpoint(os.path.join(work, "out", f"{name}-{mode.split('-')[0]}"))
+        if checkpoint is None:
+            return RunResult(name, mode, "FAIL", note="the run to resume left no checkpoint")
+        args += ["--resume_from_checkpoint", checkpoint]
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_EVALUATE_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "datasets-cache"),
+               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false")
+    log_path = os.path.join(work, "logs", f"{name}-{mode}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        try:
+            code = subprocess.run(launcher + [script] + args, cwd=work, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    seconds = time.monotonic() - start
+    if code is None:
+        return RunResult(name, mode, "FAIL", seconds, f"timed out after {timeout} s; log {log_path}")
+    problems = [] if code == 0 else [f"exit {code}: {last_error(log_path)}"]
+    if code == 0 and not os.path.exists(os.path.join(output_dir, "config.json")):
+        problems.append("no final model saved")
+    if code == 0 and not mode.endswith("resume") and first_checkpoint(output_dir) is None:
+        problems.append("no checkpoint written")
+    if code == 0 and mode.endswith("resume"):
+        # A resumed run must take as many steps as the run it resumes: its last step folder is the same.
+        whole = [d for d in checkpoints(os.path.join(work, "out", f"{name}-{mode.split('-')[0]}")) if d[0] == "s"]
+        ours = [d for d in checkpoints(output_dir) if d[0] == "s"]
+        if whole and (ours or whole)[-1] != whole[-1]:
+            problems.append(f"resumed run ended at {(ours or ['its start'])[-1]}, the whole run at {whole[-1]}")
+    return RunResult(name, mode, "FAIL" if problems else "pass", seconds, "; ".join(problems))
+
+
+def last_error(log_path: str) -> str:
+    """The last line of ``log_path`` that names an error, else its last line."""
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def prepare_script(examples: str, spec: ScriptSpec, work: str) -> str:
+    """Copy the script (word replaced) into ``work/scripts``; returns its path."""
+    source_path = os.path.join(examples, spec.path)
+    with open(source_path) as f:
+        text = hastenize(f.read())
+    target = os.path.join(work, "scripts", os.path.basename(spec.path))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "w") as f:
+        f.write(text)
+    return target
+
+
+def common_args(spec: ScriptSpec, work: str, name: str) -> list[str]:
+    """Model, data, and the small training settings every run of ``name`` shares."""
+    model_dir = os.path.join(work, "models", spec.model)
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        build_model(spec.model, model_dir)
+    data_args = write_data(spec.data, os.path.join(work, "data", name))
+    return ["--model_name_or_path", model_dir, *data_args, "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--num_train_epochs", "2", "--seed", "42",
+            "--checkpointing_steps", "2", "--with_tracking", "--report_to", "tensorboard", *spec.extra_args]
+
+
+# The stand-in under tools/no_trainer_standin (hasten's own, for the test): same arguments, no ``datasets``.
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no_trainer_standin")
+STANDIN_SPECS = {"clm": dataclasses.replace(SPECS["clm"], needs_datasets=False)}
+
+
+def run_harness(examples: str, names: list[str], modes: list[str], work: str, timeout: int) -> list[RunResult]:
+    """Every (script, mode) run; a script that cannot run here is one ``skip`` row with its reason."""
+    os.makedirs(work, exist_ok=True)
+    metric_dir = os.path.join(work, "accuracy")
+    os.makedirs(metric_dir, exist_ok=True)
+    with open(os.path.join(metric_dir, "accuracy.py"), "w") as f:
+        f.write(ACCURACY_METRIC)
+    results = []
+    for name in names:
+        spec = STANDIN_SPECS[name] if os.path.samefile(examples, STANDIN) else SPECS[name]
+        reason = spec.skip_reason or missing_requirement(spec, examples)
+        if reason:
+            results.append(RunResult(name, "all", "skip", note=reason))
+            continue
+        script = prepare_script(examples, spec, work)
+        base_args = common_args(spec, work, name)
+        for mode in modes:
+            result = run_one(name, script, mode, base_args, work, timeout)
+            print(format_row(result), flush=True)
+            results.append(result)
+    return results
+
+
+def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
+    """Why ``spec`` cannot run here (a missing file or package), else None."""
+    if not os.path.exists(os.path.join(examples, spec.path)):
+        return f"{spec.path} not found under {examples}"
+    needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else [])
+    import importlib.util
+
+    absent = [pkg for pkg in needed if importlib.util.find_spec(pkg) is None]
+    return f"needs {', '.join(absent)} (pip install {' '.join(absent)})" if absent else None
+
+
+def format_row(result: RunResult) -> str:
+    return f"| {result.script:<13} | {result.mode:<9} | {result.status:<4} | {result.seconds:6.1f} | {result.note} |"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", required=True,
+                        help="a transformers checkout's examples/pytorch folder (the scripts are read from there)")
+    parser.add_argument("--scripts", default=",".join(SPECS), help=f"comma-separated, from {', '.join(SPECS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--work", default="/tmp/hasten-no-trainer", help="scratch folder (models, data, outputs, logs)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    args = parser.parse_args(argv)
+    names = [n for n in args.scripts.split(",") if n]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES]
+    if not os.path.isdir(args.examples):
+        parser.error(f"--examples {args.examples!r} is not a folder; give a transformers checkout's examples/pytorch")
+    if unknown:
+        parser.error(f"unknown script or mode {unknown}; scripts: {', '.join(SPECS)}; modes: {', '.join(MODES)}")
+    print("| script        | mode      | res  |  secs  | note |\n|---|---|---|---|---|", flush=True)
+    results = run_harness(os.path.abspath(args.examples), names, modes, os.path.abspath(args.work), args.timeout)
+    for result in results:
+        if result.status == "skip":
+            print(format_row(result))
+    passed = sum(r.status == "pass" for r in results)
+    failed = sum(r.status == "FAIL" for r in results)
+    print(f"{passed} passed, {failed} failed, {sum(r.status == 'skip' for r in results)} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
