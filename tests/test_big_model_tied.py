@@ -101,3 +101,14 @@ def test_device_map_auto_works_without_psutil(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), os.path.join(root, "src")]))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_a_device_map_naming_an_absent_gpu_is_one_clear_error(saved):
+    """Planning for another machine is fine (max_memory may name GPUs this one lacks), but dispatching
+    there raises before anything moves, naming the module and the GPU, instead of torch's
+    "Torch not compiled with CUDA enabled" half-way through."""
+    tied, _, folder = saved
+    model = _empty(tied)
+    with pytest.raises(ValueError, match="on GPU 0; 0 CUDA device"):
+        load_checkpoint_and_dispatch(model, str(folder / "single"), device_map={"": 0})

@@ -227,10 +227,12 @@ def dispatch_model(
     there. Tied weights stay tied. Sets ``model.hf_device_map``, which transformers reads.
     """
     from .hooks import attach_align_device_hook_on_blocks
+    from .utils.device_map import check_gpus_visible
     from .utils.modeling import _get_tensor, check_device_map, find_tied_parameters, retie_parameters, submodule_tensors
     from .utils.offload import OffloadedWeightsLoader
 
     check_device_map(model, device_map)
+    check_gpus_visible(device_map)
     values = list(device_map.values())
     distinct = list(dict.fromkeys(values))
     if len(distinct) > 1 or any(_is(v, "disk") for v in values) or force_hooks:

@@ -540,6 +540,10 @@ def load_checkpoint_in_model(
             f"checkpoint {os.fspath(checkpoint)!r} does not fit {type(model).__name__} (model unchanged): "
             + "; ".join(problems) + hint
         )
+    if device_map:
+        from .utils.device_map import check_gpus_visible
+
+        check_gpus_visible(device_map)
     for name in expected:
         _device_for(name, device_map)  # every tensor has a device before anything moves
     _check_ties(ties, device_map)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from .modeling import compute_module_sizes, compute_module_total_buffer_size, find_tied_parameters, get_max_layer_size
 from ..warning_kinds import HastenWarning
@@ -52,6 +52,19 @@ def _accelerator_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def check_gpus_visible(device_map: Mapping[str, Any]) -> None:
+    """Refuse a map that places modules on GPUs this process cannot see, before anything moves (torch
+    would fail mid-way with "Torch not compiled with CUDA enabled" or an invalid device ordinal)."""
+    count = _accelerator_count()
+    absent = {name: device for name, device in device_map.items()
+              if isinstance(device, int) and not isinstance(device, bool) and device >= count}
+    if absent:
+        name, device = next(iter(absent.items()))
+        raise ValueError(f"the device map puts {len(absent)} module(s) on GPUs this process cannot see (e.g. "
+                         f"{name or 'the whole model'!r} on GPU {device}; {count} CUDA device(s) visible); plan for "
+                         "this machine (device_map='auto' with max_memory naming only its devices, or 'cpu'/'disk')")
+
+
 def get_max_memory(max_memory: Optional[MemoryMap] = None) -> dict[Union[int, str], int]:
     """Memory each device may use, in bytes, ordered accelerators (by index), ``"mps"``, ``"cpu"``, ``"disk"``.
 
@@ -85,9 +98,9 @@ def get_max_memory(max_memory: Optional[MemoryMap] = None) -> dict[Union[int, st
                          "e.g. max_memory={0: '20GiB', 'cpu': '60GiB'}")
     count = _accelerator_count()
     missing = sorted(k for k in max_memory if isinstance(k, int) and k >= count)
-    if missing:  # placing layers there would fail later with torch's "not compiled with CUDA" or an index error
-        logger.warning("max_memory names GPUs %s, but only %d are visible; they get no layers", missing, count)
-    sizes = {k: convert_file_size_to_int(v) for k, v in max_memory.items() if k not in missing}
+    if missing:
+        logger.warning("max_memory names GPUs %s, but only %d are visible", missing, count)
+    sizes = {k: convert_file_size_to_int(v) for k, v in max_memory.items()}
     order = sorted(k for k in sizes if isinstance(k, int)) + [k for k in ("mps", "cpu", "disk") if k in sizes]
     return {k: sizes[k] for k in order}
 
