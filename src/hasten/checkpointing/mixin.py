@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import commit, layout, resume, rng, saver
-from .collectives import broadcast_from_main
+from .collectives import broadcast_from_main, gather
 from .loading import load_checkpoint
 from .prehooks import CheckpointSession
 from ..warning_kinds import HastenWarning
@@ -180,9 +180,13 @@ class CheckpointMixin:
             for model in models:
                 before_collective()
                 weights.append(attempt(lambda: self.get_state_dict(model)))
-        for hook in list(self._checkpoints.save_pre_hooks.hooks.values()):
+        # Processes may hold different save hooks (one process registers a hook of its own): agree
+        # before each hook index up to the largest count, so that the agreements stay paired.
+        hooks = list(self._checkpoints.save_pre_hooks.hooks.values())
+        for index in range(max(gather(len(hooks), None))):
             before_collective()
-            attempt(lambda: hook(models, weights, folder))
+            if index < len(hooks):
+                attempt(lambda: hooks[index](models, weights, folder))
         if dcp_format:
             before_collective()
 
