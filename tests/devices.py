@@ -52,7 +52,8 @@ def launch_flags(processes: int, gpus: Optional[int] = None) -> list[str]:
 def reference_device():
     """The device this process's tensors live on: the process state's device if one exists, else the
     device a new one-process ``Accelerator()`` would pick (CUDA on a GPU machine). Build references here."""
-    from hasten.state import PartialState, pick_device
+    from hasten.device_choice import pick_device
+    from hasten.state import PartialState
     from hasten.topology import detect_topology
     from hasten.utils.environment import parse_flag
 

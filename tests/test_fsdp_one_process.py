@@ -157,7 +157,7 @@ def test_hasten_launch_one_process_use_fsdp_with_offload(tmp_path):
 def test_backend_for_fsdp_cpu_offload_adds_gloo_for_cpu_tensors(device, offload, expected):
     """FSDP2's CPU offload all-reduces and all-gathers CPU tensors (clip_grad_norm_'s total, full_tensor() of
     CPU shards, broadcasts of rank 0's weights): an accelerator's group needs a CPU backend beside it."""
-    from hasten.state import choose_backend
+    from hasten.device_choice import choose_backend
 
     assert choose_backend(device, cpu_offload=offload) == expected
 
@@ -167,7 +167,7 @@ def test_backend_for_fsdp_cpu_offload_adds_gloo_for_cpu_tensors(device, offload,
     ("cpu:gloo,cuda:gloo", True), ("cuda:nccl", False),  # get_backend_config() spellings
 ])
 def test_backend_serves_cpu_tensors(backend, serves):
-    from hasten.state import serves_cpu_tensors
+    from hasten.device_choice import serves_cpu_tensors
 
     assert serves_cpu_tensors(backend) is serves
 
@@ -189,7 +189,8 @@ def test_fsdp_on_one_process_after_partial_state_with_process_group_kwargs(one_p
     import torch.distributed as dist
 
     from hasten import Accelerator
-    from hasten.state import PartialState, choose_backend
+    from hasten.device_choice import choose_backend
+    from hasten.state import PartialState
     from hasten.utils import InitProcessGroupKwargs
 
     state = PartialState()
