@@ -219,7 +219,7 @@ def check_bf16_trains():
     model, opt, dl = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2),
                                  DataLoader(data, batch_size=16, shuffle=True))
     losses = []
-    for _ in range(8):
+    for _ in range(16):
         total = 0.0
         for x, y in dl:
             out = model(x)
