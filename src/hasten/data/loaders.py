@@ -166,6 +166,7 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         if resume is None:  # a resumed pass keeps the restored states (the sync happened before the save)
             _sync_rng(self.rng_types, self.synchronized_generator)
         self._resume_now = resume
+        position.begin_sampler_pass(self)
         state = position.sampler_generator_state(self.synchronized_generator, resume)
         self._pass_states = {} if state is None else {"sampler_generator_state": state}
         self._resume_skip = 0

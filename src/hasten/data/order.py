@@ -66,6 +66,11 @@ class SharedRandomSampler(RandomSampler):
         self.epoch_seed: Optional[int] = None  # the seed of the current (or last) pass
         self.resume_seed: Optional[int] = None
 
+    def forget_pass(self) -> None:
+        """A new pass has begun and has not drawn yet: the last pass's seed no longer describes it (a
+        save between now and the draw must let the resumed pass draw, from the restored generator)."""
+        self.epoch_seed = None
+
     def next_generator(self) -> torch.Generator:
         """The generator of a new pass (draws from the global generator unless resuming)."""
         seed, self.resume_seed = self.resume_seed, None

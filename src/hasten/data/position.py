@@ -106,6 +106,14 @@ def sampler_epoch_seed(loader: Any) -> Optional[int]:
     return int(seed) if isinstance(seed, int) else None
 
 
+def begin_sampler_pass(loader: Any) -> None:
+    """Tell a ``SharedRandomSampler`` that a pass begins (its draw comes with the first batch)."""
+    sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+    forget = getattr(sampler, "forget_pass", None)
+    if forget is not None:
+        forget()
+
+
 def set_sampler_seed(loader: Any, seed: Optional[int], epoch_seed: Optional[int] = None) -> None:
     """Use the shuffle seed of the run that saved (a new process may have agreed on another one);
     ``epoch_seed``: the seed the interrupted pass drew, which the resumed pass uses instead of a draw."""
