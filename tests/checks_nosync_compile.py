@@ -103,9 +103,9 @@ def check_fsdp2_compiled_micro_steps_keep_grads_unreduced():
 
 
 def check_deepspeed_clip_without_gradient_clipping_names_the_flag():
-    """Issue 24 item 2: ZeRO-2 without ``gradient_clipping`` and a loop that calls
-    ``clip_grad_norm_(params, 1.0)``: every rank raises one ValueError naming the launch flag and the
-    config key, at the first call; with the variable that ``--gradient_clipping 1.0`` sets, the loop trains."""
+    """Issue 24 item 2: ZeRO-2 and a loop that calls ``clip_grad_norm_(params, 1.0)`` trains without
+    ``gradient_clipping`` (the call sets the engine's clipping) and with the variable that
+    ``--gradient_clipping 1.0`` sets; a ValueError would be recorded as its message."""
     from checks_fsdp import _data, _model
     from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
 

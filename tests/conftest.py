@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
-def _no_state_from_earlier_tests():
+def _no_state_from_earlier_tests(request):
     """Every test starts without the process state an earlier test left behind. On a GPU machine a
     leftover state would put a later ``Accelerator(cpu=True)`` on the GPU (the state is a singleton)."""
     if "hasten.state" in sys.modules:
@@ -17,6 +17,14 @@ def _no_state_from_earlier_tests():
 
         reset_state()
     yield
+    # A default process group left behind would make later tests in this interpreter join it (and
+    # skip their own set-up): end it here, and say which test left it, so the leak is not hidden.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        import warnings
+
+        warnings.warn(f"{request.node.nodeid} left the default process group initialized; the suite destroyed it")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ ONE = ["", "1", ""]  # this machine; no distributed training; CPU only (the defa
 CPUS = ["", "2", "", "2"]  # this machine; multi-CPU; 1 machine; 2 processes
 GPUS = ["", "3", "", "2", ""]  # this machine; multi-GPU; 1 machine; 2 processes; all GPUs
 NO_COMPILE = ["no"]
+NO_SHARDING = ["no", "no"]  # no DeepSpeed, no FSDP (offered for CPU processes too)
 FSDP = ["no", "yes", "", "", "no", "NO_WRAP", "", "", "no"]  # no DeepSpeed; FSDP 2, reshard, no offload, ...
 ZERO2 = ["yes", "", "3", "", ""]  # DeepSpeed without a JSON file; stage 2 (3rd choice); no offload; clipping 1
 ZERO3 = ["yes", "", "4", "", "", "", "", ""]  # stage 3; no offloads; zero3_init; save 16-bit; clipping 1
@@ -26,10 +27,10 @@ CASES = {
     # name: (answers, expected distributed_type, expected processes, extra `hasten test` flags)
     "one-process": (ONE + NO_COMPILE + ["", ""], "NO", 1, []),
     "one-process-accumulate-fp16": (ONE + NO_COMPILE + ["2", "fp16"], "NO", 1, []),
-    "cpus-accumulate": (CPUS + NO_COMPILE + ["2", "no"], "MULTI_CPU", 2, []),
-    "cpus-accumulate-fp16": (CPUS + NO_COMPILE + ["3", "fp16"], "MULTI_CPU", 2, []),
-    "cpus-accumulate-bf16-compiled": (CPUS + ["yes", "aot_eager", "", "", ""] + ["2", "bf16"], "MULTI_CPU", 2, []),
-    "cpus-accumulate-fp8": (CPUS + NO_COMPILE + ["2", "fp8", "", ""], "MULTI_CPU", 2, []),
+    "cpus-accumulate": (CPUS + NO_COMPILE + NO_SHARDING + ["2", "no"], "MULTI_CPU", 2, []),
+    "cpus-accumulate-fp16": (CPUS + NO_COMPILE + NO_SHARDING + ["3", "fp16"], "MULTI_CPU", 2, []),
+    "cpus-accumulate-bf16-compiled": (CPUS + ["yes", "aot_eager", "", "", ""] + NO_SHARDING + ["2", "bf16"], "MULTI_CPU", 2, []),
+    "cpus-accumulate-fp8": (CPUS + NO_COMPILE + NO_SHARDING + ["2", "fp8", "", ""], "MULTI_CPU", 2, []),
     "fsdp-accumulate-bf16": (GPUS + NO_COMPILE + FSDP + ["2", "bf16"], "FSDP", 2, ["--cpu"]),
     "zero2-accumulate": (GPUS + NO_COMPILE + ZERO2 + ["2", "no"], "DEEPSPEED", 2, ["--cpu"]),
     "zero3-accumulate-bf16": (GPUS + NO_COMPILE + ZERO3 + ["2", "bf16"], "DEEPSPEED", 2, ["--cpu"]),

@@ -35,14 +35,13 @@ def test_fsdp2_compiled_reduces_only_on_the_last_micro_step(two):
     assert two.assert_passed("check_fsdp2_compiled_micro_steps_keep_grads_unreduced") == [expected, expected]
 
 
-def test_deepspeed_clip_grad_norm_without_gradient_clipping_is_one_error_naming_the_flag(two):
+def test_deepspeed_clip_grad_norm_works_with_and_without_gradient_clipping(two):
+    """The loop the user wrote runs under ZeRO-2 whether or not ``--gradient_clipping`` was given
+    (clip_grad_norm_ sets the engine's clipping; tests/test_issue24_rest.py checks the numbers)."""
     pytest.importorskip("deepspeed")
     seen = two.assert_passed("check_deepspeed_clip_without_gradient_clipping_names_the_flag")
     assert seen[0] == seen[1], seen  # every rank, the same
-    message = seen[0]["None"]
-    assert isinstance(message, str), seen
-    assert "--gradient_clipping 1.0" in message and '"gradient_clipping": 1.0' in message, message
-    assert seen[0]["1.0"] is True, seen  # with the flag the loop trains
+    assert seen[0] == {"None": True, "1.0": True}, seen
 
 
 def test_unwrap_compiled_is_the_one_way_to_strip_torch_compile():

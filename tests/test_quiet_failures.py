@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import hasten
 from devices import launch_flags
 from scripts.launch_common import clean_env
 
@@ -117,6 +118,10 @@ def test_the_wrapper_shows_hasten_warnings_in_one_line_and_obeys_dash_w(tmp_path
     path = tmp_path / "warn.py"
     path.write_text(WARNING)
     env = clean_env(tmp_path / "absent.yaml")
+    # `-W` resolves its category before an editable install's import hook is active: name the source
+    # folder, as a regular install would make hasten importable at start-up.
+    src = os.path.dirname(os.path.dirname(os.path.abspath(hasten.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     shown = subprocess.run([sys.executable, BOOTSTRAP, path], env=env, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stderr.splitlines()
