@@ -178,6 +178,10 @@ def test_fsdp_flag_and_handler_together_is_an_error():
     with pytest.raises(ValueError, match="set twice"):
         Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True),
                     kwargs_handlers=[ActivationCheckpointingKwargs()])
+    # The one-process group FSDP opened before the refusal is not left behind for the next Accelerator.
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
     with pytest.raises(ValueError, match="activation_checkpointing_offload=True needs activation_checkpointing=True"):
         FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing_offload=True)
     reset_state()

@@ -134,6 +134,23 @@ def make_plan(
     parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
     state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                              fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_handler.to_kwargs())
+    try:
+        return _plan_after_state(state, accumulation, handlers, fsdp_plugin, deepspeed_plugin, named_plugins,
+                                 parallelism_config, dynamo_plugin, gradient_accumulation_steps,
+                                 gradient_accumulation_plugin, dataloader_config)
+    except BaseException:
+        # A configuration refused after the state opened its own one-process group (FSDP on one
+        # process) must not leave that group behind for the next Accelerator of this interpreter.
+        if getattr(state, "owns_group", False):
+            state.destroy_process_group()
+        raise
+
+
+def _plan_after_state(state: Any, accumulation: Any, handlers: dict, fsdp_plugin: Any, deepspeed_plugin: Any,
+                      named_plugins: Any, parallelism_config: Any, dynamo_plugin: Any,
+                      gradient_accumulation_steps: int, gradient_accumulation_plugin: Any,
+                      dataloader_config: Any) -> "Plan":
+    """The decisions that need the process state (device, distributed type)."""
     gradient_state = GradientState(accumulation)
     if fsdp_plugin == "from-environment":
         from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
