@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from checks_checkpoint_resume import Progress
 from distributed import reset_state
 from hasten import Accelerator
 from hasten.utils import set_seed
@@ -204,26 +205,13 @@ def save_models_each(acc: Accelerator, pair: tuple, tag: str) -> list:
     return written
 
 
-class Counter:
-    """Steps done, stored in the checkpoint (register_for_checkpointing)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = state["steps"]
-
-
 def _resume_run(make: Callable[[], Accelerator], kind: str, folder: str, together: bool, steps: int,
                 save_at: Optional[int], select: Optional[tuple[str, str]]) -> tuple[dict, dict, dict]:
     """AdamW on shuffled data; saves at ``save_at``, or (None) loads ``folder`` first and runs the rest."""
     set_seed(11)
     acc = make()
     trained, other, opt, loader = prepare_pair(acc, kind, together, optimizer="adamw", select=select, shuffle=True)
-    counter = Counter()
+    counter = Progress()  # steps done, stored in the checkpoint
     acc.register_for_checkpointing(counter)
     if save_at is None:
         with torch.no_grad():  # the frozen model must come back from the checkpoint too

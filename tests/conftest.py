@@ -35,3 +35,16 @@ def fresh_state():
     reset_state()
     yield
     reset_state()
+
+
+@pytest.fixture
+def one_process_fsdp(fresh_state):
+    """Tear down the one-process group FSDP made, so later tests in this interpreter start without one."""
+    yield
+    import torch.distributed as dist
+
+    from hasten.state import PartialState
+
+    if PartialState._shared_state and PartialState().initialized:
+        PartialState().destroy_process_group()
+    assert not dist.is_initialized()

@@ -42,19 +42,6 @@ def _step(acc, model, opt, x, y, clip=0.5):
     return float(loss.detach()), float(norm)
 
 
-@pytest.fixture
-def one_process_fsdp(fresh_state):
-    """Tear down the one-process group FSDP made, so later tests in this interpreter start without one."""
-    yield
-    import torch.distributed as dist
-
-    from hasten.state import PartialState
-
-    if PartialState._shared_state and PartialState().initialized:
-        PartialState().destroy_process_group()
-    assert not dist.is_initialized()
-
-
 @pytest.mark.parametrize("offload", [False, True])
 def test_fsdp_on_one_process_shards_offloads_and_trains_like_plain_training(one_process_fsdp, offload):
     from hasten import Accelerator

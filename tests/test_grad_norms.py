@@ -113,15 +113,6 @@ class _RecordsMoves(nn.Module):
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale
 
 
-@pytest.fixture
-def one_process_fsdp(fresh_state):
-    yield
-    from hasten.state import PartialState
-
-    if PartialState._shared_state and PartialState().initialized:
-        PartialState().destroy_process_group()
-
-
 @pytest.mark.parametrize("offload", [False, True])
 def test_fsdp2_prepare_makes_no_whole_model_move(one_process_fsdp, offload):
     """On CPU this shows that prepare() never calls Module.to (or any _apply) on the whole model under FSDP2,

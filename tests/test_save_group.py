@@ -12,19 +12,6 @@ from torch import nn
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
 
 
-@pytest.fixture
-def one_process_fsdp(fresh_state):
-    """Tear down the one-process group FSDP made, so later tests in this interpreter start without one."""
-    yield
-    import torch.distributed as dist
-
-    from hasten.state import PartialState
-
-    if PartialState._shared_state and PartialState().initialized:
-        PartialState().destroy_process_group()
-    assert not dist.is_initialized()
-
-
 def test_one_process_fsdp_background_save_issues_no_collective_on_the_training_group(one_process_fsdp, tmp_path):
     """The default group's sequence number counts every collective issued on it: a background save
     (thread included) must leave it where it was, or on CUDA the save thread drives the training's

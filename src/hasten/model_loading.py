@@ -457,6 +457,31 @@ def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: An
     return load_into_sharded(model, checkpoint, strict)
 
 
+def fit_problems(mismatched: Sequence[str], missing: Sequence[str], unexpected: Sequence[str],
+                 strict: bool) -> list[str]:
+    """What keeps a checkpoint from fitting a model: shapes always, missing/extra keys under ``strict``
+    (shared by the plain and the sharded loader, so both word them alike)."""
+    problems = []
+    if mismatched:
+        problems.append(f"shapes differ for {_listing(mismatched)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    return problems
+
+
+def warn_partial_load(checkpoint: PathLike, model: Any, missing: Sequence[str], unexpected: Sequence[str],
+                      stacklevel: int) -> None:
+    """The warning of a non-strict load that left keys out (``stacklevel`` counts this function)."""
+    if missing or unexpected:
+        warnings.warn(
+            f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks {_listing(missing) if missing else 'nothing'} "
+            f"and has extra {_listing(unexpected) if unexpected else 'nothing'} for {type(model).__name__}; the "
+            "matching weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=stacklevel,
+        )
+
+
 def load_checkpoint_in_model(
     model: "torch.nn.Module",
     checkpoint: PathLike,
@@ -527,13 +552,7 @@ def load_checkpoint_in_model(
         if k in expected and shapes[k] is not None and isinstance(expected[k], torch.Tensor)
         and tuple(expected[k].shape) != shapes[k]
     ]
-    problems = []
-    if mismatched:
-        problems.append(f"shapes differ for {_listing(mismatched)}")
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    problems = fit_problems(mismatched, missing, unexpected, strict)
     if problems:
         hint = "" if mismatched else "; pass strict=False to load the keys that match"
         raise CheckpointMismatchError(
@@ -547,12 +566,7 @@ def load_checkpoint_in_model(
     for name in expected:
         _device_for(name, device_map)  # every tensor has a device before anything moves
     _check_ties(ties, device_map)
-    if missing or unexpected:
-        warnings.warn(
-            f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks {_listing(missing) if missing else 'nothing'} "
-            f"and has extra {_listing(unexpected) if unexpected else 'nothing'} for {type(model).__name__}; the "
-            "matching weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=2,
-        )
+    warn_partial_load(checkpoint, model, missing, unexpected, stacklevel=3)
 
     placer = _Placer(model, device_map, dtype, keep_in_fp32_modules or [], offload_folder, offload_buffers)
     aliases_of: dict[str, list[str]] = {}

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from .dtensor import _move_buffers, strip_checkpoint_prefix
-from ..warning_kinds import HastenWarning
 
 
 class _Slot(NamedTuple):
@@ -78,7 +77,7 @@ class _Plan(NamedTuple):
 def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
     """Match the checkpoint's tensors to the model's, or raise ``CheckpointMismatchError`` naming
     every problem (key, shapes, file). The same on every process: all read the same headers."""
-    from ..model_loading import _checkpoint_sources
+    from ..model_loading import _checkpoint_sources, fit_problems
     from ..saving import CheckpointMismatchError, _listing
 
     sources, aliases = _checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
@@ -108,13 +107,7 @@ def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
                               f"{os.path.basename(source.path)!r} vs model {list(slot.tensor.shape)}")
         where[owner] = hit
     unexpected = sorted(k for k in found if k not in slots)
-    problems = []
-    if mismatched:
-        problems.append(f"shapes differ for {_listing(mismatched)}")
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    problems = fit_problems(mismatched, missing, unexpected, strict)
     absent = [n for n in unreadable if not (strict and n in missing)]
     if absent:
         problems.append(f"missing from the checkpoint and still on the meta device (no value to give them): "
@@ -244,9 +237,8 @@ def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     """Fill ``model`` (DTensor parameters, possibly on ``meta``) from ``checkpoint``; see the module's
     docstring. Every process must call it. Returns ``LoadResult(missing, unexpected)``."""
-    import warnings
-
-    from ..saving import LoadResult, _listing
+    from ..model_loading import warn_partial_load
+    from ..saving import LoadResult
 
     plan: Optional[_Plan] = None
     failure: Optional[BaseException] = None
@@ -266,11 +258,5 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
     _agree(failure)
-    if plan.missing or plan.unexpected:
-        warnings.warn(
-            f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks "
-            f"{_listing(plan.missing) if plan.missing else 'nothing'} and has extra "
-            f"{_listing(plan.unexpected) if plan.unexpected else 'nothing'} for {type(model).__name__}; the matching "
-            "weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=3,
-        )
+    warn_partial_load(checkpoint, model, plan.missing, plan.unexpected, stacklevel=4)
     return LoadResult(plan.missing, plan.unexpected)
