@@ -53,14 +53,18 @@ def raise_if_any(results: list, kind: type, head: str) -> None:
         raise kind(head + "\n  - " + "\n  - ".join(unique))
 
 
-def agree(problem: Optional[str], head: str, group: Any = None) -> None:
+def agree(problem: Optional[str], head: str, group: Any = None, share: Any = None) -> list:
     """Raise ``RuntimeError(head + every process's problem)`` on every process if any process has one.
 
     A collective that every process reaches whatever failed on it (``problem``: this process's
     message, None when all went well), placed before the next collective a failed process would
     otherwise skip: one lone raise would leave the others waiting, or mismatch their collectives.
+    Returns every process's ``share``, in rank order: a small value the caller needs from all
+    processes rides along instead of costing a collective of its own.
     """
-    raise_if_any([[p] if p else [] for p in gather(problem, group)], RuntimeError, head)
+    answers = gather((problem, share), group)
+    raise_if_any([[p] if p else [] for p, _ in answers], RuntimeError, head)
+    return [value for _, value in answers]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import commit, layout, resume, rng, saver
-from .collectives import broadcast_from_main, gather
+from .collectives import broadcast_from_main
 from .loading import load_checkpoint
 from .prehooks import CheckpointSession
 from ..warning_kinds import HastenWarning
@@ -144,7 +144,11 @@ class CheckpointMixin:
         writes_shared, node = self.is_main_process, 0
         if pc.save_on_each_node and self.state.num_machines > 1:
             folder, writes_shared, node = self._node_folder(target, token)
-        self._agree_on_folder(folder, writes_shared)
+        # Processes may hold different save hooks (one process registers a hook of its own): every
+        # process learns the largest count with the folder agreement, and agrees before each hook
+        # index up to it, so that the agreements stay paired.
+        hooks = list(self._checkpoints.save_pre_hooks.hooks.values())
+        hook_rounds = max(self._agree_on_folder(folder, writes_shared, len(hooks)))
         mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
         contents: dict[str, Any] = {}
         write_shards = listing = None
@@ -180,10 +184,7 @@ class CheckpointMixin:
             for model in models:
                 before_collective()
                 weights.append(attempt(lambda: self.get_state_dict(model)))
-        # Processes may hold different save hooks (one process registers a hook of its own): agree
-        # before each hook index up to the largest count, so that the agreements stay paired.
-        hooks = list(self._checkpoints.save_pre_hooks.hooks.values())
-        for index in range(max(gather(len(hooks), None))):
+        for index in range(hook_rounds):
             before_collective()
             if index < len(hooks):
                 attempt(lambda: hooks[index](models, weights, folder))
@@ -289,24 +290,24 @@ class CheckpointMixin:
             "save_on_each_node=False (nothing was written and no checkpoint was deleted)"
         )
 
-    def _agree_on_folder(self, folder: str, writes_shared: bool) -> None:
+    def _agree_on_folder(self, folder: str, writes_shared: bool, share: Any = None) -> list:
         """Create this process's temporary folder; every process learns whether every one could, before
         anything collective (a save hook, a sharded model's gathers): a process that failed alone would
         skip those and leave the others waiting. On a failure every process raises the same error and
-        nothing is left behind."""
+        nothing is left behind. Returns every process's ``share``."""
         problem = None
         try:
             os.makedirs(folder, exist_ok=True)
         except Exception as e:  # noqa: BLE001 - every process must learn it
             problem = f"process {self.process_index}: {type(e).__name__}: {e}"
-        self._agree_or_remove(problem, folder, writes_shared and problem is None)
+        return self._agree_or_remove(problem, folder, writes_shared and problem is None, share)
 
     @staticmethod
-    def _agree_or_remove(problem: Optional[str], folder: str, writes_shared: bool) -> None:
+    def _agree_or_remove(problem: Optional[str], folder: str, writes_shared: bool, share: Any = None) -> list:
         """Every process learns whether any failed so far; on a failure every process raises the same
         error and the temporary folder is removed (by the process that created it)."""
         try:
-            commit.agree(problem, "save_state failed; nothing was committed:")
+            return commit.agree(problem, "save_state failed; nothing was committed:", share=share)
         except RuntimeError:
             if writes_shared:
                 layout.remove_tree(folder)
