@@ -125,3 +125,31 @@ def check_save_model_of_user_sharded_model_write_fails_midway():
     # The save still works once the disk is fine again.
     acc.save_model(model, _tmp("midway"), max_shard_size=300)
     return {"error": error, "files": len(calls)}
+
+
+def check_save_hooks_held_by_one_process_only():
+    """Process 0 registers two save hooks, process 1 none; then process 0's second hook fails on a
+    second save. The first save completes and loads; the second raises the same error everywhere."""
+    reset_state()
+    acc = Accelerator(project_config=ProjectConfiguration(_tmp("onehook"), automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = acc.prepare(nn.Linear(4, 2))
+    calls: list = []
+    fail = [False]
+
+    def second(models, weights, folder):
+        if fail[0]:
+            raise OSError(28, INJECTED, folder)
+        calls.append("second")
+
+    if acc.process_index == 0:
+        acc.register_save_state_pre_hook(lambda models, weights, folder: calls.append("first"))
+        acc.register_save_state_pre_hook(second)
+    acc.save_state()
+    first_save = sorted(os.listdir(os.path.join(_tmp("onehook"), "checkpoints")))
+    acc.load_state()
+    fail[0] = True
+    error = _raised(acc.save_state)
+    acc.wait_for_everyone()
+    return {"error": error, "calls": calls, "first_save": first_save,
+            "left": sorted(os.listdir(os.path.join(_tmp("onehook"), "checkpoints")))}

@@ -168,3 +168,12 @@ def test_one_node_failing_its_folder_makes_every_process_raise_the_same_error(tm
     ranks = _run_ranks(tmp_path, [check], machines=2)
     value = _same_error([r[check] for r in ranks], "process 1:", "injected", "-node1")
     assert value["left"] == [], value
+
+
+def test_save_hooks_held_by_one_process_only_keep_the_agreements_paired(tmp_path):
+    check = "check_save_hooks_held_by_one_process_only"
+    ranks = [r[check] for r in _run_ranks(tmp_path, [check])]
+    assert [r["calls"] for r in ranks] == [["first", "second", "first"], []], ranks
+    assert ranks[0]["first_save"] == ranks[1]["first_save"] == ["checkpoint_0"], ranks
+    value = _same_error(ranks, "process 0:", "injected")
+    assert value["left"] == ["checkpoint_0"], value  # the failed save left nothing; the first one stays
