@@ -68,8 +68,7 @@ def run_elastic(plan: "Plan") -> int:
     records = tempfile.mkdtemp(prefix="hasten-failures-")
     os.environ["HASTEN_FAILURE_DIR"] = records
     watchdog = _start_watchdog(plan)
-    figures_folder = tempfile.mkdtemp(prefix="hasten-summary-")
-    figures_file, _ = run_summary.summary_path(figures_folder, os.environ)
+    figures_file, _ = run_summary.summary_path(records, os.environ)  # the launch's one temporary folder
     os.environ[run_summary.SUMMARY_ENV] = figures_file  # a ThroughputMonitor in the script writes there
     started = time.monotonic()
     try:
@@ -82,7 +81,6 @@ def run_elastic(plan: "Plan") -> int:
     finally:
         watchdog.close()
         shutil.rmtree(records, ignore_errors=True)
-        shutil.rmtree(figures_folder, ignore_errors=True)
     if watchdog.report is not None:
         print(watchdog.report, file=sys.stderr, flush=True)  # its folder is kept: the stacks are in it
         return hangs.HANG_EXIT_STATUS
