@@ -196,6 +196,31 @@ def _inside(name: str, tensor_name: str) -> bool:
     return (tensor_name + ".").startswith(name + ".")
 
 
+def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: Mapping[str, int],
+                              modules_to_treat: list[tuple[str, Any]]) -> tuple[int, list[str], list[Any]]:
+    """The bytes a module takes when it is placed together with the modules its ties pull along.
+
+    tied_params: names of tensors outside the module that are tied to one of its tensors;
+    module_size: the module's own bytes; module_sizes: bytes by module and tensor name (as
+    ``compute_module_sizes`` gives them); modules_to_treat: the ``(name, module)`` entries still to be
+    placed. Each tied tensor's module is the entry whose name is a dotted prefix of it (``"1"`` holds
+    ``"1.weight"``, not ``"10.weight"``); its bytes count, less the tied tensor already counted in
+    the module. Returns ``(total bytes, names of those modules, the modules)``, each module once.
+    """
+    total, names, modules = module_size, [], []
+    for tensor in tied_params:
+        entry = next(((n, m) for n, m in modules_to_treat if _inside(n, tensor)), None)
+        if entry is None:
+            raise ValueError(f"tied parameter {tensor!r} is in none of the modules to treat "
+                             f"{[n for n, _ in modules_to_treat]}; pass the entries that hold every tied parameter")
+        if entry[0] in names:  # a module holding several tied tensors counts once
+            continue
+        total += module_sizes[entry[0]] - module_sizes[tensor]
+        names.append(entry[0])
+        modules.append(entry[1])
+    return total, names, modules
+
+
 class _Planner:
     """The state of one ``infer_auto_device_map`` run (a class so that each step reads as one method)."""
 
@@ -252,7 +277,7 @@ class _Planner:
         limit = None if device == "disk" else self.budgets[device] - reserve
         size = self.sizes[name]
         partners = self.partners(name)
-        with_ties = size + sum(self.sizes[entry] - self.sizes[tensor] for tensor, entry, _ in partners)
+        with_ties = get_module_size_with_ties([tensor for tensor, _, _ in partners], size, self.sizes, self.queue)[0]
         if limit is None or self.used[device] + with_ties <= limit:
             self.say(f"Putting {name} ({with_ties} bytes with its ties) on {device}")
             self.used[device] += with_ties
