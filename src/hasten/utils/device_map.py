@@ -233,6 +233,11 @@ class _Planner:
         self.ties = find_tied_parameters(model)
         self.queue = _parts("", model, with_buffers=True)
         self.used = {d: 0 for d in self.devices}
+        # Room a staging device kept for loading offloaded layers, fixed when the planner leaves it;
+        # the buffers of offloaded modules (which stay on the device) must fit beside it.
+        self.reserved: dict[Any, int] = {}
+        # Bytes a device would have needed to take its first module, for devices left empty.
+        self.needed: dict[Any, int] = {}
         self.plan: dict[str, Any] = {}
         self.current = 0
         self.fallback_allocation = False
@@ -303,6 +308,9 @@ class _Planner:
         if self.fallback_allocation and self.fallback():
             return
         self.say(f"{name} does not fit on {device}; moving to the next device")
+        if not self.used[device]:
+            self.needed[device] = with_ties + reserve
+        self.reserved[device] = reserve
         self.current += 1
 
     def fallback(self) -> bool:
@@ -365,6 +373,10 @@ def infer_auto_device_map(
         device_map = clean_device_map(device_map)
     if not offload_buffers:
         _warn_offloaded_buffers(model, device_map, planner, dtype, special_dtypes)
+    if planner.needed:
+        logger.info("no module could be placed on %s: insufficient memory (the first module to place, with the room "
+                    "kept for loading offloaded layers, needs %s bytes there); raise their max_memory to use them",
+                    ", ".join(map(str, planner.needed)), ", ".join(map(str, planner.needed.values())))
     return device_map
 
 
@@ -377,7 +389,7 @@ def _warn_offloaded_buffers(model: "nn.Module", device_map: dict, planner: _Plan
         return
     total = sum(compute_module_total_buffer_size(_submodule(model, n) if n else model, dtype, special)
                 for n in offloaded if n == "" or isinstance(_submodule(model, n), nn.Module))
-    if total and not any(planner.budgets[g] >= total + planner.used.get(g, 0) for g in gpus):
+    if total and not any(planner.budgets[g] >= total + planner.used[g] + planner.reserved.get(g, 0) for g in gpus):
         warnings.warn(f"the offloaded modules hold {total} bytes of buffers, which stay on the GPU and do not fit "
                       "in any GPU's remaining budget; pass offload_buffers=True if you run out of memory",
                       HastenWarning, stacklevel=3)

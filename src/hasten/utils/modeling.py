@@ -402,8 +402,9 @@ def check_device_map(model: "nn.Module", device_map: Mapping[str, DeviceLike]) -
 
     unknown = [k for k in device_map if k and k not in modules and not names_a_tensor(k)]
     if unknown:
-        warnings.warn(f"device_map names {unknown}, which are not submodules (or tensors) of "
-                      f"{type(model).__name__}; those entries are unused", HastenWarning, stacklevel=3)
+        warnings.warn(f"device_map keys do not match any submodules (or tensors) of {type(model).__name__}: {unknown}; "
+                      "those entries are unused (name modules as model.named_modules() does)", HastenWarning,
+                      stacklevel=3)
     uncovered = []
     for name in model.state_dict():
         try:
