@@ -142,3 +142,31 @@ def test_an_offload_folder_written_by_accelerate_is_read_by_disk_offload(tmp_pat
     disk_offload(fresh, str(tmp_path), execution_device=inputs.device, offload_buffers=True)
     assert fresh[0].weight.device.type == "meta"
     assert torch.equal(fresh(inputs), expected)
+
+
+# -- checkpoints in the shapes Accelerate reads -------------------------------------------------------
+def _write_bare_index_checkpoint(model: nn.Module, folder: str, index_name: str) -> None:
+    """Shards per top-level module and an index that is only ``{tensor name: shard file}``."""
+    import json
+
+    index = {name: f"part-{name.split('.')[0]}.bin" for name in model.state_dict()}
+    for shard in set(index.values()):
+        torch.save({k: v for k, v in model.state_dict().items() if index[k] == shard}, os.path.join(folder, shard))
+    with open(os.path.join(folder, index_name), "w") as f:
+        json.dump(index, f)
+
+
+def test_a_bare_index_of_any_name_loads_by_file_and_by_folder(tmp_path):
+    from hasten.utils.modeling import load_checkpoint_in_model
+
+    source = _buffered_model()
+    _write_bare_index_checkpoint(source, str(tmp_path), "weights.index.json")
+    for checkpoint in (tmp_path / "weights.index.json", tmp_path):
+        target = _buffered_model()
+        nn.init.zeros_(target.a.weight)
+        load_checkpoint_in_model(target, str(checkpoint))
+        for name, tensor in source.state_dict().items():
+            assert torch.equal(target.state_dict()[name], tensor), (checkpoint, name)
+    _write_bare_index_checkpoint(source, str(tmp_path), "other.index.json")
+    with pytest.raises(ValueError, match="several indexes"):
+        load_checkpoint_in_model(_buffered_model(), str(tmp_path))
