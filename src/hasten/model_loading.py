@@ -193,6 +193,8 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     except (ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"index {path!r} is not readable JSON ({type(e).__name__}: {e}); the file is "
                                      "damaged") from None
+    if isinstance(index, dict) and index and "weight_map" not in index and all(isinstance(v, str) for v in index.values()):
+        index = {"weight_map": index}  # the bare form (tensor name -> shard file), which Accelerate reads too
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ValueError(f"index {path!r} has no 'weight_map'; it is not a sharded checkpoint index")
     metadata = index.get("metadata") or {}
@@ -222,6 +224,10 @@ def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[li
     if os.path.isdir(path):
         candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
         found = next((os.path.join(path, c) for c in candidates if os.path.lexists(os.path.join(path, c))), None)
+        indexes = [] if found else sorted(f for f in os.listdir(path) if f.endswith(".index.json"))
+        if len(indexes) > 1:
+            raise ValueError(f"checkpoint directory {path!r} holds several indexes {indexes}; pass the one to load")
+        found = found or (os.path.join(path, indexes[0]) if indexes else None)  # a sharded checkpoint of any name
         if found is None:
             raise FileNotFoundError(
                 f"checkpoint directory {path!r} holds none of {', '.join(candidates)}; pass the directory "

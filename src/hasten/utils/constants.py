@@ -31,3 +31,16 @@ TORCH_LAUNCH_PARAMS = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoin
                        "standalone", "max_restarts", "monitor_interval", "start_method", "role", "module", "m",
                        "no_python", "run_path", "log_dir", "r", "redirects", "t", "tee", "node_rank", "master_addr",
                        "master_port"]
+
+# -- big-model inference (names read lazily: they need torch, and this module must not import it) ----
+_LAZY_TORCH_CONSTANTS = {"SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING": ("hasten.layerwise_casting", "CAST_LAYERS")}
+
+
+def __getattr__(name: str) -> object:
+    """``SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING``: the layer classes that layerwise casting stores coarsely."""
+    if name in _LAZY_TORCH_CONSTANTS:
+        import importlib
+
+        module, attribute = _LAZY_TORCH_CONSTANTS[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -464,4 +464,8 @@ def __getattr__(name: str) -> Any:
         from . import fp8_recipes
 
         return getattr(fp8_recipes, name)
+    if name == "BnbQuantizationConfig":  # imports, and raises on use: hasten has no bitsandbytes (compat.REFUSED)
+        from . import refused
+
+        return getattr(refused, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

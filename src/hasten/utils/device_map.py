@@ -196,6 +196,31 @@ def _inside(name: str, tensor_name: str) -> bool:
     return (tensor_name + ".").startswith(name + ".")
 
 
+def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: Mapping[str, int],
+                              modules_to_treat: list[tuple[str, Any]]) -> tuple[int, list[str], list[Any]]:
+    """The bytes a module takes when it is placed together with the modules its ties pull along.
+
+    tied_params: names of tensors outside the module that are tied to one of its tensors;
+    module_size: the module's own bytes; module_sizes: bytes by module and tensor name (as
+    ``compute_module_sizes`` gives them); modules_to_treat: the ``(name, module)`` entries still to be
+    placed. Each tied tensor's module is the entry whose name is a dotted prefix of it (``"1"`` holds
+    ``"1.weight"``, not ``"10.weight"``); its bytes count, less the tied tensor already counted in
+    the module. Returns ``(total bytes, names of those modules, the modules)``, each module once.
+    """
+    total, names, modules = module_size, [], []
+    for tensor in tied_params:
+        entry = next(((n, m) for n, m in modules_to_treat if _inside(n, tensor)), None)
+        if entry is None:
+            raise ValueError(f"tied parameter {tensor!r} is in none of the modules to treat "
+                             f"{[n for n, _ in modules_to_treat]}; pass the entries that hold every tied parameter")
+        if entry[0] in names:  # a module holding several tied tensors counts once
+            continue
+        total += module_sizes[entry[0]] - module_sizes[tensor]
+        names.append(entry[0])
+        modules.append(entry[1])
+    return total, names, modules
+
+
 class _Planner:
     """The state of one ``infer_auto_device_map`` run (a class so that each step reads as one method)."""
 
@@ -208,6 +233,11 @@ class _Planner:
         self.ties = find_tied_parameters(model)
         self.queue = _parts("", model, with_buffers=True)
         self.used = {d: 0 for d in self.devices}
+        # Room a staging device kept for loading offloaded layers, fixed when the planner leaves it;
+        # the buffers of offloaded modules (which stay on the device) must fit beside it.
+        self.reserved: dict[Any, int] = {}
+        # Bytes a device would have needed to take its first module, for devices left empty.
+        self.needed: dict[Any, int] = {}
         self.plan: dict[str, Any] = {}
         self.current = 0
         self.fallback_allocation = False
@@ -252,7 +282,7 @@ class _Planner:
         limit = None if device == "disk" else self.budgets[device] - reserve
         size = self.sizes[name]
         partners = self.partners(name)
-        with_ties = size + sum(self.sizes[entry] - self.sizes[tensor] for tensor, entry, _ in partners)
+        with_ties = get_module_size_with_ties([tensor for tensor, _, _ in partners], size, self.sizes, self.queue)[0]
         if limit is None or self.used[device] + with_ties <= limit:
             self.say(f"Putting {name} ({with_ties} bytes with its ties) on {device}")
             self.used[device] += with_ties
@@ -278,6 +308,9 @@ class _Planner:
         if self.fallback_allocation and self.fallback():
             return
         self.say(f"{name} does not fit on {device}; moving to the next device")
+        if not self.used[device]:
+            self.needed[device] = with_ties + reserve
+        self.reserved[device] = reserve
         self.current += 1
 
     def fallback(self) -> bool:
@@ -340,6 +373,10 @@ def infer_auto_device_map(
         device_map = clean_device_map(device_map)
     if not offload_buffers:
         _warn_offloaded_buffers(model, device_map, planner, dtype, special_dtypes)
+    if planner.needed:
+        logger.info("no module could be placed on %s: insufficient memory (the first module to place, with the room "
+                    "kept for loading offloaded layers, needs %s bytes there); raise their max_memory to use them",
+                    ", ".join(map(str, planner.needed)), ", ".join(map(str, planner.needed.values())))
     return device_map
 
 
@@ -352,7 +389,7 @@ def _warn_offloaded_buffers(model: "nn.Module", device_map: dict, planner: _Plan
         return
     total = sum(compute_module_total_buffer_size(_submodule(model, n) if n else model, dtype, special)
                 for n in offloaded if n == "" or isinstance(_submodule(model, n), nn.Module))
-    if total and not any(planner.budgets[g] >= total + planner.used.get(g, 0) for g in gpus):
+    if total and not any(planner.budgets[g] >= total + planner.used[g] + planner.reserved.get(g, 0) for g in gpus):
         warnings.warn(f"the offloaded modules hold {total} bytes of buffers, which stay on the GPU and do not fit "
                       "in any GPU's remaining budget; pass offload_buffers=True if you run out of memory",
                       HastenWarning, stacklevel=3)

@@ -26,7 +26,7 @@ DeviceLike = Union[int, str, "torch.device"]
 # The same holds for the checkpoint loader, the offload helpers and align_module_device.
 __getattr__, __dir__ = lazy_module(__name__, {
     **{name: "hasten.utils.device_map" for name in ("get_max_memory", "get_balanced_memory", "infer_auto_device_map",
-                                        "clean_device_map", "convert_file_size_to_int")},
+                                        "clean_device_map", "convert_file_size_to_int", "get_module_size_with_ties")},
     "load_checkpoint_in_model": "hasten.model_loading",
     "align_module_device": "hasten.hooks",
     **{name: "hasten.utils.offload_state" for name in ("get_state_dict_offloaded_model", "get_state_dict_from_offload")},
@@ -81,14 +81,21 @@ def is_cast_exempt(tensor: "torch.Tensor") -> bool:
 
 
 # -- iterating tensors --------------------------------------------------------------------------------
-def non_persistent_buffers(module: "nn.Module", recurse: bool = False) -> set[str]:
-    """Names (relative to ``module``) of buffers that ``state_dict`` leaves out."""
+def get_non_persistent_buffers(module: "nn.Module", recurse: bool = False, fqns: bool = False) -> set[str]:
+    """Names of the buffers that ``state_dict`` leaves out: ``module``'s own, with ``recurse`` its
+    submodules' too. fqns: dotted names relative to ``module`` (``"sub.mask"``) instead of the bare
+    buffer names. Always a new set; the modules are not changed."""
     found = set()
     modules = module.named_modules() if recurse else [("", module)]
     for prefix, sub in modules:
         for name in getattr(sub, "_non_persistent_buffers_set", ()):
-            found.add(f"{prefix}.{name}" if prefix else name)
+            found.add(f"{prefix}.{name}" if prefix and fqns else name)
     return found
+
+
+def non_persistent_buffers(module: "nn.Module", recurse: bool = False) -> set[str]:
+    """Dotted names (relative to ``module``) of buffers that ``state_dict`` leaves out."""
+    return get_non_persistent_buffers(module, recurse, fqns=True)
 
 
 def named_module_tensors(module: "nn.Module", include_buffers: bool = True, recurse: bool = False,
@@ -395,8 +402,9 @@ def check_device_map(model: "nn.Module", device_map: Mapping[str, DeviceLike]) -
 
     unknown = [k for k in device_map if k and k not in modules and not names_a_tensor(k)]
     if unknown:
-        warnings.warn(f"device_map names {unknown}, which are not submodules (or tensors) of "
-                      f"{type(model).__name__}; those entries are unused", HastenWarning, stacklevel=3)
+        warnings.warn(f"device_map keys do not match any submodules (or tensors) of {type(model).__name__}: {unknown}; "
+                      "those entries are unused (name modules as model.named_modules() does)", HastenWarning,
+                      stacklevel=3)
     uncovered = []
     for name in model.state_dict():
         try:

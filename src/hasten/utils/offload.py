@@ -2,10 +2,12 @@
 
 A folder holds ``offload-NNNNN.safetensors`` files and ``index.json``, which maps every offloaded
 tensor name to ``{"safetensors_file", "weight_name", "dtype", "shape"}`` (file names relative to the
-folder, so the folder can be moved). Tied names point at one stored tensor. Accelerate reads these
-entries too (it understands ``safetensors_file`` entries); hasten in turn reads folders written by
-Accelerate (``<name>.dat`` raw arrays), through ``numpy.memmap``, and Accelerate's own functions for that
-format (``offload_weight``, ``save_offload_index``, ``load_offloaded_weight``) write and read it. Nothing here unpickles.
+folder, so the folder can be moved). Tied names point at one stored tensor. This layout differs from
+Accelerate's on purpose (a few checked safetensors files instead of one raw file per tensor, and a
+checksum per entry); Accelerate does not read it (it resolves ``safetensors_file`` against the working
+directory). hasten in turn reads folders written by Accelerate (``<name>.dat`` raw arrays), through
+``numpy.memmap``, and Accelerate's own functions for that format (``offload_weight``,
+``save_offload_index``, ``load_offloaded_weight``) write and read it. Nothing here unpickles.
 Every file is written atomically; the index is rewritten (atomically) after the weights it names.
 """
 
