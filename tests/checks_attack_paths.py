@@ -17,10 +17,10 @@ def _tamper_manifest(folder: str, name: str) -> None:
     path = os.path.join(folder, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    from hasten.checkpointing import fileio, layout
+    from hasten.checkpointing import filereading, layout
 
     full = os.path.join(folder, name)
-    manifest["files"][name].update(size=os.path.getsize(full), checksum=fileio.file_checksum(full))
+    manifest["files"][name].update(size=os.path.getsize(full), checksum=filereading.file_checksum(full))
     manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # as an editor of a checkpoint would
     with open(path, "w") as f:
         json.dump(manifest, f)

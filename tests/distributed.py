@@ -75,9 +75,9 @@ def tamper(folder: str, name: str, data: bytes) -> None:
     path = os.path.join(folder, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    from hasten.checkpointing import fileio, layout
+    from hasten.checkpointing import filereading, layout
 
-    manifest["files"][name].update(size=len(data), checksum=fileio.file_checksum(os.path.join(folder, name)))
+    manifest["files"][name].update(size=len(data), checksum=filereading.file_checksum(os.path.join(folder, name)))
 
     manifest[layout.CHECKSUM_KEY] = layout.manifest_checksum(manifest)  # and the manifest's own checksum
     with open(path, "w") as f:

@@ -18,13 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hasten.checkpointing import codec, layout
-from hasten.checkpointing.fileio import (
-    BlockSummer,
-    CheckpointCorruptError,
-    MappedFile,
-    checksum_buffer,
-    write_safetensors,
-)
+from hasten.checkpointing.fileio import BlockSummer, CheckpointCorruptError, checksum_buffer, write_safetensors
+from hasten.checkpointing.filereading import MappedFile
 from hasten.saving import CheckpointMismatchError
 
 

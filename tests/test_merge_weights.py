@@ -80,11 +80,11 @@ def test_sharded_output_with_index_and_unsafe_serialization(sharded, tmp_path, c
 def _hasten_checkpoint_around(dcp_folder, folder, models=1):
     """A hasten checkpoint as sharded strategies write it: DCP shards in ``sharded/`` keyed
     ``model_<i>`` / ``optimizer_<i>``, the manifest naming each model's key."""
-    from hasten.checkpointing import fileio, layout
+    from hasten.checkpointing import filereading, layout
 
     shutil.copytree(dcp_folder, folder / "sharded")
     files = {f"sharded/{n}": {"size": os.path.getsize(folder / "sharded" / n),
-                              "checksum": fileio.file_checksum(str(folder / "sharded" / n))}
+                              "checksum": filereading.file_checksum(str(folder / "sharded" / n))}
              for n in os.listdir(folder / "sharded")}
     layout.write_manifest(str(folder), {"format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "files": files,
                                         "contents": {"models": [{"dcp": f"model_{i}"} for i in range(models)]}})

@@ -40,7 +40,7 @@ class _Source(NamedTuple):
     safe: bool
     shapes: dict[str, Optional[tuple]]  # name -> shape (None: not a tensor)
     data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
-    view: Any = None  # safetensors: fileio.SafetensorsView of the mapping whose checksum was verified
+    view: Any = None  # safetensors: filereading.SafetensorsView of the mapping whose checksum was verified
 
 
 def _plain_file(path: str) -> None:
@@ -92,7 +92,8 @@ def verify_weights_file(path: str) -> Optional[str]:
 def _verified_map(path: str) -> tuple[Any, Optional[str]]:
     """``verify_weights_file``, returning the mapping that was summed too: reading the tensors from
     it costs no second round of page faults, so the check adds only the summing (a memory pass)."""
-    from .checkpointing.fileio import CheckpointCorruptError, MappedFile
+    from .checkpointing.fileio import CheckpointCorruptError
+    from .checkpointing.filereading import MappedFile
     from .saving import self_checksum
 
     _plain_file(path)
@@ -119,7 +120,8 @@ def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, s
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
-        from .checkpointing.fileio import CheckpointCorruptError, SafetensorsView
+        from .checkpointing.fileio import CheckpointCorruptError
+        from .checkpointing.filereading import SafetensorsView
 
         mapped, recorded = _verified_map(path)
         mapped.close()  # the map stays; only its spare descriptor goes

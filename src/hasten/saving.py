@@ -448,7 +448,7 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
         else:  # a dtype only the safetensors library writes: summed from the file
             from safetensors.torch import save_file
 
-            from .checkpointing.fileio import file_checksum
+            from .checkpointing.filereading import file_checksum
 
             save_file(shard, tmp, metadata=metadata)
             digest.append(file_checksum(tmp))

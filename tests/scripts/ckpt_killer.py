@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 
 from hasten import Accelerator  # noqa: E402
 from hasten.checkpointing import layout  # noqa: E402
-from hasten.checkpointing.fileio import quiet_frombuffer  # noqa: E402
+from hasten.checkpointing.filereading import quiet_frombuffer  # noqa: E402
 from hasten.checkpointing.restorer import Reader  # noqa: E402
 from hasten.state import AcceleratorState, GradientState  # noqa: E402
 from hasten.utils import ProjectConfiguration  # noqa: E402

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..group_lifetime import release_save_group, save_group  # noqa: F401 - the save's group, here for callers
 from ..saving import fsync_path
-from . import fileio, layout, saver
+from . import filereading, layout, saver
 from .collectives import ProcessGroupGone, gather
 from .staging import Stager
 
@@ -160,13 +160,13 @@ def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) ->
 
             sharded = (job.listing or sharded_files)(folder)  # fsynced by the processes that wrote them
             for name, info in sharded.items():  # a file no process claimed is checksummed here
-                info["checksum"] = checksums.get(name) or fileio.file_checksum(os.path.join(folder, name))
+                info["checksum"] = checksums.get(name) or filereading.file_checksum(os.path.join(folder, name))
             files.update(sharded)
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)
                 fsync_path(full)
-                files[name] = {"size": os.path.getsize(full), "checksum": fileio.file_checksum(full), "rank": "hook"}
+                files[name] = {"size": os.path.getsize(full), "checksum": filereading.file_checksum(full), "rank": "hook"}
         # 5. durable: subfolders, then the manifest, then the folder's own entries (the manifest's last)
         for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
             fsync_path(os.path.join(folder, sub))

@@ -126,7 +126,7 @@ class DeepSpeedCheckpoint:
     def save(self, folder: str, inner: list[nn.Module]) -> dict[str, str]:
         """Every process writes its partitions, then makes the files it can see durable; returns the
         checksums of its own files (``{manifest name: checksum}``) for the manifest."""
-        from .fileio import file_checksum
+        from .filereading import file_checksum
         from ..saving import fsync_path
 
         path = os.path.join(folder, SUBDIR)

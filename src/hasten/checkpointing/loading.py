@@ -14,7 +14,8 @@ from ..saving import CheckpointMismatchError
 from ..state import warn_once
 from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
 from .collectives import broadcast_from_main, gather
-from .fileio import HASH_THREADS, Bounce, CheckpointCorruptError, quiet_frombuffer
+from .fileio import HASH_THREADS, CheckpointCorruptError
+from .filereading import Bounce, quiet_frombuffer
 from ..warning_kinds import HastenWarning
 
 _KINDS = {

@@ -17,7 +17,8 @@ import torch
 
 from ..saving import ALIASES_KEY
 from . import codec
-from .fileio import Bounce, CheckpointCorruptError, MappedFile, SafetensorsView, verify
+from .fileio import CheckpointCorruptError
+from .filereading import Bounce, MappedFile, SafetensorsView, verify
 from .layout import IncompleteCheckpointError
 from .saver import CLASS_KEY, SKELETON_KEY
 

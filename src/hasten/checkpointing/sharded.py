@@ -85,7 +85,7 @@ def write(folder: str, state: dict[str, Any], group: Any = None) -> dict[str, st
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from .fileio import file_checksum
+    from .filereading import file_checksum
 
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)

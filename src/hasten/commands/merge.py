@@ -177,7 +177,8 @@ def _verify_files(folder: str, manifest: dict[str, Any]) -> None:
     symbolic link), checked before anything is read or written: a flipped byte anywhere stops the merge."""
     import stat
 
-    from ..checkpointing.fileio import CheckpointCorruptError, MappedFile, verify
+    from ..checkpointing.fileio import CheckpointCorruptError
+    from ..checkpointing.filereading import MappedFile, verify
 
     for name, info in sorted(manifest["files"].items()):
         full = os.path.join(folder, name)

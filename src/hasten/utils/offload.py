@@ -269,7 +269,8 @@ def _read_stored(path: str, stored: str, entry: Mapping[str, Any], name: str) ->
     the checksum the index records for the bytes (read once, summed as they are copied out)."""
     import torch
 
-    from ..checkpointing.fileio import _CODES, MappedFile
+    from ..checkpointing.fileio import _CODES
+    from ..checkpointing.filereading import MappedFile
 
     _plain_file(path)
     mapped = MappedFile(path)
