@@ -22,6 +22,11 @@ PROFILE_PATTERN_NAME = "profile_{suffix}.json"
 # Oldest torch whose profiler handles these devices (Accelerate's gates; hasten needs a newer torch anyway).
 MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
 XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
+# Oldest versions Accelerate accepts for its beta parallelism modes (test suites skip below them).
+BETA_TP_AVAILABLE_PYTORCH_VERSION = "2.3.0"
+BETA_TP_AVAILABLE_TRANSFORMERS_VERSION = "4.52.0"
+BETA_CP_AVAILABLE_PYTORCH_VERSION = "2.6.0"
+BETA_SP_AVAILABLE_DEEPSPEED_VERSION = "0.18.2"
 
 # DistributedType names whose processes talk through torch.distributed.
 TORCH_DISTRIBUTED_OPERATION_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP", "MULTI_NPU", "MULTI_MLU",
