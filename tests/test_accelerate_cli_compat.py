@@ -144,13 +144,19 @@ def test_prepare_multi_gpu_env_picks_a_free_port(no_user_config):
     assert env["OMP_NUM_THREADS"]
 
 
-def test_mpirun_config_is_refused_with_the_alternative(tmp_path, script, no_user_config):
+def test_mpirun_config_is_refused_with_the_alternative(tmp_path, script, no_user_config, capsys):
+    from hasten.commands.cli import main
     from hasten.utils.launch import prepare_simple_launcher_cmd_env
 
-    cfg = _yaml(tmp_path / "mpi.yaml", {"distributed_type": "MULTI_CPU", "use_cpu": True, "num_processes": 2,
+    # Accelerate starts these processes through mpirun; ignoring the hostfile would wait for 3 machines.
+    cfg = _yaml(tmp_path / "mpi.yaml", {"distributed_type": "MULTI_CPU", "use_cpu": True, "num_processes": 16,
+                                       "num_machines": 4, "main_process_ip": "127.0.0.1",
                                        "mpirun_config": {"mpirun_hostfile": "/etc/hosts"}})
     with pytest.raises(ValueError, match="mpirun -ppn 1"):
         prepare_simple_launcher_cmd_env(launch_command_parser().parse_args(["--config_file", cfg, script]))
+    assert main(["launch", "--config_file", cfg, script]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hasten launch does not start processes through mpirun" in err
 
 
 def test_convert_nargs_to_dict():
@@ -184,7 +190,8 @@ def test_cli_errors_are_value_errors_and_file_errors(tmp_path):
     parser = to_fsdp2_command_parser()
     with pytest.raises(FileNotFoundError):
         to_fsdp2_command(parser.parse_args(["--config_file", str(tmp_path / "absent.yaml")]))
-    src = _yaml(tmp_path / "in.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}})
+    src = _yaml(tmp_path / "in.yaml", {"distributed_type": "FSDP",
+                                      "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}})
     out = _yaml(tmp_path / "out.yaml", {})
     with pytest.raises(FileExistsError):
         to_fsdp2_command(parser.parse_args(["--config_file", src, "--output_file", out]))

@@ -75,12 +75,6 @@ def add_parser(subparsers: Any) -> None:
     launch_command_parser(subparsers)
 
 
-def read_launch_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], dict]:
-    """The config file ``hasten launch`` reads for ``args`` (path or None, checked content)."""
-    path, cfg, _ = _config(args, os.environ if environ is None else environ)
-    return path, cfg
-
-
 def _config(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Optional[str], dict, str]:
     explicit = getattr(args, "config_file", None)
     path = os.path.expanduser(explicit) if explicit else default_config_path(environ)
@@ -126,6 +120,15 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     env = os.environ if environ is None else environ
     config_path, cfg, label, res = _resolve_settings(args, env)
     res.config_path = config_path
+    hostfile = getattr(args, "mpirun_hostfile", None) or (cfg.get("mpirun_config") or {}).get("mpirun_hostfile")
+    if hostfile:
+        # Accelerate would start every process through mpirun; ignoring the hostfile would wait for machines
+        # that never join.
+        where = "command line" if getattr(args, "mpirun_hostfile", None) else label
+        raise HastenCLIError(f"mpirun_hostfile {hostfile} ({where}): "
+                             "hasten launch does not start processes through mpirun; run `mpirun -ppn 1 ... hasten "
+                             "launch script.py` instead (hasten reads the machine layout from MPI's environment and "
+                             "starts each machine's processes itself), and drop mpirun_config")
     quiet = bool(getattr(args, "quiet", False))
     res.set("quiet", quiet, "command line -q" if quiet else "default", FLAG if quiet else DEFAULT)
     notes: dict[str, str] = {}

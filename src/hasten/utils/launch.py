@@ -22,18 +22,7 @@ __all__ = ["prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagema
 def _plan(args: argparse.Namespace, need_script: bool) -> Any:
     from ..commands.launch import build_plan
 
-    mpirun = getattr(args, "mpirun_hostfile", None) or _config_section(args, "mpirun_config")
-    if mpirun:
-        raise ValueError("hasten launch does not start processes through mpirun (mpirun_config / --mpirun_hostfile); "
-                         "run `mpirun -ppn 1 ... hasten launch script.py` instead: hasten reads the machine layout "
-                         "from MPI's environment and starts the processes of each machine itself")
     return build_plan(args, need_script=need_script)
-
-
-def _config_section(args: argparse.Namespace, section: str) -> Any:
-    from ..commands.launch import read_launch_config
-
-    return read_launch_config(args)[1].get(section)
 
 
 def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
