@@ -177,8 +177,16 @@ def test_sagemaker_and_tpu_launches_are_refused():
 
     args = tpu_command_parser().parse_args(["--tpu_name", "t", "--command", "ls", "--debug"])
     for call in (lambda: tpu_command_launcher(args), prepare_tpu, prepare_sagemager_args_inputs):
-        with pytest.raises(FeatureNotAvailableError, match="hasten does not"):
+        with pytest.raises(FeatureNotAvailableError, match="not available in hasten"):
             call()
+
+
+def test_launch_module_refusals_are_hasten_utils_stand_ins():
+    import hasten.utils
+    import hasten.utils.launch
+
+    for name in ("prepare_tpu", "prepare_sagemager_args_inputs", "PrepareForLaunch"):
+        assert getattr(hasten.utils, name) is getattr(hasten.utils.launch, name)
 
 
 # --------------------------------------------------------------------------- other commands' names

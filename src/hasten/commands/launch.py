@@ -17,11 +17,11 @@ import sys
 from typing import Any, Mapping, Optional
 
 from ..topology import DEFAULT_PORT
+from .arg_parser import ArgParser
 from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
 from .launch_layout import check_layout
-from .arg_parser import ArgParser
 from .launch_settings import (
     CONFIG, DEFAULT, FLAG, FLAGS_GIVEN, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve,
 )

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, NoReturn
+from typing import Any
 
-__all__ = ["prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagemager_args_inputs",
+# hasten.utils's refused stand-ins (compat.REFUSED gives the reason and the alternative), here under the
+# module name Accelerate has them in.
+from .refused import PrepareForLaunch, prepare_sagemager_args_inputs, prepare_tpu  # noqa: F401
+
+__all__ = ["PrepareForLaunch", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagemager_args_inputs",
            "prepare_simple_launcher_cmd_env", "prepare_tpu"]
 
 
@@ -55,23 +59,6 @@ def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict
     """The command and environment of one process of a DeepSpeed launch (hasten starts DeepSpeed jobs with
     its own launcher, not ``deepspeed``'s, so the command is the plain per-process one)."""
     return prepare_simple_launcher_cmd_env(args)
-
-
-def _not_here(what: str, instead: str) -> NoReturn:
-    from .compat import FeatureNotAvailableError
-
-    raise FeatureNotAvailableError(f"hasten does not launch {what}; {instead}")
-
-
-def prepare_tpu(*args: Any, **kwargs: Any) -> NoReturn:
-    """Refused: hasten does not run on TPUs (``distributed_type: XLA``)."""
-    _not_here("on TPUs", "train on GPUs or CPUs with hasten launch, or use Accelerate for TPU pods")
-
-
-def prepare_sagemager_args_inputs(*args: Any, **kwargs: Any) -> NoReturn:
-    """Refused: hasten does not submit SageMaker jobs."""
-    _not_here("SageMaker jobs", "start `hasten launch script.py` inside the SageMaker job (compute_environment: "
-              "LOCAL_MACHINE)")
 
 
 def _typed(text: str) -> Any:
