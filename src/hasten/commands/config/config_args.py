@@ -19,11 +19,11 @@ from ...utils.constants import SAGEMAKER_PYTHON_VERSION, SAGEMAKER_PYTORCH_VERSI
 from ...utils.dataclasses import DistributedType
 from ...utils.kinds import ComputeEnvironment, SageMakerDistributedType
 from ..config_schema import TOP, default_config_path, read_config, write_config
+from .default import default_config_file
 
-cache_dir = os.path.dirname(default_config_path())
-default_yaml_config_file = default_config_path()
-default_json_config_file = default_yaml_config_file  # Accelerate's old JSON name; both mean the one default file
-default_config_file = default_yaml_config_file
+default_yaml_config_file = default_config_file
+default_json_config_file = default_config_file  # Accelerate's old JSON name; both mean the one default file
+cache_dir = os.path.dirname(default_config_file)
 
 
 def _default_file() -> str:
