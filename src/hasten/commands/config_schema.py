@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..utils.dataclasses import DistributedType, DynamoBackend
-from .errors import HastenCLIError, did_you_mean
+from .errors import HastenCLIError, MissingFileError, did_you_mean
 
 CONFIG_ENV = "HASTEN_CONFIG_FILE"
 
@@ -208,6 +208,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("fsdp_sync_module_states", "bool", True),
         Key("fsdp_activation_checkpointing", "bool", False),
         Key("fsdp_activation_checkpointing_offload", "bool", False),
+        Key("fsdp_ignored_modules", "str", None),
     ),
     "parallelism_config": _keys(
         Key("parallelism_config_dp_replicate_size", "int", None, minimum=1),
@@ -389,7 +390,7 @@ def read_config(path: str, where: Optional[str] = None) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
-        raise HastenCLIError(f"{where} does not exist; create one with `hasten config` "
+        raise MissingFileError(f"{where} does not exist; create one with `hasten config` "
                              "or pass another --config_file") from None
     except IsADirectoryError:
         raise HastenCLIError(f"{where} is a directory; give the path of a YAML file") from None

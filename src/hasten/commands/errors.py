@@ -10,10 +10,22 @@ import difflib
 from typing import Iterable
 
 
-class HastenCLIError(Exception):
-    """A user error: the message names the wrong flag/key/value and how to fix it (one line)."""
+class HastenCLIError(ValueError):
+    """A user error: the message names the wrong flag/key/value and how to fix it (one line).
+
+    A ``ValueError``, as Accelerate's launcher raises for a bad config or flag, so that code which
+    launches from Python (``launch_command``) catches the same type on either library.
+    """
 
     exit_code = 2
+
+
+class MissingFileError(HastenCLIError, FileNotFoundError):
+    """A file the user named does not exist (also a ``FileNotFoundError``, as Accelerate raises)."""
+
+
+class FileInTheWayError(HastenCLIError, FileExistsError):
+    """A file would be replaced without ``--overwrite`` (also a ``FileExistsError``, as Accelerate raises)."""
 
 
 def did_you_mean(word: str, candidates: Iterable[str], prefix: str = "") -> str:

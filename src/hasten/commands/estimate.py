@@ -13,22 +13,28 @@ import os
 import re
 from typing import Any, Optional
 
-from .errors import HastenCLIError
+from .errors import HastenCLIError, MissingFileError
 from .memory_model import DTYPES
 
 DEFAULT_NUM_PROCESSES = 8  # one node of 8 accelerators: the usual first step past one device
 _CLASS_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "estimate-memory",
-        help="Estimate the training memory per process of a model (local config or class), per dtype and strategy.",
+def estimate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``hasten estimate-memory`` (a sub-command of ``subparsers``, or alone, as Accelerate's)."""
+    from .arg_parser import ArgParser
+
+    settings = dict(
         description="Build MODEL on the meta device (no download, no memory) and print, per dtype, the bytes of "
                     "parameters, gradients and Adam state per process for one process, DDP, ZeRO-1/2/3 and FSDP2 over "
                     "--num_processes processes, and the largest layer. MODEL is a local transformers config (a "
                     "folder holding config.json, or the file) or a class path package.module:Class.",
     )
+    if subparsers is not None:
+        p = subparsers.add_parser("estimate-memory", help="Estimate the training memory per process of a model (local "
+                                  "config or class), per dtype and strategy.", **settings)
+    else:
+        p = ArgParser(prog="hasten estimate-memory", **settings)
     p.add_argument("model_name", metavar="MODEL",
                    help="A folder with config.json, a config.json file, or package.module:Class.")
     p.add_argument("--library_name", "--library-name", choices=["transformers", "timm"], default=None,
@@ -45,6 +51,11 @@ def add_parser(subparsers: Any) -> None:
                         "(e.g. '{\"num_hidden_layers\": 4}').")
     p.add_argument("--json", action="store_true", help="Print the numbers (bytes) as JSON instead of a table.")
     p.set_defaults(func=estimate_command)
+    return p
+
+
+def add_parser(subparsers: Any) -> None:
+    estimate_command_parser(subparsers)
 
 
 def _model_kwargs(text: Optional[str]) -> dict[str, Any]:
@@ -87,7 +98,7 @@ def build_model(spec: str, library_name: Optional[str] = None, trust_remote_code
         return _build_transformers(spec, config_path, trust_remote_code, kwargs)
     if library_name is None and _CLASS_PATH.fullmatch(spec):
         return _build_class(spec, kwargs)
-    raise HastenCLIError(
+    raise MissingFileError(
         f"MODEL {spec!r} is neither a local config (folder with config.json, or the file) nor a class path "
         "package.module:Class; hasten estimate-memory never downloads: fetch the config first (e.g. "
         f"`huggingface-cli download {spec} config.json --local-dir {spec.split('/')[-1]}`) and pass the folder"
@@ -231,13 +242,34 @@ def _count(params: Any, seen: set[int]) -> int:
     return total
 
 
-def estimate_command(args: argparse.Namespace) -> int:
-    from .memory_model import estimate_all, render
+def _report(args: argparse.Namespace) -> dict[str, Any]:
+    from .memory_model import estimate_all
 
     if args.num_processes < 1:
         raise HastenCLIError(f"--num_processes {args.num_processes} must be at least 1, e.g. --num_processes 8")
     kwargs = _model_kwargs(args.model_kwargs)
     model, label = build_model(args.model_name, args.library_name, args.trust_remote_code, kwargs)
-    report = estimate_all(measure(model, label), list(dict.fromkeys(args.dtypes)), args.num_processes)
+    return estimate_all(measure(model, label), list(dict.fromkeys(args.dtypes)), args.num_processes)
+
+
+def gather_data(args: argparse.Namespace) -> list[list[Any]]:
+    """One row per dtype, as Accelerate's ``gather_data``: ``[dtype, bytes of the largest layer, bytes of
+    the model, {strategy: total bytes per process}]`` (hasten's strategies: single, DDP, ZeRO-1/2/3, FSDP2;
+    a loading-only dtype has one ``load`` entry). ``args`` from ``estimate_command_parser()``."""
+    from .memory_model import BYTES
+
+    report = _report(args)
+    rows = []
+    for dtype, per_strategy in report["bytes_per_process"].items():
+        width = BYTES[dtype]
+        rows.append([dtype, report["largest_layer"]["parameters"] * width, report["parameters"] * width,
+                     {name: cols["total"] for name, cols in per_strategy.items()}])
+    return rows
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    from .memory_model import render
+
+    report = _report(args)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0

@@ -17,11 +17,14 @@ import sys
 from typing import Any, Mapping, Optional
 
 from ..topology import DEFAULT_PORT
+from .arg_parser import ArgParser
 from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
 from .launch_layout import check_layout
-from .launch_settings import CONFIG, DEFAULT, FLAG, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve
+from .launch_settings import (
+    CONFIG, DEFAULT, FLAG, FLAGS_GIVEN, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve,
+)
 from .plan import Plan
 
 _TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
@@ -33,12 +36,11 @@ _OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu
 def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The parser of ``hasten launch`` (a sub-command of ``subparsers``, or alone), as Accelerate's
     ``launch_command_parser``: ``launch_command(launch_command_parser().parse_args([...]))`` launches."""
-    from .arg_parser import ArgParser
-
     settings = dict(
         help="Start a training script on every process (torch's elastic agent).",
         description="Start SCRIPT on the configured processes. Each setting comes from its flag, else the "
-                    "environment, else the config file, else its default (see --dry_run).",
+                    "environment, else the config file, else its default (see --dry_run). Flags take hyphens "
+                    "too (--num-processes for --num_processes).",
         usage="hasten launch [flags] script.py [script args]  (or -m module, --no_python program)",
     )
     if subparsers is not None:
@@ -46,10 +48,27 @@ def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         parser.set_defaults(func=_launch_from_cli)
     else:
         settings.pop("help")
-        parser = ArgParser(prog="hasten launch", **settings)
+        parser = _FilledParser(prog="hasten launch", **settings)
         parser.set_defaults(func=launch_command)
     add_launch_arguments(parser)
     return parser
+
+
+class _FilledParser(ArgParser):
+    """The parser ``launch_command_parser()`` returns: every setting not typed holds its default on the
+    namespace (``args.multi_gpu is False``), as with Accelerate's parser; the settings typed are recorded
+    so that the config file and the environment still fill the others when the job is resolved."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        values = vars(parsed)
+        typed = frozenset(name for name in SETTINGS if name in values)
+        for name, setting in SETTINGS.items():
+            values.setdefault(name, setting.key.default)
+        for name in ("config_file", "quiet", "dry_run", "module", "no_python"):
+            values.setdefault(name, None if name == "config_file" else False)
+        values[FLAGS_GIVEN] = typed
+        return parsed, rest
 
 
 def add_parser(subparsers: Any) -> None:
@@ -86,16 +105,32 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _resolve_settings(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Optional[str], dict, str, Resolved]:
+    """The config file read (path, content, label for messages) and each setting's value, settings that
+    exclude each other settled."""
+    config_path, cfg, label = _config(args, env)
+    res = resolve(args, env, cfg, label)
+    pick_winner(res, "use_cpu", "multi_gpu", "drop one (--cpu runs on CPU, --multi_gpu on every GPU)")
+    pick_winner(res, "use_fsdp", "use_deepspeed", "choose one of FSDP and DeepSpeed")
+    return config_path, cfg, label, res
+
+
 def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None, need_script: bool = True) -> Plan:
     """Resolve and check every setting; raise ``HastenCLIError`` (one line) on bad input."""
     env = os.environ if environ is None else environ
-    config_path, cfg, label = _config(args, env)
-    res = resolve(args, env, cfg, label)
+    config_path, cfg, label, res = _resolve_settings(args, env)
     res.config_path = config_path
+    hostfile = getattr(args, "mpirun_hostfile", None) or (cfg.get("mpirun_config") or {}).get("mpirun_hostfile")
+    if hostfile:
+        # Accelerate would start every process through mpirun; ignoring the hostfile would wait for machines
+        # that never join.
+        where = "command line" if getattr(args, "mpirun_hostfile", None) else label
+        raise HastenCLIError(f"mpirun_hostfile {hostfile} ({where}): "
+                             "hasten launch does not start processes through mpirun; run `mpirun -ppn 1 ... hasten "
+                             "launch script.py` instead (hasten reads the machine layout from MPI's environment and "
+                             "starts each machine's processes itself), and drop mpirun_config")
     quiet = bool(getattr(args, "quiet", False))
     res.set("quiet", quiet, "command line -q" if quiet else "default", FLAG if quiet else DEFAULT)
-    pick_winner(res, "use_cpu", "multi_gpu", "drop one (--cpu runs on CPU, --multi_gpu on every GPU)")
-    pick_winner(res, "use_fsdp", "use_deepspeed", "choose one of FSDP and DeepSpeed")
     notes: dict[str, str] = {}
     gpus = cuda_device_count(env)
     device = _pick_device(res, cfg, label, gpus, env)
@@ -382,6 +417,22 @@ def _display_command(plan: Plan) -> list[str]:
     return [entrypoint, *args]
 
 
+def _validate_launch_command(args: argparse.Namespace) -> tuple[argparse.Namespace, Any, bool]:
+    """Fill ``args`` with each setting's effective value (flag, else environment, else config file, else
+    default) and check the settings that exclude each other, as Accelerate's function of this name.
+
+    Returns ``(args, config, mixed_precision_from_config)``: the config file as a ``ClusterConfig`` (None
+    when none is read) and whether ``mixed_precision`` came from it.
+    """
+    from .config.config_args import ClusterConfig
+
+    config_path, cfg, _, res = _resolve_settings(args, os.environ)
+    for name in SETTINGS:
+        setattr(args, name, res[name])
+    config = ClusterConfig.from_dict(dict(cfg), f"config file {config_path}") if config_path else None
+    return args, config, res.values["mixed_precision"].rank == CONFIG
+
+
 def _launch_from_cli(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if getattr(args, "dry_run", False):
@@ -398,28 +449,32 @@ def launch_command(args: argparse.Namespace) -> None:
     """
     import subprocess
 
-    saved = dict(os.environ)
-    try:
-        code = _launch_from_cli(args)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    code = _launch_from_cli(args)
     if code:
         raise subprocess.CalledProcessError(code, [args.training_script, *getattr(args, "training_script_args", [])])
 
 
 def run_plan(plan: Plan, exec_ok: bool = False) -> int:
-    """Start the job; returns the exit status (exec-s the script when one plain process is enough)."""
+    """Start the job; returns the exit status (exec-s the script when one plain process is enough).
+
+    The processes' settings go into this process's environment for the start only: a caller from
+    Python (``launch_command``, ``test_command``) finds its environment as it was.
+    """
+    saved = dict(os.environ)
     os.environ.update(plan.child_env)
-    if plan.direct:
-        argv = [plan.entrypoint, *plan.args]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if exec_ok:
-            os.execvp(argv[0], argv)
-        import subprocess
+    try:
+        if plan.direct:
+            argv = [plan.entrypoint, *plan.args]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if exec_ok:
+                os.execvp(argv[0], argv)
+            import subprocess
 
-        return subprocess.call(argv)
-    from .elastic import run_elastic
+            return subprocess.call(argv)
+        from .elastic import run_elastic
 
-    return run_elastic(plan)
+        return run_elastic(plan)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

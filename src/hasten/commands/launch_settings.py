@@ -140,6 +140,7 @@ _HELP = {
     "fsdp_cpu_ram_efficient_loading": "true/false: load weights on rank 0 only.",
     "fsdp_sync_module_states": "true/false: broadcast rank 0's weights.",
     "fsdp_activation_checkpointing": "true/false.", "fsdp_activation_checkpointing_offload": "true/false.",
+    "fsdp_ignored_modules": "Modules left unsharded: a regex of module names.",
     "deepspeed_config_file": "A DeepSpeed JSON file (the other DeepSpeed flags then come from it).",
     "zero_stage": "ZeRO stage 0-3.", "gradient_clipping": "Max gradient norm.",
     "offload_optimizer_device": "none, cpu or nvme.", "offload_param_device": "none, cpu or nvme (stage 3).",
@@ -361,11 +362,26 @@ def _config_value(cfg: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return (cfg.get(path[0]) or {}).get(path[1])
 
 
+FLAGS_GIVEN = "_flags_given"  # set by launch_command_parser(): the settings typed, where the others hold defaults
+
+
+def flags_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line: those ``args`` records as typed (a namespace from
+    ``launch_command_parser()``, which fills in defaults as Accelerate's does), else every non-None
+    attribute (the CLI's parser leaves out what was not typed; a namespace built by hand names
+    ``None`` for "not set")."""
+    values = vars(args)
+    typed = values.get(FLAGS_GIVEN)
+    if typed is not None:
+        return {name: values[name] for name in typed if name in values}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def resolve(args: argparse.Namespace, environ: Mapping[str, str], cfg: Mapping[str, Any],
             config_label: str = "config file") -> Resolved:
     """Each setting's effective value: flag, else environment, else config file, else default."""
     res = Resolved(config=dict(cfg))
-    given = vars(args)
+    given = flags_given(args)
     scheduler = scheduler_layout(environ)
     for name, setting in SETTINGS.items():
         if name in given:

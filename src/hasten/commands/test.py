@@ -10,16 +10,29 @@ from typing import Any
 SANITY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sanity.py")
 
 
-def add_parser(subparsers: Any) -> None:
+def test_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``hasten test`` (a sub-command of ``subparsers``, or alone, as Accelerate's):
+    ``test_command(test_command_parser().parse_args([]))`` runs the checks from Python."""
+    from .arg_parser import ArgParser
     from .launch_settings import add_launch_arguments
 
-    p = subparsers.add_parser(
-        "test", help="Check the setup: collectives, data sharding and one training step on the configured processes.",
+    settings = dict(
         description="Launch hasten's sanity script with the same settings as `hasten launch` (config file, "
                     "environment, flags) and report whether every check passed.",
     )
+    if subparsers is not None:
+        p = subparsers.add_parser(
+            "test", help="Check the setup: collectives, data sharding and one training step on the configured processes.",
+            **settings)
+    else:
+        p = ArgParser(prog="hasten test", **settings)
     add_launch_arguments(p, script=False)
     p.set_defaults(func=test_command)
+    return p
+
+
+def add_parser(subparsers: Any) -> None:
+    test_command_parser(subparsers)
 
 
 def test_command(args: argparse.Namespace) -> int:

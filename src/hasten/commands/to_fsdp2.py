@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from .errors import HastenCLIError
+from .errors import FileInTheWayError, HastenCLIError, MissingFileError
 
 # What each FSDP1 sharding strategy means for FSDP2's reshard_after_forward.
 _RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False,
@@ -28,18 +29,29 @@ _DROPPED = {
 }
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "to-fsdp2", help="Convert a launch config from FSDP1 to FSDP2.",
+def to_fsdp2_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``hasten to-fsdp2`` (a sub-command of ``subparsers``, or alone, as Accelerate's)."""
+    from .arg_parser import ArgParser
+
+    settings = dict(
         description="Read an FSDP1 launch config (hasten's or Accelerate's), rename and convert its fsdp_config "
                     "keys for FSDP2 and write the result to --output_file (or over the input with --overwrite).",
     )
+    if subparsers is not None:
+        p = subparsers.add_parser("to-fsdp2", help="Convert a launch config from FSDP1 to FSDP2.", **settings)
+    else:
+        p = ArgParser(prog="hasten to-fsdp2", **settings)
     p.add_argument("--config_file", "--config-file", required=True, metavar="PATH", help="The config to convert.")
     p.add_argument("--output_file", "--output-file", default=None, metavar="PATH",
                    help="Where to write the converted config; without it, --overwrite replaces --config_file.")
     p.add_argument("--overwrite", action="store_true",
                    help="Replace an existing output file (or the input file when --output_file is not given).")
     p.set_defaults(func=to_fsdp2_command)
+    return p
+
+
+def add_parser(subparsers: Any) -> None:
+    to_fsdp2_command_parser(subparsers)
 
 
 def _note(text: str) -> None:
@@ -60,7 +72,7 @@ def _reshard(key: str, value: Any) -> bool:
     return _RESHARD[name]
 
 
-def convert(config: dict[str, Any]) -> dict[str, Any]:
+def convert_config_to_fsdp2(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with its ``fsdp_config`` section rewritten for FSDP2 (notes go to stderr)."""
     section = config.get("fsdp_config")
     if not section:
@@ -85,14 +97,15 @@ def convert(config: dict[str, Any]) -> dict[str, Any]:
     return dict(config, fsdp_config=out)
 
 
-def _read(path: str) -> dict[str, Any]:
+def load_config(path: str) -> dict[str, Any]:
+    """The raw mapping of the YAML config at ``path`` (one-line errors for a missing or malformed file)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
     except FileNotFoundError:
-        raise HastenCLIError(f"--config_file {path} does not exist; pass the path of the FSDP1 config") from None
+        raise MissingFileError(f"--config_file {path} does not exist; pass the path of the FSDP1 config") from None
     except IsADirectoryError:
         raise HastenCLIError(f"--config_file {path} is a directory; pass the path of a YAML file") from None
     except yaml.YAMLError as exc:
@@ -111,13 +124,13 @@ def to_fsdp2_command(args: argparse.Namespace) -> int:
 
     source = os.path.expanduser(args.config_file)
     target = os.path.expanduser(args.output_file) if args.output_file else None
+    if not Path(source).exists():
+        raise MissingFileError(f"--config_file {source} does not exist; pass the path of the FSDP1 config")
     if target is None and not args.overwrite:
         raise HastenCLIError("to-fsdp2 needs --output_file PATH, or --overwrite to replace --config_file")
-    if not os.path.exists(source):
-        raise HastenCLIError(f"--config_file {source} does not exist; pass the path of the FSDP1 config")
     target = target or source
-    if os.path.exists(target) and not args.overwrite:
-        raise HastenCLIError(f"--output_file {target} already exists; pass --overwrite to replace it, or another path")
-    converted = convert(_read(source))
+    if Path(target).exists() and not args.overwrite:
+        raise FileInTheWayError(f"--output_file {target} already exists; pass --overwrite to replace it, or another path")
+    converted = convert_config_to_fsdp2(load_config(source))
     print(dump_yaml_atomically(target, converted, flag="--output_file"))
     return 0

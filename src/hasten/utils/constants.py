@@ -22,6 +22,18 @@ PROFILE_PATTERN_NAME = "profile_{suffix}.json"
 # Oldest torch whose profiler handles these devices (Accelerate's gates; hasten needs a newer torch anyway).
 MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
 XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
+# Oldest versions Accelerate accepts for its beta parallelism modes (test suites skip below them).
+BETA_TP_AVAILABLE_PYTORCH_VERSION = "2.3.0"
+BETA_TP_AVAILABLE_TRANSFORMERS_VERSION = "4.52.0"
+BETA_CP_AVAILABLE_PYTORCH_VERSION = "2.6.0"
+BETA_SP_AVAILABLE_DEEPSPEED_VERSION = "0.18.2"
+
+# The SageMaker images Accelerate's SageMaker config names by default (hasten does not launch on SageMaker;
+# the names exist so that SageMaker configs can be read and written).
+SAGEMAKER_PYTORCH_VERSION = "1.10.2"
+SAGEMAKER_PYTHON_VERSION = "py38"
+SAGEMAKER_TRANSFORMERS_VERSION = "4.17.0"
+SAGEMAKER_PARALLEL_EC2_INSTANCES = ["ml.p3.16xlarge", "ml.p3dn.24xlarge", "ml.p4dn.24xlarge"]
 
 # DistributedType names whose processes talk through torch.distributed.
 TORCH_DISTRIBUTED_OPERATION_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP", "MULTI_NPU", "MULTI_MLU",

@@ -1,4 +1,4 @@
-"""``hasten config`` (questionnaire), ``config default``, ``config update``, ``config explain``."""
+"""``hasten config``: the questionnaire that writes the launch config file."""
 
 from __future__ import annotations
 
@@ -7,150 +7,19 @@ import ipaddress
 import os
 import re
 import shlex
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
-from .config_schema import (
-    DYNAMO_BACKENDS, DYNAMO_MODES, FSDP_PREFETCH, FSDP_SHARDING, FSDP_STATE_DICT, FSDP_WRAP, MIXED_PRECISION, SECTIONS,
-    TOP, BadValue, coerce, default_config_path, normalize_gpu_ids, read_config, validate, write_config,
+from ..config_schema import (
+    DYNAMO_BACKENDS, DYNAMO_MODES, FSDP_PREFETCH, FSDP_SHARDING, FSDP_STATE_DICT, FSDP_WRAP, MIXED_PRECISION, BadValue,
+    default_config_path, normalize_gpu_ids, write_config,
 )
-from .errors import HastenCLIError, did_you_mean
-from .hardware import cuda_device_count
-from .questions import Asker
+from ..hardware import cuda_device_count
+from ..questions import Asker
+from .paths import config_path_of
 
 
-def add_parser(subparsers: Any) -> None:
-    from .launch_settings import add_launch_arguments
-
-    p = subparsers.add_parser(
-        "config", help="Answer a few questions and write the launch config file.",
-        description="Ask how you train (machines, processes, precision, compile, FSDP/DeepSpeed) and write the "
-                    "answers as YAML to --config_file (default: $HASTEN_CONFIG_FILE, else "
-                    "~/.cache/hasten/default_config.yaml).",
-    )
-    p.add_argument("--config_file", "--config-file", default=None, metavar="PATH", help="Where to write the file.")
-    p.set_defaults(func=questionnaire_command)
-    sub = p.add_subparsers(dest="config_command", metavar="{default,update,explain}")
-    d = sub.add_parser("default", help="Write a config for this machine without asking questions.")
-    d.add_argument("--config_file", "--config-file", default=None, metavar="PATH", help="Where to write the file.")
-    d.add_argument("--mixed_precision", "--mixed-precision", default="no", type=_precision, metavar="{no,fp16,bf16,fp8}")
-    d.add_argument("--overwrite", action="store_true", help="Replace an existing file.")
-    d.set_defaults(func=default_command)
-    u = sub.add_parser("update", help="Rewrite a config (e.g. an old Accelerate one) in the current format, "
-                                      "optionally changing keys: update num_processes=4 fsdp_config.fsdp_version=2.")
-    u.add_argument("--config_file", "--config-file", default=None, metavar="PATH", help="The file to update.")
-    u.add_argument("changes", nargs="*", metavar="key=value", help="Keys to change (sections as section.key).")
-    u.set_defaults(func=update_command)
-    e = sub.add_parser("explain", help="Print each effective launch setting and where it comes from.",
-                       usage="hasten config explain [launch flags] [script.py [script args]]")
-    add_launch_arguments(e, script=False)
-    e.add_argument("training_script", nargs="?", default=None, metavar="script")
-    e.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="...")
-    e.set_defaults(func=explain_command)
-
-
-def _precision(text: str) -> str:
-    try:
-        return coerce(TOP["mixed_precision"], text)
-    except BadValue as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _path(args: argparse.Namespace) -> str:
-    return os.path.expanduser(args.config_file) if args.config_file else default_config_path()
-
-
-# ---------------------------------------------------------------------------------------------
-def default_config(mixed_precision: str = "no") -> dict[str, Any]:
-    """A config for this machine: every GPU in one process each, else one CPU process."""
-    gpus = cuda_device_count()
-    cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed_precision,
-                           "num_machines": 1, "machine_rank": 0}
-    if gpus > 1:
-        cfg.update(distributed_type="MULTI_GPU", num_processes=gpus, gpu_ids="all", use_cpu=False)
-    elif gpus == 1:
-        cfg.update(distributed_type="NO", num_processes=1, gpu_ids="all", use_cpu=False)
-    else:
-        cfg.update(distributed_type="NO", num_processes=1, use_cpu=True)
-    return cfg
-
-
-default_config_file = default_config_path()  # Accelerate's name for where `config default` writes
-
-
-def write_basic_config(mixed_precision: str = "no", save_location: str = default_config_file) -> Union[Path, bool]:
-    """Write the config that ``hasten config default`` writes, for use from Python (notebooks, tests).
-
-    mixed_precision: "no", "fp16", "bf16" or "fp8". save_location: the file (default: the file
-    ``hasten launch`` reads, ``$HASTEN_CONFIG_FILE`` else ``~/.cache/hasten/default_config.yaml``).
-    Returns the path written, or ``False`` (with a message) when the file exists already: an
-    existing config is never overwritten.
-    """
-    if save_location == default_config_file:  # left at the default: honour $HASTEN_CONFIG_FILE set since import
-        save_location = default_config_path()
-    path = Path(os.path.expanduser(os.fspath(save_location)))
-    if path.exists():
-        print(f"hasten: a configuration already exists at {path}; it was left unchanged. Run `hasten config` to "
-              "change it, or pass another save_location.")
-        return False
-    choice = str(mixed_precision).lower()
-    if choice not in MIXED_PRECISION:
-        raise ValueError(f"write_basic_config(mixed_precision={mixed_precision!r}): use one of {list(MIXED_PRECISION)}")
-    write_config(str(path), default_config(choice))
-    return path
-
-
-def default_command(args: argparse.Namespace) -> int:
-    path = _path(args)
-    if os.path.exists(path) and not args.overwrite:
-        raise HastenCLIError(f"{path} already exists; pass --overwrite to replace it, or --config_file to write elsewhere")
-    write_config(path, default_config(args.mixed_precision))
-    print(f"hasten: default configuration written to {path}")
-    return 0
-
-
-def update_command(args: argparse.Namespace) -> int:
-    path = _path(args)
-    cfg = read_config(path)
-    for change in args.changes:
-        key, eq, value = change.partition("=")
-        if not eq:
-            raise HastenCLIError(f"{change!r} is not key=value; e.g. hasten config update num_processes=4")
-        apply_change(cfg, key.strip(), value.strip())
-    write_config(path, cfg)
-    print(f"hasten: configuration updated at {path}")
-    return 0
-
-
-def apply_change(cfg: dict[str, Any], key: str, value: str) -> None:
-    """``key=value`` from the command line (YAML value syntax; sections as ``section.key``)."""
-    import yaml
-
-    try:
-        parsed = yaml.safe_load(value) if value else None
-    except yaml.YAMLError:
-        parsed = value
-    section, dot, sub = key.partition(".")
-    if dot:
-        if section not in SECTIONS:
-            hint = did_you_mean(section, list(SECTIONS))
-            raise HastenCLIError(f"unknown config section {section!r}{hint or '; sections: ' + ', '.join(SECTIONS)}")
-        cfg[section] = dict(cfg.get(section) or {}, **{sub: parsed})
-    else:
-        cfg[key] = parsed
-    validate(cfg, f"hasten config update {key}={value}")
-
-
-def explain_command(args: argparse.Namespace) -> int:
-    from .launch import build_plan, explain
-
-    print(explain(build_plan(args, need_script=False)))
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
 def questionnaire_command(args: argparse.Namespace) -> int:
-    path = _path(args)
+    path = config_path_of(args)
     cfg = ask_config(Asker())
     write_config(path, cfg)
     print(f"hasten: configuration written to {path}")
@@ -328,11 +197,3 @@ def _ask_fsdp(ask: Asker) -> dict[str, Any]:
         "Broadcast rank 0's weights at start (sync_module_states)?", True)
     f["fsdp_activation_checkpointing"] = ask.yes_no("Activation checkpointing?", False)
     return f
-
-
-def load_effective(path: Optional[str] = None) -> tuple[Optional[str], dict[str, Any]]:
-    """The config ``hasten launch`` would read by default (path, content), for ``hasten env``."""
-    path = path or default_config_path()
-    if not os.path.isfile(path):
-        return None, {}
-    return path, read_config(path)
