@@ -57,6 +57,8 @@ _EXPORTS = {
     )},
     **{name: ".deepspeed" for name in ("DummyOptim", "DummyScheduler")},
     "write_basic_config": "..commands.config",
+    **{name: ".launch" for name in ("prepare_deepspeed_cmd_env", "prepare_multi_gpu_env",
+                                    "prepare_simple_launcher_cmd_env")},
     "save": "..saving",
     "load_checkpoint_in_model": "..model_loading",
     # big-model inference
