@@ -7,9 +7,12 @@ This module must stay torch-free: the CLI imports it.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Optional
+
+logger = logging.getLogger(__name__)
 
 PREFIXES = ("HASTEN_", "ACCELERATE_")
 
@@ -102,3 +105,16 @@ def clear_environment() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def convert_dict_to_env_variables(current_env: dict) -> list[str]:
+    """``KEY=value\\n`` lines for the items of ``current_env`` that are safe to write to an env file (no
+    ``; < >``, space or newline, neither side empty); the others are left out with a warning (logger
+    ``hasten.utils.environment``, where Accelerate's lives)."""
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(c in key + value for c in ";\n<> "):
+            lines.append(f"{key}={value}\n")
+        else:
+            logger.warning("Skipping %s=%s: it is empty or holds a character an env file cannot take", key, value)
+    return lines

@@ -212,8 +212,9 @@ def check_os_kernel() -> None:
     from packaging.version import Version
 
     if Version(found.group()) < Version("5.5.0"):
-        logger.warning("Linux kernel %s is older than 5.5.0, under which processes can hang; upgrade the kernel",
-                       found.group())
+        # The version inside the message itself (not a %s argument): log filters match record.msg.
+        logger.warning(f"Linux kernel {found.group()} is older than 5.5.0, under which processes can hang; "
+                       "upgrade the kernel")
 
 
 def recursive_getattr(obj: Any, attr: str) -> Any:
