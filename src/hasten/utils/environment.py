@@ -118,3 +118,14 @@ def convert_dict_to_env_variables(current_env: dict) -> list[str]:
         else:
             logger.warning("Skipping %s=%s: it is empty or holds a character an env file cannot take", key, value)
     return lines
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "str_to_bool", "get_int_from_env", "parse_flag_from_env", "parse_choice_from_env",
+    "are_libraries_initialized", "get_current_device_type", "get_gpu_info", "check_cuda_p2p_ib_support",
+    "check_cuda_fp8_capability", "get_cpu_distributed_information", "set_numa_affinity",
+    "purge_accelerate_environment",
+))

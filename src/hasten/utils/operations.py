@@ -588,3 +588,12 @@ class ConvertOutputsToFp32:
 def convert_outputs_to_fp32(model_forward: Callable) -> ConvertOutputsToFp32:
     """Wrap ``model_forward`` so that its fp16/bf16 floating-point outputs are returned as fp32."""
     return ConvertOutputsToFp32(model_forward)
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "is_tensor_information", "get_data_structure", "initialize_tensors", "pad_input_tensors",
+    "GatheredParameters",
+))

@@ -270,3 +270,11 @@ def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwarg
     if not native_amp or dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=state.device.type, dtype=dtype, **kwargs)
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "save",
+))
