@@ -219,3 +219,20 @@ def test_register_tracker_class_refuses_a_non_tracker_with_a_value_error() -> No
     for error in (ValueError, TypeError):
         with pytest.raises(error, match="GeneralTracker subclass"):
             register_tracker_class(dict)
+
+
+# -- Accelerate's module paths ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("module, name", [
+    ("hasten.utils.deepspeed", "get_active_deepspeed_plugin"), ("hasten.utils.deepspeed", "DeepSpeedEngineWrapper"),
+    ("hasten.utils.fsdp_utils", "fsdp2_prepare_model"), ("hasten.utils.environment", "str_to_bool"),
+    ("hasten.utils.operations", "pad_input_tensors"), ("hasten.utils.other", "save"),
+    ("hasten.utils.imports", "deepspeed_required"),
+])
+def test_names_import_from_accelerates_module_paths(module: str, name: str) -> None:
+    import importlib
+
+    import hasten.utils
+
+    assert getattr(importlib.import_module(module), name) is getattr(hasten.utils, name)  # the same object
+    with pytest.raises(AttributeError, match=f"module '{module}' has no attribute 'no_such_name'"):
+        getattr(importlib.import_module(module), "no_such_name")
