@@ -236,3 +236,23 @@ def test_names_import_from_accelerates_module_paths(module: str, name: str) -> N
     assert getattr(importlib.import_module(module), name) is getattr(hasten.utils, name)  # the same object
     with pytest.raises(AttributeError, match=f"module '{module}' has no attribute 'no_such_name'"):
         getattr(importlib.import_module(module), "no_such_name")
+
+
+def test_save_of_a_state_dict_with_shared_tensors_warns_and_stores_each_once(tmp_path) -> None:
+    # Accelerate logs "Removed shared tensor ..."; hasten warns (HastenWarning), naming what was left out.
+    from safetensors.torch import load_file
+
+    from hasten.utils import save
+    from hasten.warning_kinds import HastenWarning
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = self.a
+
+    model = Tied()
+    path = tmp_path / "model.safetensors"
+    with pytest.warns(HastenWarning, match="'b.weight' \\(same tensor as 'a.weight'\\)"):
+        save(model.state_dict(), path, safe_serialization=True)
+    assert sorted(load_file(str(path))) == ["a.bias", "a.weight"]
