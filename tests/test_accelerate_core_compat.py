@@ -256,3 +256,16 @@ def test_save_of_a_state_dict_with_shared_tensors_warns_and_stores_each_once(tmp
     with pytest.warns(HastenWarning, match="'b.weight' \\(same tensor as 'a.weight'\\)"):
         save(model.state_dict(), path, safe_serialization=True)
     assert sorted(load_file(str(path))) == ["a.bias", "a.weight"]
+
+
+def test_prepare_refuses_a_quantized_model_with_disk_offload(fresh_state) -> None:
+    from hasten import Accelerator
+
+    acc = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    model.is_loaded_in_8bit = True  # what transformers sets on a bitsandbytes model
+    model.hf_device_map = {"": "disk"}
+    with pytest.raises(ValueError, match="8-bit or 4-bit precision with CPU or disk offload"):
+        acc.prepare_model(model)
+    model.is_loaded_in_8bit = False  # not quantised: the map alone is no reason to refuse
+    assert getattr(acc.prepare_model(model), "_is_hasten_prepared", False)
