@@ -290,7 +290,8 @@ def test_uneven_batch_sampler_shard_matches_accelerate(length: int, batch_size: 
 
 
 def test_uneven_data_smaller_than_one_step_leaves_no_process_empty() -> None:
-    # A deliberate difference: Accelerate gives rank 1 no batch at all here, so a loop that runs a
+    # BatchSamplerShard built by hand gives rank 1 no batch at all here, as Accelerate's does. A
+    # prepared loader (pad_lone_step=True) differs on purpose: with an empty rank, a loop that runs a
     # collective per batch (DDP's backward, gather_for_metrics) waits for ever on rank 0; hasten
     # pads the epoch's only step (the padding is dropped again by gather_for_metrics).
     from accelerate.data_loader import BatchSamplerShard as Reference
@@ -300,8 +301,9 @@ def test_uneven_data_smaller_than_one_step_leaves_no_process_empty() -> None:
 
     batches = BatchSampler(range(2), 3, drop_last=False)
     assert list(Reference(batches, 2, 1, even_batches=False)) == []
-    assert list(BatchSamplerShard(batches, 2, 0, even_batches=False)) == [[0, 1]]
-    assert list(BatchSamplerShard(batches, 2, 1, even_batches=False)) == [[0, 1, 0]]
+    assert list(BatchSamplerShard(batches, 2, 1, even_batches=False)) == []
+    assert list(BatchSamplerShard(batches, 2, 0, even_batches=False, pad_lone_step=True)) == [[0, 1]]
+    assert list(BatchSamplerShard(batches, 2, 1, even_batches=False, pad_lone_step=True)) == [[0, 1, 0]]
 
 
 def test_loaders_built_by_hand_match_accelerate() -> None:

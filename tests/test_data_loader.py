@@ -47,7 +47,9 @@ class Stream(IterableDataset):
 # -- batch-sampler sharding, in process ---------------------------------------------------------------
 def _shards(n, bs, procs, split=False, even=True, drop=False):
     sampler = BatchSampler(SequentialSampler(range(n)), bs, drop)
-    shards = [BatchSamplerShard(sampler, procs, r, split_batches=split, even_batches=even) for r in range(procs)]
+    # pad_lone_step: as prepare_data_loader builds them (the default leaves tiny data's extra ranks empty)
+    shards = [BatchSamplerShard(sampler, procs, r, split_batches=split, even_batches=even, pad_lone_step=True)
+              for r in range(procs)]
     batches = [list(s) for s in shards]
     return shards, batches
 

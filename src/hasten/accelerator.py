@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import progress
+from .accelerator_checks import refuse_offloaded_quantized_model
 from .checkpointing import CheckpointMixin
 from .checkpointing.prehooks import CheckpointSession
 from .compilation import compile_regions, has_repeated_blocks
@@ -40,6 +41,7 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from .utils.other import unwrap_compiled
 from .warning_kinds import HastenWarning
 
@@ -201,6 +203,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
                 f"prepare() got a model already wrapped in {wrapper}; pass the plain nn.Module "
                 f"(e.g. model.module) and let hasten wrap it for {self.distributed_type}"
             )
+        refuse_offloaded_quantized_model(
+            model, lambda: is_bitsandbytes_multi_backend_available() and not is_xpu_available())
         by_user = self.strategy.keeps_user_sharding(model)  # fully_shard / parallelize_module by the user
         if device_placement is None:
             device_placement = self.device_placement

@@ -12,7 +12,7 @@ import torch
 
 from .topology import Topology
 from .utils.dataclasses import DistributedType
-from .utils.environment import parse_flag
+from .utils.environment import env_names, get_env, parse_flag
 
 MULTI_TYPES = {
     "cuda": DistributedType.MULTI_GPU,
@@ -58,7 +58,11 @@ def fsdp_wanted(fsdp_plugin: Any) -> tuple[bool, bool]:
 
 
 def pick_device(topology: Topology, cpu: bool) -> torch.device:
-    """CUDA by local rank, then XPU, then MPS (single process), else CPU."""
+    """``HASTEN_TORCH_DEVICE`` / ``ACCELERATE_TORCH_DEVICE`` when set (the device exactly, index
+    included), else CUDA by local rank, then XPU, then MPS (single process), else CPU."""
+    named = requested_device(cpu)
+    if named is not None:
+        return named
     if cpu:
         return torch.device("cpu")
     if torch.cuda.is_available():
@@ -71,6 +75,21 @@ def pick_device(topology: Topology, cpu: bool) -> torch.device:
     if mps is not None and mps.is_available() and topology.world_size == 1:
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def requested_device(cpu: bool) -> Optional[torch.device]:
+    """The device the environment names (``HASTEN_TORCH_DEVICE``, else ``ACCELERATE_TORCH_DEVICE``), or None."""
+    raw = get_env("TORCH_DEVICE")
+    if raw is None or not raw.strip():
+        return None
+    names = " / ".join(env_names("TORCH_DEVICE"))
+    try:
+        device = torch.device(raw.strip())
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{names}={raw!r} is not a torch device; use a name such as 'cuda:1' or 'cpu'") from None
+    if cpu and device.type != "cpu":
+        raise ValueError(f"{names}={raw!r} contradicts cpu=True (or HASTEN_USE_CPU); unset one of them")
+    return device
 
 
 def own_gpu(local_rank: int, count: int, visible: Optional[str]) -> int:

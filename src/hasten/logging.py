@@ -44,8 +44,9 @@ class MultiProcessAdapter(logging.LoggerAdapter):
 
     def log(self, level: int, msg: Any, *args: Any, main_process_only: bool = True, in_order: bool = False,
             **kwargs: Any) -> None:
-        # 2: skip this frame so that records name the caller's file and line.
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        # 2 skips this frame so that records name the caller's file and line. A stacklevel the caller
+        # gives is passed on as it is (as Accelerate does): wrappers tuned against it stay right.
+        kwargs.setdefault("stacklevel", 2)
         state = _state()
         if state is None or state.num_processes == 1:
             if self.isEnabledFor(level):
@@ -75,7 +76,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             self._warned_messages.add(key)
         except TypeError:  # unhashable arguments: cannot remember them, log every time
             pass
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1  # this frame too
         self.log(logging.WARNING, msg, *args, **kwargs)
 
 

@@ -73,6 +73,8 @@ class PreparedObjects:
         list ``kind`` (one of ``KINDS``; None: remembered only); returns ``prepared``."""
         if kind is not None:
             getattr(self, _checked(kind)).append(prepared)
+            if kind != "custom_objects":
+                _mark_prepared(prepared)
         for obj in (original, prepared):
             self._entries[id(obj)] = (self._reference(obj), prepared)
         return prepared
@@ -111,6 +113,15 @@ class PreparedObjects:
         self._entries = {}
         for kind in KINDS:
             setattr(self, kind, list(state.get(kind, [])))
+
+
+def _mark_prepared(obj: Any) -> None:
+    """Set ``_is_hasten_prepared = True`` on a prepared object, as Accelerate sets its
+    ``_is_accelerate_prepared``: user code checks the flag (hasten itself goes by the registry)."""
+    try:
+        obj._is_hasten_prepared = True
+    except (AttributeError, TypeError):  # slots, or a read-only object: the registry still knows it
+        pass
 
 
 def _checked(kind: str) -> str:

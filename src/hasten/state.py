@@ -440,7 +440,13 @@ class AcceleratorState(SharedDict):
             if name in _PARTIAL_FIELDS or name == "_mixed_precision" or hasattr(PartialState, name):
                 raise self._reset_error(name)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(partial, name)
+        try:
+            return getattr(partial, name)
+        except AttributeError:
+            if not partial.initialized:  # the reset explanation stays as it is
+                raise
+            # Named after the object the user asked, not the one it delegates to.
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"

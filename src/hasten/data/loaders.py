@@ -106,6 +106,17 @@ class DataLoaderStateMixin:
         self.gradient_state._remove_dataloader(self)
 
 
+class _ItselfOnInstances:
+    """``base_dataloader``: Accelerate's loaders wrap a DataLoader and name it so; hasten's prepared
+    loaders are DataLoaders themselves, so an instance names itself. Read on the class it raises
+    AttributeError, as the wrapped loader exists on instances only."""
+
+    def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
+        if instance is None:
+            raise AttributeError(f"{getattr(owner, '__name__', 'the class')}.base_dataloader exists on instances only")
+        return instance
+
+
 class PreparedLoaderMixin(DataLoaderStateMixin):
     """Epoch, resume and ``gather_for_metrics`` bookkeeping shared by the prepared loaders.
 
@@ -116,6 +127,7 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
 
     end_of_dataloader = False
     remainder = -1
+    base_dataloader = _ItselfOnInstances()
 
     def _init_bookkeeping(self, rng_types: Optional[list], synchronized_generator: Optional[torch.Generator],
                           iteration: int = 0) -> None:

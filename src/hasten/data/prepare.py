@@ -200,7 +200,8 @@ def prepare_data_loader(
         kwargs.update(batch_size=size, drop_last=dataloader.drop_last)
     else:
         shard = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
-                                  split_batches=split_batches, even_batches=even_batches)
+                                  split_batches=split_batches, even_batches=even_batches,
+                                  pad_lone_step=True)  # a loop's collectives need a batch on every process
         if sampler_is_batch_sampler:
             kwargs.update(sampler=shard, batch_size=None)
         else:
@@ -209,6 +210,20 @@ def prepare_data_loader(
         dataset, device=device if put_on_device else None, rng_types=rng_types,
         synchronized_generator=synchronized_generator, use_stateful_dataloader=use_stateful_dataloader,
         _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
+
+
+def _own_sampling(dataloader: DataLoader) -> dict:
+    """The sampling arguments of a loader built by hand (not sharded by ``prepare``), for a copy.
+
+    Its own (batch) sampler is kept, not rebuilt from ``batch_size``: a custom batch sampler, or a
+    sampler whose epoch was set, must go on drawing the same order.
+    """
+    if dataloader.batch_size is None and dataloader.batch_sampler is not None:
+        return {"batch_sampler": dataloader.batch_sampler}
+    out = {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
+    if not isinstance(dataloader.dataset, IterableDataset):
+        out["sampler"] = dataloader.sampler
+    return out
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
@@ -241,7 +256,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
             else:
                 kwargs.update(sampler=new_shard, batch_size=None)
             return DataLoaderShard(dataloader.dataset, **common, **kwargs)
-        kwargs.update(batch_size=dataloader.batch_size, drop_last=dataloader.drop_last)
+        kwargs.update(_own_sampling(dataloader))
         if isinstance(kwargs.get("collate_fn"), _TaggedCollate):
             kwargs["collate_fn"] = kwargs["collate_fn"].collate_fn
         return DataLoaderShard(dataloader.dataset, skip_batches=dataloader.skip_batches + num_batches,

@@ -89,37 +89,39 @@ class EpochPlan:
 
 # -- batch-sampler sharding -------------------------------------------------------------------------
 def count_steps(total: int, num_processes: int, rank: int, split_batches: bool, even_batches: bool,
-                drop_last: bool, batch_size: Optional[int], last_batch_length: Any = None) -> int:
+                drop_last: bool, batch_size: Optional[int], last_batch_length: Any = None,
+                pad_lone_step: bool = True) -> int:
     """How many batches process ``rank`` gets out of ``total`` batches (see BatchSamplerShard).
 
     ``last_batch_length`` (a callable, only called when needed) gives the length of the last
     batch, which decides, with split_batches and uneven batches, whether a process gets a piece.
+    ``pad_lone_step``: with uneven batches, an epoch of a single step leaves no process empty.
     """
     n = num_processes
     if n == 1:
         return total
     if split_batches:
-        if even_batches or drop_last or total <= 1:  # a lone step is never left empty (see below)
+        if even_batches or drop_last or (total <= 1 and pad_lone_step):
             return total
         last = last_batch_length() if callable(last_batch_length) else last_batch_length
         return total - 1 if last is not None and 0 < last <= rank * (batch_size // n) else total
     full, extra = divmod(total, n)
     if extra == 0 or drop_last:
         return full
-    if even_batches or full == 0:
+    if even_batches or (full == 0 and pad_lone_step):
         return full + 1
     return full + 1 if rank < extra else full
 
 
 def whole_steps(batches: Iterable[Any], n: int, size: Optional[int], rows: Callable[[Any], Optional[int]],
                 emitted: int, drop_last: bool, even_batches: bool,
-                complete: Callable[[list, bool], list]) -> Iterator[tuple[list, list, bool]]:
+                complete: Callable[[list, bool], list], pad_lone_step: bool = True) -> Iterator[tuple[list, list, bool]]:
     """Group whole batches into steps of ``n`` (one per process): (batches, real rows, is-final).
 
     A group whose last batch is short is held until more data shows it is not the end. The final
     incomplete group is kept (one process, or full with nothing to pad), dropped (``drop_last``),
     left short with ``None`` for the processes without a batch (``even_batches=False``, unless it
-    is the epoch's only step: then nobody would get anything), or else completed by
+    is the epoch's only step and ``pad_lone_step``: then some would get nothing at all), or else completed by
     ``complete(group, pad_short_batch)``. ``emitted`` counts the steps of the epoch before
     ``batches`` (a resumed pass), so a resumed pass ends exactly as the uninterrupted one.
     """
@@ -139,7 +141,7 @@ def whole_steps(batches: Iterable[Any], n: int, size: Optional[int], rows: Calla
         yield group, real[:n], True
     elif drop_last:
         return
-    elif not even_batches and emitted:
+    elif not even_batches and (emitted or not pad_lone_step):
         yield group + [None] * (n - len(group)), real, True
     else:
         yield complete(group, even_batches), real, True
@@ -184,18 +186,20 @@ class BatchSamplerShard(BatchSampler):
     batch is cut into ``num_processes`` equal slices (the batch size must divide). With
     ``even_batches`` every process gets the same number of equally sized batches: the end is
     completed with indices from the start of the epoch (the padding). Without it the last batches
-    are handed out as they are, so some processes may get one batch fewer or a shorter one, with one
-    exception: a process that would get no batch at all gets one batch of padding, so that it can
-    take part in the collectives of the loop (``gather_for_metrics`` drops it). When the batch
-    sampler drops its last incomplete batch, a final incomplete group of batches is dropped too.
-    With one process the batches pass through unchanged.
+    are handed out as they are, so some processes may get one batch fewer or a shorter one, or none
+    at all when the data is smaller than one step (as in Accelerate). ``pad_lone_step=True`` (what
+    prepared loaders use) makes one exception: a process that would get no batch at all gets one
+    batch of padding, so that it can take part in the collectives of the loop
+    (``gather_for_metrics`` drops it). When the batch sampler drops its last incomplete batch, a
+    final incomplete group of batches is dropped too. With one process the batches pass through
+    unchanged.
 
     Batches are produced lazily, as the wrapped sampler yields them; the sampler's ``sampler``
     (e.g. a custom or seedable sampler) is left in place.
     """
 
     def __init__(self, batch_sampler: Iterable, num_processes: int = 1, process_index: int = 0,
-                 split_batches: bool = False, even_batches: bool = True) -> None:
+                 split_batches: bool = False, even_batches: bool = True, *, pad_lone_step: bool = False) -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(
                 f"process_index={process_index} is not in [0, num_processes={num_processes}); "
@@ -206,6 +210,7 @@ class BatchSamplerShard(BatchSampler):
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
+        self.pad_lone_step = pad_lone_step
         self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         self.skip_batches = 0
@@ -247,7 +252,7 @@ class BatchSamplerShard(BatchSampler):
 
     def _steps_for(self, rank: int) -> int:
         return count_steps(len(self.batch_sampler), self.num_processes, rank, self.split_batches, self.even_batches,
-                           self.drop_last, self.batch_size, self._last_batch_length)
+                           self.drop_last, self.batch_size, self._last_batch_length, self.pad_lone_step)
 
     def _last_batch_length(self) -> Optional[int]:
         try:
@@ -304,7 +309,8 @@ class BatchSamplerShard(BatchSampler):
                 yield batch
 
         return whole_steps(batches(), n, self.batch_size, len, skip if source is not None else 0, self.drop_last,
-                           self.even_batches, lambda group, short_too: self._complete_group(group, head, short_too))
+                           self.even_batches, lambda group, short_too: self._complete_group(group, head, short_too),
+                           self.pad_lone_step)
 
     def _complete_group(self, group: list, head: list, short_too: bool = True) -> list:
         n, size = self.num_processes, self.batch_size
@@ -345,7 +351,7 @@ class BatchSamplerShard(BatchSampler):
         if count < size and n > 1 and (self.even_batches or not last):
             batch = batch + _cycle_take(head, 0, size - count)
         pieces = [batch[q * part:(q + 1) * part] for q in range(n)]
-        if lone and n > 1:  # nobody may be left without a batch: pad the empty pieces
+        if lone and n > 1 and self.pad_lone_step:  # nobody may be left without a batch: pad the empty pieces
             pieces = [p if p else _cycle_take(head, 0, part) for p in pieces]
         real = [max(0, min(part, count - q * part)) for q in range(n)]
         return [p if p else None for p in pieces], real

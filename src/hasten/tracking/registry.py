@@ -49,13 +49,18 @@ def get_available_trackers() -> list[LoggerType]:
             if name in LoggerType._value2member_map_ and is_tracker_available(name)]
 
 
+class NotATrackerClass(TypeError, ValueError):
+    """``register_tracker_class`` got something that is not a ``GeneralTracker`` subclass: a TypeError,
+    and a ValueError too, which is what Accelerate raises (scripts catch that)."""
+
+
 def register_tracker_class(tracker_class: type) -> None:
     """Make a ``GeneralTracker`` subclass selectable by its ``name`` in ``log_with``.
 
     ``init_trackers`` builds it as ``cls(project_name, [logging_dir,] **init_kwargs[name])``.
     """
     if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
-        raise TypeError(f"register_tracker_class takes a GeneralTracker subclass, got {tracker_class!r}")
+        raise NotATrackerClass(f"register_tracker_class takes a GeneralTracker subclass, got {tracker_class!r}")
     missing = [m for m in missing_attributes(tracker_class) if m != "tracker"]
     if missing or not tracker_class.name:
         raise ValueError(f"register_tracker_class({tracker_class.__name__}): define {missing or ['name']} on the class")

@@ -49,3 +49,12 @@ def check_not_dummy(objects: tuple, distributed_type: Any) -> None:
             f"DeepSpeed config, but this run does not use DeepSpeed ({distributed_type}); launch with DeepSpeed and a "
             f"config that has a '{section}' section, or create a real one instead (e.g. {real})"
         )
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "map_pytorch_optim_to_deepspeed", "get_active_deepspeed_plugin", "HfDeepSpeedConfig",
+    "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
+))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import os
 import shutil
 import subprocess
@@ -19,9 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Union
 
-from .environment import PREFIXES
-
-logger = logging.getLogger(__name__)
+from .environment import PREFIXES, convert_dict_to_env_variables  # noqa: F401 - its home is environment.py (Accelerate's)
 
 _TRUE = ("y", "yes", "t", "true", "on", "1")
 _FALSE = ("n", "no", "f", "false", "off", "0")
@@ -59,18 +56,6 @@ def parse_choice_from_env(key: str, default: str = "no") -> str:
 def are_libraries_initialized(*library_names: str) -> list[str]:
     """Those of ``library_names`` that are already imported in this process."""
     return [name for name in library_names if name in sys.modules]
-
-
-def convert_dict_to_env_variables(current_env: dict) -> list[str]:
-    """``KEY=value\\n`` lines for the items of ``current_env`` that are safe to write to an env file (no
-    ``; < >``, space or newline, neither side empty); the others are left out with a warning."""
-    lines = []
-    for key, value in current_env.items():
-        if key and value and not any(c in key + value for c in ";\n<> "):
-            lines.append(f"{key}={value}\n")
-        else:
-            logger.warning("Skipping %s=%s: it is empty or holds a character an env file cannot take", key, value)
-    return lines
 
 
 def get_current_device_type() -> tuple[str, str]:

@@ -7,9 +7,12 @@ This module must stay torch-free: the CLI imports it.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Optional
+
+logger = logging.getLogger(__name__)
 
 PREFIXES = ("HASTEN_", "ACCELERATE_")
 
@@ -102,3 +105,27 @@ def clear_environment() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def convert_dict_to_env_variables(current_env: dict) -> list[str]:
+    """``KEY=value\\n`` lines for the items of ``current_env`` that are safe to write to an env file (no
+    ``; < >``, space or newline, neither side empty); the others are left out with a warning (logger
+    ``hasten.utils.environment``, where Accelerate's lives)."""
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(c in key + value for c in ";\n<> "):
+            lines.append(f"{key}={value}\n")
+        else:
+            logger.warning("Skipping %s=%s: it is empty or holds a character an env file cannot take", key, value)
+    return lines
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "str_to_bool", "get_int_from_env", "parse_flag_from_env", "parse_choice_from_env",
+    "are_libraries_initialized", "get_current_device_type", "get_gpu_info", "check_cuda_p2p_ib_support",
+    "check_cuda_fp8_capability", "get_cpu_distributed_information", "set_numa_affinity",
+    "purge_accelerate_environment",
+))

@@ -179,3 +179,11 @@ def ensure_weights_retied(param_init_fn: Any, model: Any, device: Any) -> Any:
 
     return init_and_retie
 
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "fsdp2_load_full_state_dict", "fsdp2_switch_optimizer_parameters", "fsdp2_apply_ac", "fsdp2_prepare_model",
+    "get_fsdp2_grad_scaler", "fsdp2_canonicalize_names",
+))

@@ -308,3 +308,11 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
 def is_fp16_available() -> bool:
     """Whether fp16 is supported (everywhere except first-generation Habana Gaudi)."""
     return True
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "is_habana_gaudi1", "torchao_required", "deepspeed_required",
+))

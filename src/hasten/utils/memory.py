@@ -78,7 +78,9 @@ def find_executable_batch_size(function: Optional[Callable] = None, starting_bat
     if function is None:
         return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn)
-    if not isinstance(starting_batch_size, int) or starting_batch_size < 1:
+    # 0 is accepted here and fails at the call, as a batch size shrunk to 0 does (Accelerate's
+    # RuntimeError); a negative or non-integer size is a mistake caught right away.
+    if not isinstance(starting_batch_size, int) or starting_batch_size < 0:
         raise ValueError(f"starting_batch_size={starting_batch_size!r} must be a positive integer")
     batch_size = starting_batch_size
 
@@ -110,6 +112,9 @@ def find_executable_batch_size(function: Optional[Callable] = None, starting_bat
         _check_call(args, kwargs)
         clear_device_cache(garbage_collection=True)
         while True:
+            if starting_batch_size == 0:
+                raise RuntimeError(f"find_executable_batch_size: no executable batch size found for {name}(), "
+                                   "reached zero: starting_batch_size=0; start from a positive batch size")
             if batch_size <= 0:
                 raise RuntimeError(
                     f"find_executable_batch_size: {name}() ran out of memory at every batch size down to 1 "

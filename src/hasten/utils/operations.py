@@ -431,19 +431,33 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     """
     state = PartialState()
     if not state.use_distributed:
+        _warn_if_nested(tensor)  # one process too: the script will meet it with several
         return tensor
     _verify(state, "pad_across_processes", tensor, mask_dim=dim, dim=dim)
     leaves = _checked_leaves(state, tensor, "pad_across_processes")
     if not leaves:
         return tensor
-    if any(getattr(t, "is_nested", False) for t in leaves):
-        warnings.warn("pad_across_processes cannot pad nested tensors; they are returned unchanged",
-                      CannotPadNestedTensorWarning, stacklevel=2)
+    _warn_if_nested(leaves)
     sizes = torch.tensor([_pad_size(t, dim) for t in leaves], dtype=torch.int64, device=_comm_device(state))
     everyone = sizes.new_empty(state.num_processes * len(leaves))
     _all_gather_into(everyone, sizes, state)
     targets = iter(everyone.view(state.num_processes, len(leaves)).amax(dim=0).tolist())
     return recursively_apply(_pad_one, tensor, targets, dim, pad_index, pad_first)
+
+
+def _warn_if_nested(data: Any) -> None:
+    """Warn (CannotPadNestedTensorWarning) when ``data`` holds nested tensors, which are not padded."""
+    if _holds_nested(data):
+        warnings.warn("pad_across_processes cannot pad nested tensors; they are returned unchanged",
+                      CannotPadNestedTensorWarning, stacklevel=3)
+
+
+def _holds_nested(data: Any) -> bool:
+    if isinstance(data, Mapping):
+        return any(_holds_nested(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_holds_nested(v) for v in data)
+    return getattr(data, "is_nested", False) is True
 
 
 # -- local helpers --------------------------------------------------------------------------------
@@ -574,3 +588,12 @@ class ConvertOutputsToFp32:
 def convert_outputs_to_fp32(model_forward: Callable) -> ConvertOutputsToFp32:
     """Wrap ``model_forward`` so that its fp16/bf16 floating-point outputs are returned as fp32."""
     return ConvertOutputsToFp32(model_forward)
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "is_tensor_information", "get_data_structure", "initialize_tensors", "pad_input_tensors",
+    "GatheredParameters",
+))

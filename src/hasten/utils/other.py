@@ -212,8 +212,9 @@ def check_os_kernel() -> None:
     from packaging.version import Version
 
     if Version(found.group()) < Version("5.5.0"):
-        logger.warning("Linux kernel %s is older than 5.5.0, under which processes can hang; upgrade the kernel",
-                       found.group())
+        # The version inside the message itself (not a %s argument): log filters match record.msg.
+        logger.warning(f"Linux kernel {found.group()} is older than 5.5.0, under which processes can hang; "
+                       "upgrade the kernel")
 
 
 def recursive_getattr(obj: Any, attr: str) -> Any:
@@ -269,3 +270,11 @@ def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwarg
     if not native_amp or dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=state.device.type, dtype=dtype, **kwargs)
+
+
+# Accelerate has these names in this module; hasten keeps them elsewhere (see accelerate_paths).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
+
+__getattr__ = names_from_utils(__name__, (
+    "save",
+))
