@@ -269,3 +269,20 @@ def test_prepare_refuses_a_quantized_model_with_disk_offload(fresh_state) -> Non
         acc.prepare_model(model)
     model.is_loaded_in_8bit = False  # not quantised: the map alone is no reason to refuse
     assert getattr(acc.prepare_model(model), "_is_hasten_prepared", False)
+
+
+def test_plugins_and_fsdp_value_lists_import_from_accelerates_module_paths():
+    """Scripts (and transformers' own source) import the plugins from ``utils.dataclasses`` and the
+    FSDP value lists from ``utils.constants``; the lists hold Accelerate's values."""
+    import hasten.utils as utils
+    from hasten.utils import constants, dataclasses
+
+    for name in ("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchTensorParallelPlugin",
+                 "TorchTensorParallelConfig", "TorchContextParallelConfig"):
+        assert getattr(dataclasses, name) is getattr(utils, name), name
+    assert constants.FSDP_SHARDING_STRATEGY == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                                "HYBRID_SHARD_ZERO2"]
+    assert constants.FSDP_AUTO_WRAP_POLICY == ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+    assert constants.FSDP_BACKWARD_PREFETCH == ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
+    assert constants.FSDP_STATE_DICT_TYPE == ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
+    assert constants.FSDP2_STATE_DICT_TYPE == ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..utils import constants
 from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, MissingFileError, did_you_mean
 
@@ -24,10 +25,10 @@ RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DYNAMO_BACKENDS = tuple(b.value for b in DynamoBackend)
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
-FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-FSDP_WRAP = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-FSDP_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
-FSDP_STATE_DICT = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+FSDP_SHARDING = tuple(constants.FSDP_SHARDING_STRATEGY)
+FSDP_WRAP = tuple(constants.FSDP_AUTO_WRAP_POLICY)
+FSDP_PREFETCH = tuple(constants.FSDP_BACKWARD_PREFETCH)
+FSDP_STATE_DICT = tuple(constants.FSDP_STATE_DICT_TYPE)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 FP8_BACKENDS = ("AO", "TE", "MSAMP")
 DS_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")

@@ -459,7 +459,18 @@ Callback = Callable[..., Any]
 _FP8_NAMES = ("FP8BackendType", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")
 
 
+# Accelerate defines its plugins in utils/dataclasses.py, and scripts import them from there; hasten
+# keeps each in its own module.
+_PLUGIN_MODULES = {"DeepSpeedPlugin": "deepspeed_plugin", "FullyShardedDataParallelPlugin": "fsdp_plugin",
+                   **dict.fromkeys(("TorchTensorParallelPlugin", "TorchTensorParallelConfig",
+                                    "TorchContextParallelConfig"), "parallel_configs")}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _PLUGIN_MODULES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_PLUGIN_MODULES[name]}"), name)
     if name in _FP8_NAMES:
         from . import fp8_recipes
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ..warning_kinds import HastenWarning
+from . import constants
 
-_WRAPS = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_WRAPS = tuple(constants.FSDP_AUTO_WRAP_POLICY)
 _STATE_DICTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 # torch's StateDictType numbers them 1 (full), 2 (local), 3 (sharded); Accelerate accepts the number too.
 _STATE_DICT_NUMBERS = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}
