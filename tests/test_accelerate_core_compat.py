@@ -286,3 +286,17 @@ def test_plugins_and_fsdp_value_lists_import_from_accelerates_module_paths():
     assert constants.FSDP_BACKWARD_PREFETCH == ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
     assert constants.FSDP_STATE_DICT_TYPE == ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
     assert constants.FSDP2_STATE_DICT_TYPE == ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+
+
+def test_context_parallel_handler_comes_from_the_environment_when_not_given(monkeypatch):
+    from hasten.utils import ParallelismConfig, TorchContextParallelConfig
+
+    for setting in ("allgather", "alltoall"):
+        monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", setting)
+        config = ParallelismConfig(cp_size=2)
+        assert isinstance(config.cp_handler, TorchContextParallelConfig)
+        assert config.cp_handler.cp_comm_strategy == setting
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "ring")
+    with pytest.raises(ValueError, match="cp_comm_strategy='ring'"):
+        ParallelismConfig(cp_size=2)
+    assert ParallelismConfig(cp_size=1).cp_handler is None

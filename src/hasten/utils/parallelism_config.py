@@ -75,6 +75,10 @@ class ParallelismConfig:
                 f"cp_size={self.cp_size} and dp_shard_size=1: tensor/context parallelism composes with FSDP2, not "
                 f"with plain replication; use dp_shard_size={self.dp_replicate_size} and dp_replicate_size=1 "
                 "(with fsdp_plugin / --use_fsdp)")
+        if self.cp_size > 1 and self.cp_handler is None:  # as Accelerate: the handler holds the environment's choice
+            from .parallel_configs import TorchContextParallelConfig
+
+            self.cp_handler = TorchContextParallelConfig()
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict):
             raise TypeError(f"ParallelismConfig: tp_plan must be a dict {{module name: style}}, got "
                             f"{type(self.tp_plan).__name__}")
