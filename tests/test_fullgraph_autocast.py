@@ -140,7 +140,8 @@ class Caller(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
-        return self.inner(x, fail=fail)["out"] * 2
+        out = self.inner(x, fail=fail) if fail else self.inner(x)
+        return (out["out"] if isinstance(out, dict) else out) * 2
 
 
 def test_the_autocast_is_left_when_forward_raises_eager_and_compiled() -> None:
@@ -195,3 +196,35 @@ def test_an_error_while_the_compiled_graph_runs_leaves_no_autocast_behind(backen
         compiled(torch.tensor([1, 20], device=acc.device))
     assert not _autocast_on(acc.device)
     assert torch.equal(compiled(good), expected) and torch.equal(model(good), expected)
+
+
+class Breaking(nn.Module):
+    """A graph break between the layers (without fullgraph, dynamo splits forward in two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(torch.relu(hidden))
+
+
+@pytest.mark.parametrize("inlined", [True, False])
+def test_a_graph_break_inside_a_prepared_fp16_forward_keeps_eager_numbers(inlined: bool) -> None:
+    """fp16 is not CPU autocast's default dtype: the traced dtype change must survive the break."""
+    torch._dynamo.reset()
+    acc = Accelerator(mixed_precision="fp16")
+    torch.manual_seed(0)
+    model = Breaking().to(acc.device)
+    reference = copy.deepcopy(model)
+    prepared = acc.prepare(model)
+    x = torch.randn(4, 16, device=acc.device)
+    expected = _eager_autocast(reference, x, "fp16").float()
+    if inlined:  # the hooks traced (inlined in the caller's frame), the break between them
+        out = torch.compile(Caller(prepared), backend="aot_eager")(x) / 2
+    else:
+        out = torch.compile(prepared, backend="aot_eager")(x)
+    assert torch.equal(out, expected) and not _autocast_on(acc.device)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from .utils.dataclasses import AutocastKwargs, GradScalerKwargs
+from .utils.versions import dynamo_traces_autocast_hooks
 
 # fp8 runs the layers it does not convert (and the float8 matmuls' outputs) in bf16, as Accelerate.
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -318,7 +319,7 @@ class AutocastRegion:
     def before(self, module: torch.nn.Module, args: Any) -> None:
         if self._steps_aside():
             return
-        if torch.compiler.is_compiling():  # inlined into a traced frame: into its graph
+        if torch.compiler.is_compiling() and _TRACEABLE:  # inlined into a traced frame: into its graph
             _enter(self)
         else:
             _EAGER["enter"](self)
@@ -326,7 +327,7 @@ class AutocastRegion:
     def after(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self._steps_aside():
             return None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _TRACEABLE:
             return _leave(self, output)
         return _EAGER["leave"](self, output)
 
@@ -360,6 +361,7 @@ def _leave(region: AutocastRegion, output: Any) -> Any:
 # frame must not change the autocast state for the frames after it). Made when a region is
 # attached or unpickled, not at import: torch.compiler.disable imports dynamo (about a second).
 _EAGER: dict[str, Callable[..., Any]] = {}
+_TRACEABLE = dynamo_traces_autocast_hooks()
 
 
 def _make_eager() -> None:
