@@ -194,9 +194,6 @@ def test_ulysses_adapter_returns_the_loader_without_sequence_parallelism() -> No
 
 # -- 2. a bf16-prepared model under torch.compile(fullgraph=True) ------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="hasten's autocast is a pair of forward hooks (no replaced forward, by design: "
-                   "tests/test_compile.py); dynamo cannot trace a context entered in one hook and left in another, "
-                   "so a user's fullgraph compile breaks; use TorchDynamoPlugin(fullgraph=True) instead")
 def test_bf16_prepared_model_compiled_by_the_user_with_fullgraph() -> None:
     from hasten import Accelerator
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from .utils.dataclasses import AutocastKwargs, GradScalerKwargs
+from .utils.versions import dynamo_traces_autocast_hooks
 
 # fp8 runs the layers it does not convert (and the float8 matmuls' outputs) in bf16, as Accelerate.
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -264,11 +265,19 @@ class AutocastRegion:
     than a replaced ``forward``: the module keeps its own method, type and state-dict keys, and the
     region pickles with it (the hooks are bound methods of this object).
 
-    Under ``torch.compile`` a context cannot be entered in one hook and left in another inside the
-    traced code. When hasten compiles a wrapped model, an *outer* region on the compile wrapper
-    enters the autocast eagerly, and the inner hooks, while traced, do nothing (the graph is traced
-    under that autocast). A model compiled by the user, without an outer region, still gets its
-    autocast: the inner hooks then run outside the graph (a graph break at each end of forward).
+    Under ``torch.compile`` the hooks work either way dynamo meets them, so a model the user
+    compiles with ``fullgraph=True`` stays one graph:
+
+    - inlined into a traced frame (a ``torch.nn`` module such as ``Sequential`` compiled whole, or
+      a prepared module called inside a compiled one): they are traced into the graph. The
+      autocast is entered with ``torch.amp._enter_autocast`` (what ``torch.export`` records for an
+      autocast region), whose object dynamo follows from the pre-hook to the forward hook;
+    - as frames of their own (``torch.compile`` of a user-defined module runs its hooks outside
+      the graph and compiles ``forward``): dynamo skips them, they run eagerly, and ``forward`` is
+      traced under the autocast they entered, as under a caller's ``with torch.autocast``.
+
+    When hasten compiles a wrapped model, an *outer* region on the compile wrapper enters the
+    autocast eagerly and the inner hooks, while traced, do nothing.
 
     Args:
         settings: (device type, dtype, autocast enabled, cache_enabled or None).
@@ -290,7 +299,7 @@ class AutocastRegion:
         return None
 
     def attach(self, module: torch.nn.Module) -> None:
-        _make_untraced()
+        _make_eager()
         self._handles = (module.register_forward_pre_hook(self.before),
                          module.register_forward_hook(self.after, always_call=True))
 
@@ -301,7 +310,7 @@ class AutocastRegion:
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled in a new process: hooks can run there
         self.__dict__.update(state)
-        _make_untraced()
+        _make_eager()
 
     def _steps_aside(self) -> bool:
         # Traced inside hasten's compile wrapper: the autocast entered by its region is in force.
@@ -310,56 +319,61 @@ class AutocastRegion:
     def before(self, module: torch.nn.Module, args: Any) -> None:
         if self._steps_aside():
             return
-        if torch.compiler.is_compiling():
-            _UNTRACED["enter"](self)
-        else:
+        if torch.compiler.is_compiling() and _TRACEABLE:  # inlined into a traced frame: into its graph
             _enter(self)
+        else:
+            _EAGER["enter"](self)
 
     def after(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self._steps_aside():
             return None
-        if torch.compiler.is_compiling():
-            _UNTRACED["leave"](self)
-        else:
-            _leave(self)
-        from .utils.operations import convert_to_fp32
-
-        return convert_to_fp32(output)
+        if torch.compiler.is_compiling() and _TRACEABLE:
+            return _leave(self, output)
+        return _EAGER["leave"](self, output)
 
 
 def _enter(region: AutocastRegion) -> None:
+    # ``torch.amp._enter_autocast``/``_exit_autocast`` rather than ``autocast().__enter__()``: the
+    # same autocast object and state changes, but dynamo traces them (it refuses a bare
+    # ``__enter__`` call), so an inlined region is part of the caller's graph.
     device_type, dtype, enabled, cache_enabled = region.settings
-    if not enabled:
-        context: contextlib.AbstractContextManager = contextlib.nullcontext()
-    else:
-        kw: dict[str, Any] = {"dtype": dtype}
-        if cache_enabled is not None:
-            kw["cache_enabled"] = cache_enabled
-        context = torch.autocast(device_type=device_type, **kw)
-    context.__enter__()
+    context = torch.amp._enter_autocast(device_type, dtype, True, cache_enabled) if enabled else None
     _ENTERED.stack.append((region, context))
     if region.outer:
         _OuterRegions.depth += 1
 
 
-def _leave(region: AutocastRegion) -> None:
+def _leave(region: AutocastRegion, output: Any) -> Any:
+    """Leave what ``region`` entered and return ``output`` with fp16/bf16 tensors made fp32."""
+    from .utils.operations import convert_to_fp32
+
     # Only what this region entered: if an earlier pre-hook raised, ours never ran.
-    if not _ENTERED.stack or _ENTERED.stack[-1][0] is not region:
-        return
-    _, context = _ENTERED.stack.pop()
-    if region.outer:
-        _OuterRegions.depth -= 1
-    context.__exit__(None, None, None)
+    if _ENTERED.stack and _ENTERED.stack[-1][0] is region:
+        _, context = _ENTERED.stack.pop()
+        if region.outer:
+            _OuterRegions.depth -= 1
+        if context is not None:  # None: AutocastKwargs(enabled=False), the caller's autocast stays as it is
+            torch.amp._exit_autocast(context)
+    return convert_to_fp32(output)
 
 
-# _enter and _leave as dynamo runs them from traced code: outside the graph. Made when a region is
+# _enter and _leave as the hooks run them outside traced code, with dynamo kept out (a compiled
+# frame must not change the autocast state for the frames after it). Made when a region is
 # attached or unpickled, not at import: torch.compiler.disable imports dynamo (about a second).
-_UNTRACED: dict[str, Callable[[AutocastRegion], None]] = {}
+_EAGER: dict[str, Callable[..., Any]] = {}
+_TRACEABLE = dynamo_traces_autocast_hooks()
 
 
-def _make_untraced() -> None:
-    if not _UNTRACED:
-        _UNTRACED.update(enter=torch.compiler.disable(_enter), leave=torch.compiler.disable(_leave))
+def _make_eager() -> None:
+    if _EAGER:
+        return
+    from torch._dynamo.eval_frame import skip_code
+
+    # The hooks as frames of their own (torch.compile of a user-defined module calls them from
+    # the untraced ``Module.__call__``) are run by Python, not compiled; inlined, they are traced.
+    skip_code(AutocastRegion.before.__code__)
+    skip_code(AutocastRegion.after.__code__)
+    _EAGER.update(enter=torch.compiler.disable(_enter), leave=torch.compiler.disable(_leave))
 
 
 # Device types that can hold an autocast state (privateuse1 backends are added at call time).

@@ -61,3 +61,14 @@ def elastic_launch_config(**kwargs: Any) -> Any:
     if "shutdown_timeout" not in known:
         kwargs.pop("shutdown_timeout", None)
     return LaunchConfig(**kwargs)
+
+
+def dynamo_traces_autocast_hooks() -> bool:
+    """Whether dynamo can trace hasten's autocast hooks where it inlines them (``torch.amp._enter_autocast``
+    in a pre-hook, ``_exit_autocast`` in the forward hook). Tracing them came with pytorch#173877
+    (``_UnmanagedAutocast``), restoring the autocast dtype after a graph break between the two with
+    pytorch#186530; torch 2.13 is the first release checked with both (tests/test_fullgraph_autocast.py).
+    Older torch runs the inlined hooks outside the graph (a graph break, so no ``fullgraph=True``)."""
+    import torch
+
+    return hasattr(torch.amp.autocast_mode, "_UnmanagedAutocast") and is_torch_version(">=", "2.13")
