@@ -127,6 +127,32 @@ def part_launched(kind: str, folder: str) -> None:
     acc.end_training()
 
 
+def part_fullgraph() -> None:
+    """A user-defined module prepared with bf16 and compiled by the user with ``fullgraph=True``:
+    one graph, eager-autocast numbers (run in a process of its own: its own precision)."""
+    import torch
+    from torch import nn
+
+    from hasten import Accelerator
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(FEATURES, 16), nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = acc.prepare(Net())
+    x = torch.randn(4, FEATURES)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert compiled.dtype == torch.float32 and torch.equal(compiled, eager), (compiled, eager)
+    print("smoke: bf16-prepared module under torch.compile(fullgraph=True): ok", flush=True)
+
+
 def _launch(kind: str, folder: str) -> None:
     command = [sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2",
                os.path.abspath(__file__), "--rank-part", kind, "--folder", folder]
@@ -139,10 +165,14 @@ def _launch(kind: str, folder: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank-part", choices=("ddp", "fsdp"))
+    parser.add_argument("--fullgraph", action="store_true", help="only the fullgraph compile check")
     parser.add_argument("--folder")
     args = parser.parse_args()
     if args.rank_part:
         part_launched(args.rank_part, args.folder)
+        return 0
+    if args.fullgraph:
+        part_fullgraph()
         return 0
     start = time.perf_counter()
     import torch
@@ -156,6 +186,11 @@ def main() -> int:
         part_one_process(os.path.join(folder, "one"))
         for kind in ("ddp", "fsdp"):
             _launch(kind, os.path.join(folder, kind))
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--fullgraph"], timeout=300,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"smoke: fullgraph compile failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        print(done.stdout.strip(), flush=True)
     print(f"smoke: all passed on torch {torch.__version__} in {time.perf_counter() - start:.0f} s", flush=True)
     return 0
 
