@@ -123,6 +123,7 @@ def tear_down_at_exit(world: Any) -> None:
     the group; it also runs after ``hasten launch`` destroyed the group itself."""
     try:
         if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
+            release_save_group()  # its threads go now (the global teardown would leave them to finalization)
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the script's work is done either way
         pass
