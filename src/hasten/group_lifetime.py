@@ -169,7 +169,8 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S) -> bool:
     finished a collective is runnable (maybe not yet scheduled on a loaded machine) or wakes again
     and again while it waits for the GIL to release the collective's tensors. Either shows in its
     state or its context-switch counts. Unlike ``quiesce_gloo_workers`` this needs no other process,
-    so it is safe at exit, whatever the other processes do.
+    so it is safe at exit, whatever the other processes do. A worker blocked in a collective that
+    the other processes never join looks idle too: nothing at exit could finish its work.
     """
     before = _worker_activity()
     if not before:
