@@ -5,7 +5,8 @@
   gloo addresses);
 - ``quiesce_gloo_workers``: before the script ends, every gloo worker thread has let go of the work
   it ran (a worker still doing so after the interpreter began to finalize aborts the process);
-- ``tear_down_at_exit``: the group hasten opened goes down while the interpreter still runs;
+- ``tear_down_at_exit``: the group hasten opened goes down while the interpreter still runs, and
+  the process exits only once its gloo worker threads are idle (``settle_gloo_workers``);
 - ``save_group``: the gloo group background saves exchange on, made with the process group.
 """
 
@@ -112,14 +113,79 @@ def quiesce_gloo_workers(group: Any = None) -> bool:
 
 def tear_down_at_exit(world: Any) -> None:
     """The script ended with the group hasten opened still up (``torchrun``, plain ``python``): tear
-    it down while the interpreter still runs. Left to finalization, a gloo worker thread that drops
-    the last collective's tensors then cannot take the GIL and aborts the process, and NCCL warns
-    of a leaked communicator."""
+    it down while the interpreter still runs (NCCL warns of a leaked communicator otherwise), then
+    wait until no gloo worker thread is still letting go of the last collective's tensors.
+
+    Destroying the group does not stop its gloo threads while something else holds it (a DDP model
+    does), and a worker that drops the last reference to a tensor Python knew takes the GIL: once
+    the interpreter is finalizing, that aborts the process ("terminate called without an active
+    exception", SIGABRT) after the script succeeded. Registered with ``atexit`` when hasten opens
+    the group; it also runs after ``hasten launch`` destroyed the group itself."""
     try:
         if dist.is_available() and dist.is_initialized() and dist.group.WORLD is world:
+            release_save_group()  # its threads go now (the global teardown would leave them to finalization)
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the script's work is done either way
         pass
+    settle_gloo_workers()
+
+
+# The name torch gives each gloo worker thread; /proc shows it as the thread's comm.
+GLOO_WORKER_NAME = "pt_gloo_runloop"
+SETTLE_POLL_S = 0.005
+SETTLE_QUIET_S = 0.03  # > the GIL's switch interval: a thread waiting for the GIL wakes within it
+SETTLE_LIMIT_S = 3.0
+
+
+def _worker_activity() -> Optional[dict[int, tuple]]:
+    """(state, voluntary and involuntary context switches) of each gloo worker thread of this
+    process; None where /proc cannot say (not Linux)."""
+    tasks = "/proc/self/task"
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return None
+    found: dict[int, tuple] = {}
+    for tid in tids:
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != GLOO_WORKER_NAME:
+                    continue
+            with open(f"{tasks}/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        found[int(tid)] = (fields.get("State", "").strip()[:1], fields.get("voluntary_ctxt_switches", "").strip(),
+                           fields.get("nonvoluntary_ctxt_switches", "").strip())
+    return found
+
+
+def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S) -> bool:
+    """Local (no collective): wait, without the GIL, until every gloo worker thread of this process
+    has slept untouched for ``SETTLE_QUIET_S``; True when seen, False after ``limit_s`` or where
+    /proc cannot tell.
+
+    An idle worker sleeps on its queue's condition variable and is never woken; one that has just
+    finished a collective is runnable (maybe not yet scheduled on a loaded machine) or wakes again
+    and again while it waits for the GIL to release the collective's tensors. Either shows in its
+    state or its context-switch counts. Unlike ``quiesce_gloo_workers`` this needs no other process,
+    so it is safe at exit, whatever the other processes do. A worker blocked in a collective that
+    the other processes never join looks idle too: nothing at exit could finish its work.
+    """
+    before = _worker_activity()
+    if not before:
+        return before is not None
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)  # without the GIL: a worker waiting for it gets it now
+        now = _worker_activity() or {}
+        asleep = all(state in ("S", "D") for state, _, _ in now.values())
+        if now != before or not asleep:
+            before, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= SETTLE_QUIET_S:
+            return True
+    return False
 
 
 _SAVE_GROUP: list = []  # [(default group, its save group)]
