@@ -15,7 +15,11 @@ keeps the values in memory (a ``GeneralTracker`` / Fabric ``Logger`` subclass), 
 timed too. hasten's ``compute`` is a collective with several processes (one ``gather_object``: the job's
 figures are true sums, the slowest rank is named); Fabric's multiplies process 0's rates by the world
 size and exchanges nothing. Reported: the median over rounds of (block - plain block) / steps, in
-microseconds, and the step rate relative to the plain loop.
+microseconds (wall clock, the slowest rank); the time spent inside the monitor's own calls per step
+(the most direct figure: ``update`` + ``compute_and_log`` timed around the calls, wall clock and CPU
+time of the process; CPU time is what stays steady on a shared machine); the added time in CPU time of the process (what the monitor
+itself burns; steadier than the wall clock on a shared machine), and the step rate relative to the
+plain loop.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ def _loop(world: int) -> tuple[Callable[[], None], float]:
     return step, flops
 
 
-def _contenders(world: int, every: list[int]) -> tuple[dict[str, Callable[[int], float]], list]:
-    """name -> run(steps) returning the block's seconds (each has its own model and monitor), and
+def _contenders(world: int, every: list[int]) -> tuple[dict[str, Callable[[int], tuple[float, float, float, float]]], list]:
+    """name -> run(steps) returning the block's wall and CPU seconds and the wall and CPU
+    seconds spent in the monitor's calls (each has its own model and monitor), and
     the trackers the monitors log to."""
     from hasten import Accelerator
     from hasten.utils import ThroughputMonitor
@@ -105,16 +110,16 @@ def _contenders(world: int, every: list[int]) -> tuple[dict[str, Callable[[int],
     tracker, logger = _trackers()
     acc = Accelerator(cpu=True, log_with=[tracker])
     acc.init_trackers("bench")
-    runs: dict[str, Callable[[int], float]] = {}
+    runs: dict[str, Callable[[int], tuple[float, float, float, float]]] = {}
 
-    def plain() -> Callable[[int], float]:
+    def plain() -> Callable[[int], tuple[float, float, float, float]]:
         step, _ = _loop(world)
 
-        def run(steps: int) -> float:
-            start = time.perf_counter()
+        def run(steps: int) -> tuple[float, float]:
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - cpu, 0.0, 0.0
         return run
 
     def monitored(make: Callable[[], Any], flops_kw: Callable[[float, int], dict], log_every: int):
@@ -122,17 +127,20 @@ def _contenders(world: int, every: list[int]) -> tuple[dict[str, Callable[[int],
         monitor = make()
         done = [0]
 
-        def run(steps: int) -> float:
-            start = time.perf_counter()
+        def run(steps: int) -> tuple[float, float, float]:
+            start, cpu, inside, inside_cpu = time.perf_counter(), time.process_time(), 0.0, 0.0
             for _ in range(steps):
                 step()
                 done[0] += 1
                 n = done[0]
-                monitor.update(time=time.perf_counter(), batches=n, samples=n * BATCH, lengths=n * BATCH * LENGTH,
+                before, before_cpu = time.perf_counter(), time.process_time()
+                monitor.update(time=before, batches=n, samples=n * BATCH, lengths=n * BATCH * LENGTH,
                                **flops_kw(flops, n))
                 if n % log_every == 0:
                     monitor.compute_and_log(step=n)
-            return time.perf_counter() - start
+                inside += time.perf_counter() - before
+                inside_cpu += time.process_time() - before_cpu
+            return time.perf_counter() - start, time.process_time() - cpu, inside, inside_cpu
         return run
 
     runs["plain"] = plain()
@@ -165,16 +173,23 @@ def worker(out: str, args: argparse.Namespace) -> None:
     for name in names:  # warm-up: fills the monitors' windows, first calls out of the way
         runs[name](60)
     blocks: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    calls: dict[str, list[float]] = {n: [] for n in names}
+    calls_cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             if world > 1:
                 torch.distributed.barrier()
-            blocks[name].append(runs[name](args.steps))
+            wall, used, inside, inside_cpu = runs[name](args.steps)
+            blocks[name].append(wall)
+            cpu[name].append(used)
+            calls[name].append(inside)
+            calls_cpu[name].append(inside_cpu)
     # The figures were computed and reached the trackers (MFU included) on the main process.
     logged = [sum(1 for _, values in t.rows if "device/mfu" in values) for t in trackers]
     if int(os.environ.get("RANK", "0")) == 0 and not all(logged):
         raise RuntimeError(f"a monitor logged no MFU: {logged} rows with device/mfu per tracker")
-    _procs.write_result(out, {"blocks": blocks, "steps": args.steps, "logged": logged})
+    _procs.write_result(out, {"blocks": blocks, "cpu": cpu, "calls": calls, "calls_cpu": calls_cpu, "steps": args.steps, "logged": logged})
 
 
 def summarize(results: list[dict]) -> dict[str, dict]:
@@ -184,13 +199,17 @@ def summarize(results: list[dict]) -> dict[str, dict]:
     names = list(results[0]["blocks"])
     rounds = len(results[0]["blocks"]["plain"])
     block = {n: [max(r["blocks"][n][i] for r in results) for i in range(rounds)] for n in names}
+    cpu = {n: [max(r["cpu"][n][i] for r in results) for i in range(rounds)] for n in names}
     table = {}
     for name in names:
-        added = [(b - p) / steps * 1e6 for b, p in zip(block[name], block["plain"])]
+        added = sorted((b - p) / steps * 1e6 for b, p in zip(block[name], block["plain"]))
+        added_cpu = [(b - p) / steps * 1e6 for b, p in zip(cpu[name], cpu["plain"])]
         rate = [p / b for b, p in zip(block[name], block["plain"])]
-        table[name] = {"step_us": statistics.median(block[name]) / steps * 1e6, "added_us": statistics.median(added),
-                       "added_q": (sorted(added)[len(added) // 4], sorted(added)[(3 * len(added)) // 4]),
-                       "rate": statistics.median(rate)}
+        inside = statistics.median(max(r["calls"][name][i] for r in results) for i in range(rounds)) / steps * 1e6
+        inside_cpu = statistics.median(max(r["calls_cpu"][name][i] for r in results) for i in range(rounds)) / steps * 1e6
+        table[name] = {"calls_us": inside, "calls_cpu_us": inside_cpu, "step_us": statistics.median(block[name]) / steps * 1e6, "added_us": statistics.median(added),
+                       "added_q": (added[len(added) // 4], added[(3 * len(added)) // 4]),
+                       "added_cpu_us": statistics.median(added_cpu), "rate": statistics.median(rate)}
     return table
 
 
@@ -220,13 +239,15 @@ def main() -> None:
     if not fabric:
         print("lightning_fabric does not import here: no Fabric column (pass --fabric-path)")
     print(f"MLP 64-256-256-1, batch {BATCH}, SGD; {args.rounds} rounds of {args.steps}-step blocks per contender")
-    print("| processes | contender | step µs (median) | added µs / step (quartiles) | rate vs plain |")
-    print("|---|---|---|---|---|")
+    print("| processes | contender | step µs (median) | in the monitor's calls µs / step, wall / CPU | added µs / step (quartiles) "
+          "| added CPU µs / step | rate vs plain |")
+    print("|---|---|---|---|---|---|---|")
     for world in ([args.processes] if args.processes else [1, 2]):
         results = _procs.spawn(os.path.abspath(__file__), forwarded, world, extra_path=args.fabric_path)
         for name, row in summarize(results).items():
-            print(f"| {world} | {name} | {row['step_us']:.0f} | {row['added_us']:+.1f} "
-                  f"({row['added_q'][0]:+.1f} to {row['added_q'][1]:+.1f}) | {row['rate']:.3f} |")
+            print(f"| {world} | {name} | {row['step_us']:.0f} | {row['calls_us']:.1f} / {row['calls_cpu_us']:.1f} | {row['added_us']:+.1f} "
+                  f"({row['added_q'][0]:+.1f} to {row['added_q'][1]:+.1f}) | {row['added_cpu_us']:+.1f} | "
+                  f"{row['rate']:.3f} |")
     _procs.footer()
 
 
