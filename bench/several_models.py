@@ -1,7 +1,7 @@
 """Several models in one job: a trained model beside a frozen one, on 2 CPU processes (gloo), under DDP
 and FSDP2: hasten against hand-written PyTorch and against Accelerate, interleaved in one run.
 
-    python bench/several_models.py                       # both jobs, DDP and FSDP2, 2 rounds
+    python bench/several_models.py                       # both jobs, DDP and FSDP2, 1 round
     python bench/several_models.py --jobs dpo --strategies fsdp2 --rounds 3 --steps 12
     python bench/several_models.py --quick               # tiny models, 1 round: a smoke test
 
@@ -21,8 +21,9 @@ agree. Ways:
   which the table's notes say; on GPUs its ``prepare`` refuses a second model under FSDP2 ("Only one
   model is supported when using FSDP2") and a model without an optimizer.
 
-Every (strategy, job, way) is one fresh 2-process launch; the ways run in turn, in reversed order
-every other round. Reported per process (worst of the 2): the median step time over ``--steps``
+Every (strategy, job, way) is one fresh 2-process launch; the three ways of a (strategy, job) run
+one after the other, the first of them rotating from group to group (``--rounds 2`` repeats the
+whole; each launch takes ~10 s on an idle 2-core machine, so the default run is ~2-3 minutes). Reported per process (worst of the 2): the median step time over ``--steps``
 timed steps (after 2 warm-up steps), the peak RSS, and the peak RSS above the floor after importing
 torch, hasten and Accelerate (every way imports all three, so the floors compare); ratios to raw.
 """
@@ -41,7 +42,7 @@ import _procs  # noqa: E402
 
 WAYS = ("raw", "hasten", "accelerate")
 SIZES = {  # name: (vocab, hidden, blocks, teacher hidden, batch per process, sequence)
-    "default": (8192, 512, 4, 768, 2, 32),
+    "default": (4096, 384, 4, 512, 2, 32),
     "quick": (64, 16, 2, 24, 2, 8),
 }
 
@@ -205,10 +206,12 @@ def worker(out: str, way: str, strategy: str, job: str, size: str, steps: int) -
 def run_all(args: argparse.Namespace) -> dict:
     """(strategy, job) -> way -> per-round results (worst process), the ways interleaved."""
     results: dict = {}
-    for r in range(args.rounds):
+    turn = 0
+    for _ in range(args.rounds):
         for strategy in args.strategies:
             for job in args.jobs:
-                ways = WAYS if r % 2 == 0 else WAYS[::-1]
+                ways = WAYS[turn % 3:] + WAYS[:turn % 3]  # who goes first turns with every group
+                turn += 1
                 for way in ways:
                     ranks = _procs.spawn(os.path.abspath(__file__), ["--way", way, "--strategy", strategy, "--job", job,
                                                                        "--size", args.size, "--steps", str(args.steps)], 2)
@@ -247,8 +250,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", choices=["ddp", "fsdp2"], default=["ddp", "fsdp2"])
     parser.add_argument("--jobs", nargs="+", choices=["dpo", "distill"], default=["dpo", "distill"])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per launch (after 2 warm-up steps)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per launch (after 2 warm-up steps)")
     parser.add_argument("--size", choices=list(SIZES), default="default")
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 round of 2 steps (a smoke test)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
