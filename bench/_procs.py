@@ -22,7 +22,18 @@ def free_port() -> int:
 def spawn(script: str, args: list[str], processes: int, timeout: float = 600,
           extra_path: Optional[str] = None) -> list[dict]:
     """Run ``python script --worker OUT args`` in ``processes`` ranks; every rank writes OUT/rankN.json.
-    Returns each rank's dict; raises with the failing rank's log tail."""
+    Returns each rank's dict; raises with the failing rank's log tail. A launch whose port was taken
+    between ``free_port`` and the rendezvous (a shared machine) is run once more on a new port."""
+    try:
+        return _spawn_once(script, args, processes, timeout, extra_path)
+    except RuntimeError as e:
+        if "address already in use" not in str(e).lower():
+            raise
+        return _spawn_once(script, args, processes, timeout, extra_path)
+
+
+def _spawn_once(script: str, args: list[str], processes: int, timeout: float,
+                extra_path: Optional[str]) -> list[dict]:
     out = tempfile.mkdtemp(prefix="hasten-bench-")
     port = free_port()
     procs = []
