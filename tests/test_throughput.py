@@ -237,3 +237,21 @@ def test_example_under_the_launcher_prints_the_summary_line(tmp_path):
                      lines[0]), lines[0]
     printed = [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("metrics ")]
     assert printed and printed[-1]["mfu"] > 0 and printed[-1]["device/flops_per_sec"] > 0, out.stdout
+
+
+def test_lightning_flops_argument_counts_work_since_the_previous_update():
+    """Lightning's ``update(flops=...)`` is the FLOPs since the previous update; it gives the same
+    figures as ``flops_per_batch`` times the batches run, and the two together are refused."""
+    from hasten.utils import Throughput
+
+    per_batch = 1e9
+    lightning, ours = Throughput(available_flops=1e12, window_size=4), Throughput(available_flops=1e12, window_size=4)
+    batches = 0
+    for now, run in zip([1.0, 1.5, 2.5, 3.0], [1, 2, 3, 1]):
+        batches += run
+        lightning.update(time=now, batches=batches, samples=4 * batches, flops=per_batch * run)
+        ours.update(time=now, batches=batches, samples=4 * batches, flops_per_batch=per_batch)
+    assert lightning.compute() == ours.compute()
+    assert lightning.compute()["device/flops_per_sec"] == pytest.approx(6 * per_batch / 2.0, rel=1e-12)
+    with pytest.raises(ValueError, match="not both"):
+        Throughput().update(time=1.0, batches=1, samples=1, flops=1.0, flops_per_batch=1.0)

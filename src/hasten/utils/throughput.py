@@ -81,7 +81,7 @@ class Throughput:
         self._records: deque[_Record] = deque(maxlen=window_size)
 
     def update(self, *, time: float, batches: int, samples: int, lengths: Optional[int] = None,
-               flops_per_batch: Optional[float] = None) -> None:
+               flops: Optional[float] = None, flops_per_batch: Optional[float] = None) -> None:
         """Record where this process is now.
 
         Args:
@@ -91,9 +91,14 @@ class Throughput:
             batches: batches this process has run so far (grows with every call).
             samples: samples this process has run so far (grows with every call).
             lengths: items (e.g. tokens, padding included) this process has run so far; on every call or none.
-            flops_per_batch: FLOPs of one batch on this process (``measure_flops``); counted once per batch
-                run since the previous call. On every call or none.
+            flops: FLOPs this process ran since the previous call (Lightning's meaning: ``measure_flops``
+                times the batches run since then). On every call or none.
+            flops_per_batch: instead of ``flops``: FLOPs of one batch on this process (``measure_flops``),
+                counted once per batch run since the previous call.
         """
+        if flops is not None and flops_per_batch is not None:
+            raise ValueError("update(): pass flops (FLOPs since the previous update) or flops_per_batch (FLOPs of one "
+                             "batch), not both")
         last = self._records[-1] if self._records else None
         if last is not None:
             for name, now, before in (("time", time, last.time), ("batches", batches, last.batches),
@@ -101,14 +106,15 @@ class Throughput:
                 if not now > before:
                     raise ValueError(f"update({name}={now!r}): {name} must grow with every update (the previous "
                                      f"was {before!r}); pass running totals, not per-step values")
-            for name, now, before in (("lengths", lengths, last.lengths), ("flops_per_batch", flops_per_batch,
-                                                                             last.flops)):
+            given = ("flops", flops) if flops_per_batch is None else ("flops_per_batch", flops_per_batch)
+            for name, now, before in (("lengths", lengths, last.lengths), (*given, last.flops)):
                 if (now is None) != (before is None):
                     raise ValueError(f"update({name}={now!r}): pass {name} on every update or on none "
                                      f"(the previous update {'had' if before is not None else 'had no'} {name})")
-        flops = None
         if flops_per_batch is not None:
             flops = float(flops_per_batch) * (batches - last.batches if last is not None else batches)
+        elif flops is not None:
+            flops = float(flops)
         self._records.append(_Record(float(time), int(batches), int(samples), lengths, flops))
 
     def window(self) -> Optional[Window]:
