@@ -1,25 +1,48 @@
-"""Run transformers' ``examples/pytorch/**/run_*_no_trainer.py`` scripts on hasten, offline.
+"""Run transformers' ``examples/pytorch/**/run_*_no_trainer.py`` scripts on hasten (and Accelerate), offline.
 
-The scripts are written for Accelerate; this harness copies each one with the word ``accelerate``
-replaced by ``hasten`` (nothing else changed), builds what they need locally -- tiny models built
-from configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
-saved as a ``PreTrainedTokenizerFast``, generated csv/json data -- and runs each script:
+The scripts are written for Accelerate; for hasten this harness copies each one with the word
+``accelerate`` replaced by ``hasten`` (nothing else of the user's code changed), for Accelerate it
+copies it unchanged. Both copies get the same two edits where the installed packages moved on
+(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry``, Accelerate
+1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
+configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
+saved as a ``PreTrainedTokenizerFast``, generated csv/json data, a local ``accuracy`` metric script
+that ``evaluate.load("accuracy")`` finds in the working folder -- and runs each script:
 
-- ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps`` and tracking on;
-- ``2p``: two CPU processes (``hasten launch --cpu --num_processes 2``);
+- ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
+- ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
+  ``torchrun --nproc_per_node 2`` with ``ACCELERATE_USE_CPU=true``, since ``accelerate launch --cpu``
+  starts a single process);
 - ``1p-resume`` / ``2p-resume``: the same again with ``--resume_from_checkpoint`` pointing at the
-  first checkpoint the matching run wrote.
+  first checkpoint (``step_2``, mid-epoch) the matching run wrote.
 
-Needs ``datasets`` (and ``evaluate`` for scripts with a metric) importable by the Python that runs
-it; nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Metrics that ``evaluate`` would download are replaced by a local metric script where hasten ships
-one (accuracy); scripts needing another metric are reported as skipped, with the reason.
+Each row gives the script's final metric (its ``all_results.json``) and, for resumed runs, the
+largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
-Usage::
+Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
+Scripts whose metric ``evaluate`` would download (ner, qa, summarization, translation) and swag
+(no generated data yet) are reported as skipped, with the reason.
 
-    python tools/no_trainer_harness.py --examples /path/to/transformers/examples/pytorch \\
-        [--scripts clm,glue] [--modes 1p,2p,1p-resume,2p-resume] [--work /tmp/nt] [--timeout 600]
+Rerunning what tools/no_trainer_result.md reports::
 
+    # 1. the scripts (outside the repository; never commit them): from huggingface/transformers at
+    #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
+    #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py
+    #    e.g. into /work/transformers-examples/
+    # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
+    pip download -d /tmp/nt-deps-dl datasets evaluate
+    pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
+    #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...)
+    # 3. the runs (hasten from this checkout, Accelerate as installed):
+    PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
+        --examples /work/transformers-examples --scripts clm,mlm,glue --frameworks hasten,accelerate
+    # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
+    # come from a second run without tracking:
+    PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py --examples /work/transformers-examples \
+        --scripts clm,mlm,glue --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking --work /tmp/nt-nt
+
+Other options: ``--modes 1p,2p,1p-resume,2p-resume``, ``--work /tmp/nt`` (models, data, outputs
+under ``out/<framework>/<script>-<mode>``, logs under ``logs/``), ``--timeout 600`` (seconds per run).
 Prints one table row per run and ``N passed, N failed`` (skips counted apart); exits 1 if any failed.
 """
 
@@ -372,6 +395,22 @@ def format_row(result: RunResult) -> str:
             f"{result.seconds:6.1f} | {metrics} | {result.note} |")
 
 
+def compare_frameworks(results: list[RunResult], work: str) -> list[str]:
+    """One line per (script, mode) that passed under both frameworks: both final metrics and the
+    largest difference between the two runs' final weights."""
+    lines = []
+    passed = {(r.script, r.mode, r.framework): r for r in results if r.status == "pass"}
+    for (script, mode, framework), ours in passed.items():
+        theirs = passed.get((script, mode, "accelerate"))
+        if framework != "hasten" or theirs is None:
+            continue
+        gap = max_weight_difference(output_dir_of(work, "hasten", script, mode),
+                                    output_dir_of(work, "accelerate", script, mode))
+        lines.append(f"{script} {mode}: hasten {ours.metrics} / accelerate {theirs.metrics}; "
+                     f"weights max |diff| {'n/a' if gap is None else f'{gap:.1e}'}")
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", required=True,
@@ -401,6 +440,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for result in results:
         if result.status == "skip":
             print(format_row(result))
+    for line in compare_frameworks(results, os.path.abspath(args.work)):
+        print(line)
     passed = sum(r.status == "pass" for r in results)
     failed = sum(r.status == "FAIL" for r in results)
     print(f"{passed} passed, {failed} failed, {sum(r.status == 'skip' for r in results)} skipped")
