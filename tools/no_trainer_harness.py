@@ -1,25 +1,48 @@
-"""Run transformers' ``examples/pytorch/**/run_*_no_trainer.py`` scripts on hasten, offline.
+"""Run transformers' ``examples/pytorch/**/run_*_no_trainer.py`` scripts on hasten (and Accelerate), offline.
 
-The scripts are written for Accelerate; this harness copies each one with the word ``accelerate``
-replaced by ``hasten`` (nothing else changed), builds what they need locally -- tiny models built
-from configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
-saved as a ``PreTrainedTokenizerFast``, generated csv/json data -- and runs each script:
+The scripts are written for Accelerate; for hasten this harness copies each one with the word
+``accelerate`` replaced by ``hasten`` (nothing else of the user's code changed), for Accelerate it
+copies it unchanged. Both copies get the same two edits where the installed packages moved on
+(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry``, Accelerate
+1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
+configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
+saved as a ``PreTrainedTokenizerFast``, generated csv/json data, a local ``accuracy`` metric script
+that ``evaluate.load("accuracy")`` finds in the working folder -- and runs each script:
 
-- ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps`` and tracking on;
-- ``2p``: two CPU processes (``hasten launch --cpu --num_processes 2``);
+- ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
+- ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
+  ``torchrun --nproc_per_node 2`` with ``ACCELERATE_USE_CPU=true``, since ``accelerate launch --cpu``
+  starts a single process);
 - ``1p-resume`` / ``2p-resume``: the same again with ``--resume_from_checkpoint`` pointing at the
-  first checkpoint the matching run wrote.
+  first checkpoint (``step_2``, mid-epoch) the matching run wrote.
 
-Needs ``datasets`` (and ``evaluate`` for scripts with a metric) importable by the Python that runs
-it; nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Metrics that ``evaluate`` would download are replaced by a local metric script where hasten ships
-one (accuracy); scripts needing another metric are reported as skipped, with the reason.
+Each row gives the script's final metric (its ``all_results.json``) and, for resumed runs, the
+largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
-Usage::
+Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
+Scripts whose metric ``evaluate`` would download (ner, qa, summarization, translation) and swag
+(no generated data yet) are reported as skipped, with the reason.
 
-    python tools/no_trainer_harness.py --examples /path/to/transformers/examples/pytorch \\
-        [--scripts clm,glue] [--modes 1p,2p,1p-resume,2p-resume] [--work /tmp/nt] [--timeout 600]
+Rerunning what tools/no_trainer_result.md reports::
 
+    # 1. the scripts (outside the repository; never commit them): from huggingface/transformers at
+    #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
+    #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py
+    #    e.g. into /work/transformers-examples/
+    # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
+    pip download -d /tmp/nt-deps-dl datasets evaluate
+    pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
+    #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...)
+    # 3. the runs (hasten from this checkout, Accelerate as installed):
+    PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
+        --examples /work/transformers-examples --scripts clm,mlm,glue --frameworks hasten,accelerate
+    # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
+    # come from a second run without tracking:
+    PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py --examples /work/transformers-examples \
+        --scripts clm,mlm,glue --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking --work /tmp/nt-nt
+
+Other options: ``--modes 1p,2p,1p-resume,2p-resume``, ``--work /tmp/nt`` (models, data, outputs
+under ``out/<framework>/<script>-<mode>``, logs under ``logs/``), ``--timeout 600`` (seconds per run).
 Prints one table row per run and ``N passed, N failed`` (skips counted apart); exits 1 if any failed.
 """
 
@@ -167,6 +190,26 @@ def hastenize(source: str) -> str:
     return re.sub(r"\baccelerate\b", "hasten", source)
 
 
+def adapt_to_installed_transformers(source: str) -> str:
+    """The script's text, changed only where the installed transformers no longer has what it imports.
+
+    transformers 5 dropped ``send_example_telemetry`` (the stored scripts predate that); the import and
+    the call are removed. Accelerate 1.x renamed ``DistributedType.TPU`` to ``XLA`` (clm and mlm still
+    name TPU, and fail under Accelerate 1.15 itself). Applied to both frameworks alike, so it cannot
+    favour either.
+    """
+    import transformers.utils
+
+    import accelerate
+
+    if not hasattr(accelerate.DistributedType, "TPU"):  # renamed XLA; hasten has only the new name too
+        source = source.replace("DistributedType.TPU", "DistributedType.XLA")
+    if not hasattr(transformers.utils, "send_example_telemetry"):
+        source = source.replace("check_min_version, send_example_telemetry", "check_min_version")
+        source = re.sub(r"^(\s*)send_example_telemetry\(.*\)$", r"\1pass", source, flags=re.M)
+    return source
+
+
 def checkpoints(output_dir: str) -> list[str]:
     """The ``step_N`` folders a run left in ``output_dir`` in step order, then the ``epoch_N`` ones."""
     if not os.path.isdir(output_dir):
@@ -188,36 +231,64 @@ class RunResult:
     status: str  # "pass", "FAIL" or "skip"
     seconds: float = 0.0
     note: str = ""
+    framework: str = "hasten"
+    metrics: dict = dataclasses.field(default_factory=dict)  # the script's all_results.json
 
 
-def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, timeout: int) -> RunResult:
+def launcher(framework: str, processes: int) -> list[str]:
+    """The command line that starts a script under ``framework`` on ``processes`` CPU processes."""
+    if processes == 1:
+        return [sys.executable]
+    if framework == "hasten":
+        return [sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", str(processes)]
+    # ``accelerate launch --cpu`` starts one process; its multi-CPU path is torchrun's environment,
+    # which Accelerator reads (ACCELERATE_USE_CPU, set by run_one, keeps it off any accelerator).
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+
+
+def output_dir_of(work: str, framework: str, name: str, mode: str) -> str:
+    return os.path.join(work, "out", framework, f"{name}-{mode}")
+
+
+def max_weight_difference(dir_a: str, dir_b: str) -> Optional[float]:
+    """Largest absolute difference between the ``model.safetensors`` of two runs (None: one is missing)."""
+    paths = [os.path.join(d, "model.safetensors") for d in (dir_a, dir_b)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    from safetensors.torch import load_file
+
+    a, b = (load_file(p) for p in paths)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, timeout: int,
+            framework: str = "hasten") -> RunResult:
     """Run ``script`` in ``mode``; pass means exit 0, the final model saved and (first runs) a checkpoint."""
     processes = 2 if mode.startswith("2p") else 1
-    output_dir = os.path.join(work, "out", f"{name}-{mode}")
+    output_dir = output_dir_of(work, framework, name, mode)
+    whole_dir = output_dir_of(work, framework, name, mode.split("-")[0])
     shutil.rmtree(output_dir, ignore_errors=True)
     args = base_args + ["--output_dir", output_dir]
     if mode.endswith("resume"):
-        checkpoint = first_checkpoint(os.path.join(work, "out", f"{name}-{mode.split('-')[0]}"))
+        checkpoint = first_checkpoint(whole_dir)
         if checkpoint is None:
-            return RunResult(name, mode, "FAIL", note="the run to resume left no checkpoint")
+            return RunResult(name, mode, "FAIL", note="the run to resume left no checkpoint", framework=framework)
         args += ["--resume_from_checkpoint", checkpoint]
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes", "2"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_EVALUATE_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "datasets-cache"),
-               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false")
-    log_path = os.path.join(work, "logs", f"{name}-{mode}.log")
+               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
+    log_path = os.path.join(work, "logs", f"{framework}-{name}-{mode}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     start = time.monotonic()
     with open(log_path, "w") as log:
         try:
-            code = subprocess.run(launcher + [script] + args, cwd=work, env=env, stdout=log,
+            code = subprocess.run(launcher(framework, processes) + [script] + args, cwd=work, env=env, stdout=log,
                                   stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = None
     seconds = time.monotonic() - start
     if code is None:
-        return RunResult(name, mode, "FAIL", seconds, f"timed out after {timeout} s; log {log_path}")
+        return RunResult(name, mode, "FAIL", seconds, f"timed out after {timeout} s; log {log_path}", framework)
     problems = [] if code == 0 else [f"exit {code}: {last_error(log_path)}"]
     if code == 0 and not os.path.exists(os.path.join(output_dir, "config.json")):
         problems.append("no final model saved")
@@ -225,11 +296,21 @@ def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, 
         problems.append("no checkpoint written")
     if code == 0 and mode.endswith("resume"):
         # A resumed run must take as many steps as the run it resumes: its last step folder is the same.
-        whole = [d for d in checkpoints(os.path.join(work, "out", f"{name}-{mode.split('-')[0]}")) if d[0] == "s"]
+        whole = [d for d in checkpoints(whole_dir) if d[0] == "s"]
         ours = [d for d in checkpoints(output_dir) if d[0] == "s"]
         if whole and (ours or whole)[-1] != whole[-1]:
             problems.append(f"resumed run ended at {(ours or ['its start'])[-1]}, the whole run at {whole[-1]}")
-    return RunResult(name, mode, "FAIL" if problems else "pass", seconds, "; ".join(problems))
+    remarks = []
+    if code == 0 and mode.endswith("resume"):
+        # How far the resumed weights land from the uninterrupted run's (0 for an exact resume).
+        gap = max_weight_difference(whole_dir, output_dir)
+        remarks += [] if gap is None else [f"weights vs uninterrupted run: max |diff| {gap:.1e}"]
+    metrics = {}
+    if os.path.exists(os.path.join(output_dir, "all_results.json")):
+        with open(os.path.join(output_dir, "all_results.json")) as f:
+            metrics = json.load(f)
+    return RunResult(name, mode, "FAIL" if problems else "pass", seconds, "; ".join(problems + remarks),
+                     framework, metrics)
 
 
 def last_error(log_path: str) -> str:
@@ -240,19 +321,21 @@ def last_error(log_path: str) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def prepare_script(examples: str, spec: ScriptSpec, work: str) -> str:
-    """Copy the script (word replaced) into ``work/scripts``; returns its path."""
+def prepare_script(examples: str, spec: ScriptSpec, work: str, framework: str = "hasten") -> str:
+    """Copy the script (for hasten: word replaced) into ``work/scripts/<framework>``; returns its path."""
     source_path = os.path.join(examples, spec.path)
     with open(source_path) as f:
-        text = hastenize(f.read())
-    target = os.path.join(work, "scripts", os.path.basename(spec.path))
+        text = adapt_to_installed_transformers(f.read())
+    if framework == "hasten":
+        text = hastenize(text)
+    target = os.path.join(work, "scripts", framework, os.path.basename(spec.path))
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target, "w") as f:
         f.write(text)
     return target
 
 
-def common_args(spec: ScriptSpec, work: str, name: str) -> list[str]:
+def common_args(spec: ScriptSpec, work: str, name: str, tracking: bool = True) -> list[str]:
     """Model, data, and the small training settings every run of ``name`` shares."""
     model_dir = os.path.join(work, "models", spec.model)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -260,7 +343,8 @@ def common_args(spec: ScriptSpec, work: str, name: str) -> list[str]:
     data_args = write_data(spec.data, os.path.join(work, "data", name))
     return ["--model_name_or_path", model_dir, *data_args, "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "4", "--num_train_epochs", "2", "--seed", "42",
-            "--checkpointing_steps", "2", "--with_tracking", "--report_to", "tensorboard", *spec.extra_args]
+            "--checkpointing_steps", "2", *(["--with_tracking", "--report_to", "tensorboard"] if tracking else []),
+            *spec.extra_args]
 
 
 # The stand-in under tools/no_trainer_standin (hasten's own, for the test): same arguments, no ``datasets``.
@@ -268,8 +352,9 @@ STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no_trainer_s
 STANDIN_SPECS = {"clm": dataclasses.replace(SPECS["clm"], needs_datasets=False)}
 
 
-def run_harness(examples: str, names: list[str], modes: list[str], work: str, timeout: int) -> list[RunResult]:
-    """Every (script, mode) run; a script that cannot run here is one ``skip`` row with its reason."""
+def run_harness(examples: str, names: list[str], modes: list[str], work: str, timeout: int,
+                frameworks: tuple[str, ...] = ("hasten",), tracking: bool = True) -> list[RunResult]:
+    """Every (script, framework, mode) run; a script that cannot run here is one ``skip`` row with its reason."""
     os.makedirs(work, exist_ok=True)
     metric_dir = os.path.join(work, "accuracy")
     os.makedirs(metric_dir, exist_ok=True)
@@ -282,12 +367,13 @@ def run_harness(examples: str, names: list[str], modes: list[str], work: str, ti
         if reason:
             results.append(RunResult(name, "all", "skip", note=reason))
             continue
-        script = prepare_script(examples, spec, work)
-        base_args = common_args(spec, work, name)
-        for mode in modes:
-            result = run_one(name, script, mode, base_args, work, timeout)
-            print(format_row(result), flush=True)
-            results.append(result)
+        base_args = common_args(spec, work, name, tracking)
+        for framework in frameworks:
+            script = prepare_script(examples, spec, work, framework)
+            for mode in modes:
+                result = run_one(name, script, mode, base_args, work, timeout, framework)
+                print(format_row(result), flush=True)
+                results.append(result)
     return results
 
 
@@ -303,7 +389,26 @@ def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
 
 
 def format_row(result: RunResult) -> str:
-    return f"| {result.script:<13} | {result.mode:<9} | {result.status:<4} | {result.seconds:6.1f} | {result.note} |"
+    metrics = ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in result.metrics.items()
+                        if isinstance(v, (int, float)))
+    return (f"| {result.script:<13} | {result.framework:<10} | {result.mode:<9} | {result.status:<4} | "
+            f"{result.seconds:6.1f} | {metrics} | {result.note} |")
+
+
+def compare_frameworks(results: list[RunResult], work: str) -> list[str]:
+    """One line per (script, mode) that passed under both frameworks: both final metrics and the
+    largest difference between the two runs' final weights."""
+    lines = []
+    passed = {(r.script, r.mode, r.framework): r for r in results if r.status == "pass"}
+    for (script, mode, framework), ours in passed.items():
+        theirs = passed.get((script, mode, "accelerate"))
+        if framework != "hasten" or theirs is None:
+            continue
+        gap = max_weight_difference(output_dir_of(work, "hasten", script, mode),
+                                    output_dir_of(work, "accelerate", script, mode))
+        lines.append(f"{script} {mode}: hasten {ours.metrics} / accelerate {theirs.metrics}; "
+                     f"weights max |diff| {'n/a' if gap is None else f'{gap:.1e}'}")
+    return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -314,19 +419,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--work", default="/tmp/hasten-no-trainer", help="scratch folder (models, data, outputs, logs)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    parser.add_argument("--no_tracking", action="store_true",
+                        help="leave out --with_tracking (Accelerate's multi-process runs fail with it, see the result)")
+    parser.add_argument("--frameworks", default="hasten",
+                        help="comma-separated, from hasten, accelerate (accelerate runs the unchanged script)")
     args = parser.parse_args(argv)
     names = [n for n in args.scripts.split(",") if n]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES]
+    frameworks = tuple(f for f in args.frameworks.split(",") if f)
+    unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES] + \
+        [f for f in frameworks if f not in ("hasten", "accelerate")]
     if not os.path.isdir(args.examples):
         parser.error(f"--examples {args.examples!r} is not a folder; give a transformers checkout's examples/pytorch")
     if unknown:
         parser.error(f"unknown script or mode {unknown}; scripts: {', '.join(SPECS)}; modes: {', '.join(MODES)}")
-    print("| script        | mode      | res  |  secs  | note |\n|---|---|---|---|---|", flush=True)
-    results = run_harness(os.path.abspath(args.examples), names, modes, os.path.abspath(args.work), args.timeout)
+    print("| script | framework | mode | result | secs | final metrics | note |\n|---|---|---|---|---|---|---|",
+          flush=True)
+    results = run_harness(os.path.abspath(args.examples), names, modes, os.path.abspath(args.work), args.timeout,
+                          frameworks, not args.no_tracking)
     for result in results:
         if result.status == "skip":
             print(format_row(result))
+    for line in compare_frameworks(results, os.path.abspath(args.work)):
+        print(line)
     passed = sum(r.status == "pass" for r in results)
     failed = sum(r.status == "FAIL" for r in results)
     print(f"{passed} passed, {failed} failed, {sum(r.status == 'skip' for r in results)} skipped")

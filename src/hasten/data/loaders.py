@@ -300,6 +300,16 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
                     out["stream_head"] = head
         return out
 
+    def pending_resume_state(self) -> Optional[dict]:
+        """What ``load_state_dict`` restored and no pass has used yet (None: nothing pending), in the
+        form ``load_state_dict`` takes: hands an interrupted epoch to ``skip_first_batches``' loader."""
+        if not self._resume_skip:
+            return None
+        sampler = self.get_sampler()
+        epoch_seed = getattr(sampler, "resume_seed", None)
+        state = dict(self._resume_states or {}, epoch=self.iteration, batches_yielded=self._resume_skip)
+        return state if epoch_seed is None else dict(state, sampler_epoch_seed=int(epoch_seed))
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
         self.iteration = int(state_dict.get("epoch", 0))
