@@ -87,10 +87,10 @@ SPECS: dict[str, ScriptSpec] = {
                       ("--max_seq_length", "16", "--line_by_line", "True")),
     "glue": ScriptSpec("text-classification/run_glue_no_trainer.py", "bert", "glue",
                        ("--max_length", "16", "--pad_to_max_length"), metric="accuracy"),
-    "ner": ScriptSpec("token-classification/run_ner_no_trainer.py", "bert", "glue",
-                      skip_reason="its metric 'seqeval' would be downloaded by evaluate (no local copy)"),
-    "swag": ScriptSpec("multiple-choice/run_swag_no_trainer.py", "bert", "glue",
-                       skip_reason="needs SWAG-shaped data (not generated yet)"),
+    "ner": ScriptSpec("token-classification/run_ner_no_trainer.py", "bert", "ner", ("--max_length", "16"),
+                      metric="seqeval"),
+    "swag": ScriptSpec("multiple-choice/run_swag_no_trainer.py", "bert", "swag", ("--max_seq_length", "32"),
+                       metric="accuracy"),
     "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "glue",
                      skip_reason="its metric 'squad' would be downloaded by evaluate (no local copy)"),
     "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
@@ -120,11 +120,50 @@ class Accuracy(evaluate.Metric):
         return {"accuracy": hits / max(len(references), 1)}
 '''
 
+# The same for "seqeval" (run_ner): the scores the script reads, computed by the seqeval package.
+SEQEVAL_METRIC = '''
+import datasets
+import evaluate
+from seqeval.metrics import accuracy_score, classification_report
+
+
+class Seqeval(evaluate.Metric):
+    """Entity-level precision, recall, f1 per entity type and overall (local, written for the hasten harness)."""
+
+    def _info(self):
+        tags = datasets.Sequence(datasets.Value("string"))
+        return evaluate.MetricInfo(description="seqeval", citation="", inputs_description="tag sequences",
+                                   features=datasets.Features({"predictions": tags, "references": tags}))
+
+    def _compute(self, predictions, references):
+        report = classification_report(references, predictions, output_dict=True, zero_division=0)
+        overall = report.pop("micro avg")
+        scores = {kind: {"precision": float(r["precision"]), "recall": float(r["recall"]),
+                         "f1": float(r["f1-score"]), "number": int(r["support"])}
+                  for kind, r in report.items() if not kind.endswith(" avg")}
+        scores.update(overall_precision=float(overall["precision"]), overall_recall=float(overall["recall"]),
+                      overall_f1=float(overall["f1-score"]),
+                      overall_accuracy=float(accuracy_score(references, predictions)))
+        return scores
+'''
+METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC}
+# ner's generated tags: colours and animals are one-word entities, every other word is outside (O).
+ENTITY_TAGS = {**dict.fromkeys(("blue", "red", "green", "brown"), "B-COL"), **dict.fromkeys(("dog", "cat"), "B-ANI")}
+
 
 def sentences(count: int, seed: int) -> list[str]:
     """``count`` generated sentences of 4-9 words."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS + list(LABEL_WORDS)) for _ in range(rng.randint(4, 9))) for _ in range(count)]
+
+
+def swag_row(context: str, seed: int) -> list:
+    """A SWAG-shaped row: context, header, four endings of which only the ``label``-th holds "good"."""
+    rng = random.Random(seed)
+    label = rng.randrange(4)
+    endings = [" ".join(rng.choice(WORDS) for _ in range(3)) for _ in range(4)]
+    endings[label] += " good"
+    return [context, " ".join(rng.choice(WORDS) for _ in range(2)), *endings, label]
 
 
 def build_tokenizer(folder: str) -> None:
@@ -167,21 +206,29 @@ def build_model(kind: str, folder: str) -> None:
 def write_data(kind: str, folder: str) -> list[str]:
     """Training and validation files for ``kind``; returns the script arguments naming them."""
     os.makedirs(folder, exist_ok=True)
-    paths = {split: os.path.join(folder, f"{split}.{'json' if kind == 'text' else 'csv'}")
+    paths = {split: os.path.join(folder, f"{split}.{'csv' if kind in ('glue', 'swag') else 'json'}")
              for split in ("train", "validation")}
     for split, count in (("train", 48), ("validation", 16)):
         rows = sentences(count, seed=1 if split == "train" else 2)
-        if kind == "text":
+        if kind in ("text", "ner"):
             with open(paths[split], "w") as f:
                 for row in rows:
-                    f.write(json.dumps({"text": row}) + "\n")
+                    words = row.split()
+                    record = {"text": row} if kind == "text" else \
+                        {"tokens": words, "ner_tags": [ENTITY_TAGS.get(w, "O") for w in words]}
+                    f.write(json.dumps(record) + "\n")
         elif kind == "glue":
             with open(paths[split], "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(["sentence1", "label"])
                 writer.writerows([row, int("good" in row.split())] for row in rows)
+        elif kind == "swag":
+            with open(paths[split], "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"])
+                writer.writerows(swag_row(row, i) for i, row in enumerate(rows))
         else:
-            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue")
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner")
     return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
 
 
@@ -356,10 +403,10 @@ def run_harness(examples: str, names: list[str], modes: list[str], work: str, ti
                 frameworks: tuple[str, ...] = ("hasten",), tracking: bool = True) -> list[RunResult]:
     """Every (script, framework, mode) run; a script that cannot run here is one ``skip`` row with its reason."""
     os.makedirs(work, exist_ok=True)
-    metric_dir = os.path.join(work, "accuracy")
-    os.makedirs(metric_dir, exist_ok=True)
-    with open(os.path.join(metric_dir, "accuracy.py"), "w") as f:
-        f.write(ACCURACY_METRIC)
+    for metric, source in METRICS.items():  # evaluate.load(name) finds ./name/name.py in the working folder
+        os.makedirs(os.path.join(work, metric), exist_ok=True)
+        with open(os.path.join(work, metric, f"{metric}.py"), "w") as f:
+            f.write(source)
     results = []
     for name in names:
         spec = STANDIN_SPECS[name] if os.path.samefile(examples, STANDIN) else SPECS[name]
@@ -381,7 +428,8 @@ def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
     """Why ``spec`` cannot run here (a missing file or package), else None."""
     if not os.path.exists(os.path.join(examples, spec.path)):
         return f"{spec.path} not found under {examples}"
-    needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else [])
+    needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else []) + \
+        (["seqeval"] if spec.metric == "seqeval" else [])
     import importlib.util
 
     absent = [pkg for pkg in needed if importlib.util.find_spec(pkg) is None]
