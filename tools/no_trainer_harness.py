@@ -6,8 +6,9 @@ copies it unchanged. Both copies get the same two edits where the installed pack
 (``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry``, Accelerate
 1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
 configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
-saved as a ``PreTrainedTokenizerFast``, generated csv/json data, a local ``accuracy`` metric script
-that ``evaluate.load("accuracy")`` finds in the working folder -- and runs each script:
+saved as a ``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
+four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI), local ``accuracy``
+and ``seqeval`` metric scripts that ``evaluate.load`` finds in the working folder -- and runs each script:
 
 - ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
 - ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
@@ -20,26 +21,29 @@ Each row gives the script's final metric (its ``all_results.json``) and, for res
 largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
 Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Scripts whose metric ``evaluate`` would download (ner, qa, summarization, translation) and swag
-(no generated data yet) are reported as skipped, with the reason.
+Scripts whose metric ``evaluate`` would download (qa, summarization, translation) are reported as
+skipped, with the reason.
 
 Rerunning what tools/no_trainer_result.md reports::
 
     # 1. the scripts (outside the repository; never commit them): from huggingface/transformers at
     #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
-    #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py
+    #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py,
+    #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py
     #    e.g. into /work/transformers-examples/
     # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
     pip download -d /tmp/nt-deps-dl datasets evaluate
     pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
-    #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...)
+    #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...;
+    #    for ner also seqeval and scikit-learn)
     # 3. the runs (hasten from this checkout, Accelerate as installed):
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
-        --examples /work/transformers-examples --scripts clm,mlm,glue --frameworks hasten,accelerate
+        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner --frameworks hasten,accelerate
     # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
     # come from a second run without tracking:
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py --examples /work/transformers-examples \
-        --scripts clm,mlm,glue --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking --work /tmp/nt-nt
+        --scripts clm,mlm,glue,swag,ner --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking \
+        --work /tmp/nt-nt
 
 Other options: ``--modes 1p,2p,1p-resume,2p-resume``, ``--work /tmp/nt`` (models, data, outputs
 under ``out/<framework>/<script>-<mode>``, logs under ``logs/``), ``--timeout 600`` (seconds per run).
