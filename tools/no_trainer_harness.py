@@ -7,8 +7,9 @@ copies it unchanged. Both copies get the same two edits where the installed pack
 1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
 configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
 saved as a ``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
-four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI), local ``accuracy``
-and ``seqeval`` metric scripts that ``evaluate.load`` finds in the working folder -- and runs each script:
+four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI; for translation
+the sentence and its words reversed), local ``accuracy``, ``seqeval`` and ``sacrebleu`` metric scripts
+that ``evaluate.load`` finds in the working folder -- and runs each script:
 
 - ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
 - ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
@@ -21,28 +22,30 @@ Each row gives the script's final metric (its ``all_results.json``) and, for res
 largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
 Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Scripts whose metric ``evaluate`` would download (qa, summarization, translation) are reported as
-skipped, with the reason.
+Scripts whose metric ``evaluate`` would download (qa, summarization) are reported as skipped, with the
+reason.
 
 Rerunning what tools/no_trainer_result.md reports::
 
     # 1. the scripts (outside the repository; never commit them): from huggingface/transformers at
     #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
     #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py,
-    #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py
+    #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py,
+    #    translation/run_translation_no_trainer.py
     #    e.g. into /work/transformers-examples/
     # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
     pip download -d /tmp/nt-deps-dl datasets evaluate
     pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
     #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...;
-    #    for ner also seqeval and scikit-learn)
+    #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml)
     # 3. the runs (hasten from this checkout, Accelerate as installed):
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
-        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner --frameworks hasten,accelerate
+        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation \
+        --frameworks hasten,accelerate
     # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
     # come from a second run without tracking:
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py --examples /work/transformers-examples \
-        --scripts clm,mlm,glue,swag,ner --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking \
+        --scripts clm,mlm,glue,swag,ner,translation --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking \
         --work /tmp/nt-nt
 
 Other options: ``--modes 1p,2p,1p-resume,2p-resume``, ``--work /tmp/nt`` (models, data, outputs
@@ -99,8 +102,9 @@ SPECS: dict[str, ScriptSpec] = {
                      skip_reason="its metric 'squad' would be downloaded by evaluate (no local copy)"),
     "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
                                 skip_reason="its metric 'rouge' would be downloaded by evaluate (no local copy)"),
-    "translation": ScriptSpec("translation/run_translation_no_trainer.py", "t5", "glue",
-                              skip_reason="its metric 'sacrebleu' would be downloaded by evaluate (no local copy)"),
+    "translation": ScriptSpec("translation/run_translation_no_trainer.py", "bart", "translation",
+                              ("--source_lang", "en", "--target_lang", "ro", "--max_source_length", "16",
+                               "--max_target_length", "16", "--num_beams", "1"), metric="sacrebleu"),
 }
 
 # A local stand-in for evaluate's "accuracy" metric: evaluate.load("accuracy") finds ./accuracy/accuracy.py
@@ -150,7 +154,29 @@ class Seqeval(evaluate.Metric):
                       overall_accuracy=float(accuracy_score(references, predictions)))
         return scores
 '''
-METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC}
+# The same for "sacrebleu" (run_translation): corpus BLEU by the sacrebleu package, one reference each.
+SACREBLEU_METRIC = '''
+import datasets
+import evaluate
+import sacrebleu
+
+
+class Sacrebleu(evaluate.Metric):
+    """Corpus BLEU of predictions against their references (local, written for the hasten harness)."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="sacrebleu", citation="", inputs_description="texts and their reference lists",
+            features=datasets.Features({"predictions": datasets.Value("string"),
+                                        "references": datasets.Sequence(datasets.Value("string"))}))
+
+    def _compute(self, predictions, references):
+        streams = [list(refs) for refs in zip(*references)]  # one stream per reference position
+        bleu = sacrebleu.corpus_bleu(predictions, streams)
+        return {"score": bleu.score, "counts": bleu.counts, "precisions": bleu.precisions, "bp": bleu.bp,
+                "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
+'''
+METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC, "sacrebleu": SACREBLEU_METRIC}
 # ner's generated tags: colours and animals are one-word entities, every other word is outside (O).
 ENTITY_TAGS = {**dict.fromkeys(("blue", "red", "green", "brown"), "B-COL"), **dict.fromkeys(("dog", "cat"), "B-ANI")}
 
@@ -191,10 +217,12 @@ def build_tokenizer(folder: str) -> None:
 def build_model(kind: str, folder: str) -> None:
     """A tiny model of ``kind`` built from a config, saved with its tokenizer in ``folder``."""
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, BertConfig, BertForMaskedLM,
+                              GPT2Config, GPT2LMHeadModel)
 
     build_tokenizer(folder)
-    vocab = len(AutoTokenizer.from_pretrained(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = len(tokenizer)
     torch.manual_seed(0)
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=2, n_head=2))
@@ -202,8 +230,15 @@ def build_model(kind: str, folder: str) -> None:
         model = BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2,
                                            num_attention_heads=2, intermediate_size=32,
                                            max_position_embeddings=32))
+    elif kind == "bart":
+        start, end = tokenizer.cls_token_id, tokenizer.sep_token_id
+        model = BartForConditionalGeneration(BartConfig(
+            vocab_size=vocab, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=start, eos_token_id=end, decoder_start_token_id=start,
+            forced_bos_token_id=None, forced_eos_token_id=end))
     else:
-        raise ValueError(f"no tiny model of kind {kind!r}; known: gpt2, bert")
+        raise ValueError(f"no tiny model of kind {kind!r}; known: gpt2, bert, bart")
     model.save_pretrained(folder)
 
 
@@ -214,12 +249,13 @@ def write_data(kind: str, folder: str) -> list[str]:
              for split in ("train", "validation")}
     for split, count in (("train", 48), ("validation", 16)):
         rows = sentences(count, seed=1 if split == "train" else 2)
-        if kind in ("text", "ner"):
+        if kind in ("text", "ner", "translation"):
             with open(paths[split], "w") as f:
                 for row in rows:
                     words = row.split()
                     record = {"text": row} if kind == "text" else \
-                        {"tokens": words, "ner_tags": [ENTITY_TAGS.get(w, "O") for w in words]}
+                        {"tokens": words, "ner_tags": [ENTITY_TAGS.get(w, "O") for w in words]} if kind == "ner" \
+                        else {"translation": {"en": row, "ro": " ".join(reversed(words))}}  # "ro": words reversed
                     f.write(json.dumps(record) + "\n")
         elif kind == "glue":
             with open(paths[split], "w", newline="") as f:
@@ -232,7 +268,7 @@ def write_data(kind: str, folder: str) -> list[str]:
                 writer.writerow(["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"])
                 writer.writerows(swag_row(row, i) for i, row in enumerate(rows))
         else:
-            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner")
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation")
     return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
 
 
@@ -433,7 +469,7 @@ def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
     if not os.path.exists(os.path.join(examples, spec.path)):
         return f"{spec.path} not found under {examples}"
     needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else []) + \
-        (["seqeval"] if spec.metric == "seqeval" else [])
+        ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else [])
     import importlib.util
 
     absent = [pkg for pkg in needed if importlib.util.find_spec(pkg) is None]
