@@ -80,8 +80,8 @@ class ScriptSpec:
     its data files and arguments, and the ``evaluate`` metric it loads (None: none)."""
 
     path: str
-    model: str  # "gpt2" or "bert"
-    data: str  # "text" or "glue"
+    model: str  # "gpt2", "bert" or "bart"
+    data: str  # "text", "glue", "swag", "ner" or "translation"
     extra_args: tuple[str, ...] = ()
     metric: Optional[str] = None
     skip_reason: Optional[str] = None
