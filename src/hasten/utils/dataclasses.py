@@ -459,24 +459,11 @@ Callback = Callable[..., Any]
 _FP8_NAMES = ("FP8BackendType", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")
 
 
-# Accelerate defines its plugins in utils/dataclasses.py, and scripts import them from there; hasten
-# keeps each in its own module.
-_PLUGIN_MODULES = {"DeepSpeedPlugin": "deepspeed_plugin", "FullyShardedDataParallelPlugin": "fsdp_plugin",
-                   **dict.fromkeys(("TorchTensorParallelPlugin", "TorchTensorParallelConfig",
-                                    "TorchContextParallelConfig"), "parallel_configs")}
+# Accelerate defines these in utils/dataclasses.py and scripts import them from there; hasten keeps
+# each in its own module (the plugins, the fp8 recipes, the refused bitsandbytes config).
+from .accelerate_paths import names_from_utils  # noqa: E402 - after the module's own names
 
-
-def __getattr__(name: str) -> Any:
-    if name in _PLUGIN_MODULES:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__package__}.{_PLUGIN_MODULES[name]}"), name)
-    if name in _FP8_NAMES:
-        from . import fp8_recipes
-
-        return getattr(fp8_recipes, name)
-    if name == "BnbQuantizationConfig":  # imports, and raises on use: hasten has no bitsandbytes (compat.REFUSED)
-        from . import refused
-
-        return getattr(refused, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = names_from_utils(__name__, (
+    *_FP8_NAMES, "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchTensorParallelPlugin",
+    "TorchTensorParallelConfig", "TorchContextParallelConfig", "BnbQuantizationConfig",
+))
