@@ -68,6 +68,8 @@ import sys
 import time
 from typing import Optional
 
+from no_trainer_metrics import METRICS
+
 WORDS = ("alpha beta gamma delta river stone cloud light green small quick brown lazy dog cat runs "
          "jumps over under near far blue red house tree").split()
 LABEL_WORDS = ("good", "bad")  # glue: the label is whether the sentence holds the word "good"
@@ -107,76 +109,6 @@ SPECS: dict[str, ScriptSpec] = {
                                "--max_target_length", "16", "--num_beams", "1"), metric="sacrebleu"),
 }
 
-# A local stand-in for evaluate's "accuracy" metric: evaluate.load("accuracy") finds ./accuracy/accuracy.py
-# in the working directory before it would go to the Hub.
-ACCURACY_METRIC = '''
-import datasets
-import evaluate
-
-
-class Accuracy(evaluate.Metric):
-    """Fraction of predictions equal to their references (local, written for the hasten harness)."""
-
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="accuracy", citation="", inputs_description="predictions, references",
-            features=datasets.Features({"predictions": datasets.Value("int64"),
-                                        "references": datasets.Value("int64")}))
-
-    def _compute(self, predictions, references):
-        hits = sum(int(p == r) for p, r in zip(predictions, references))
-        return {"accuracy": hits / max(len(references), 1)}
-'''
-
-# The same for "seqeval" (run_ner): the scores the script reads, computed by the seqeval package.
-SEQEVAL_METRIC = '''
-import datasets
-import evaluate
-from seqeval.metrics import accuracy_score, classification_report
-
-
-class Seqeval(evaluate.Metric):
-    """Entity-level precision, recall, f1 per entity type and overall (local, written for the hasten harness)."""
-
-    def _info(self):
-        tags = datasets.Sequence(datasets.Value("string"))
-        return evaluate.MetricInfo(description="seqeval", citation="", inputs_description="tag sequences",
-                                   features=datasets.Features({"predictions": tags, "references": tags}))
-
-    def _compute(self, predictions, references):
-        report = classification_report(references, predictions, output_dict=True, zero_division=0)
-        overall = report.pop("micro avg")
-        scores = {kind: {"precision": float(r["precision"]), "recall": float(r["recall"]),
-                         "f1": float(r["f1-score"]), "number": int(r["support"])}
-                  for kind, r in report.items() if not kind.endswith(" avg")}
-        scores.update(overall_precision=float(overall["precision"]), overall_recall=float(overall["recall"]),
-                      overall_f1=float(overall["f1-score"]),
-                      overall_accuracy=float(accuracy_score(references, predictions)))
-        return scores
-'''
-# The same for "sacrebleu" (run_translation): corpus BLEU by the sacrebleu package, one reference each.
-SACREBLEU_METRIC = '''
-import datasets
-import evaluate
-import sacrebleu
-
-
-class Sacrebleu(evaluate.Metric):
-    """Corpus BLEU of predictions against their references (local, written for the hasten harness)."""
-
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="sacrebleu", citation="", inputs_description="texts and their reference lists",
-            features=datasets.Features({"predictions": datasets.Value("string"),
-                                        "references": datasets.Sequence(datasets.Value("string"))}))
-
-    def _compute(self, predictions, references):
-        streams = [list(refs) for refs in zip(*references)]  # one stream per reference position
-        bleu = sacrebleu.corpus_bleu(predictions, streams)
-        return {"score": bleu.score, "counts": bleu.counts, "precisions": bleu.precisions, "bp": bleu.bp,
-                "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
-'''
-METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC, "sacrebleu": SACREBLEU_METRIC}
 # ner's generated tags: colours and animals are one-word entities, every other word is outside (O).
 ENTITY_TAGS = {**dict.fromkeys(("blue", "red", "green", "brown"), "B-COL"), **dict.fromkeys(("dog", "cat"), "B-ANI")}
 
