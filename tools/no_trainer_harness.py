@@ -88,6 +88,7 @@ class ScriptSpec:
     metric: Optional[str] = None
     skip_reason: Optional[str] = None
     needs_datasets: bool = True  # the real scripts load their files with ``datasets``; the stand-in does not
+    helpers: tuple[str, ...] = ()  # modules beside the script that it imports (copied, word-replaced, with it)
 
 
 SPECS: dict[str, ScriptSpec] = {
@@ -100,8 +101,9 @@ SPECS: dict[str, ScriptSpec] = {
                       metric="seqeval"),
     "swag": ScriptSpec("multiple-choice/run_swag_no_trainer.py", "bert", "swag", ("--max_seq_length", "32"),
                        metric="accuracy"),
-    "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "glue",
-                     skip_reason="its metric 'squad' would be downloaded by evaluate (no local copy)"),
+    "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "qa",
+                     ("--max_seq_length", "32", "--doc_stride", "8", "--learning_rate", "1e-3"), metric="squad",
+                     helpers=("utils_qa.py",)),
     "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
                                 skip_reason="its metric 'rouge' would be downloaded by evaluate (no local copy)"),
     "translation": ScriptSpec("translation/run_translation_no_trainer.py", "bart", "translation",
@@ -180,6 +182,9 @@ def write_data(kind: str, folder: str) -> list[str]:
     paths = {split: os.path.join(folder, f"{split}.{'csv' if kind in ('glue', 'swag') else 'json'}")
              for split in ("train", "validation")}
     for split, count in (("train", 48), ("validation", 16)):
+        if kind == "qa":
+            write_qa_data(paths[split], count, seed=1 if split == "train" else 2)
+            continue
         rows = sentences(count, seed=1 if split == "train" else 2)
         if kind in ("text", "ner", "translation"):
             with open(paths[split], "w") as f:
@@ -200,8 +205,34 @@ def write_data(kind: str, folder: str) -> list[str]:
                 writer.writerow(["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"])
                 writer.writerows(swag_row(row, i) for i, row in enumerate(rows))
         else:
-            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation")
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation, qa")
     return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
+
+
+# qa: the question lists a word class by its members; the answer is the one word of that class in the context.
+QA_CLASSES = {"colour": ("blue", "red", "green", "brown"), "animal": ("dog", "cat")}
+
+
+def qa_example(index: int, rng: random.Random) -> dict:
+    """A SQuAD-shaped example: a context holding one colour and one animal, a question naming one class."""
+    fillers = [w for w in WORDS if not any(w in members for members in QA_CLASSES.values())]
+    words = [rng.choice(fillers) for _ in range(rng.randint(3, 7))]
+    for members in QA_CLASSES.values():
+        words.insert(rng.randint(0, len(words)), rng.choice(members))
+    asked = rng.choice(sorted(QA_CLASSES))
+    answer = next(w for w in words if w in QA_CLASSES[asked])
+    context = " ".join(words)
+    start = len(" ".join(words[:words.index(answer)])) + (1 if words.index(answer) else 0)
+    return {"id": f"q{index}", "title": asked, "context": context,
+            "question": "which word is " + " ".join(QA_CLASSES[asked]),
+            "answers": {"text": [answer], "answer_start": [start]}}
+
+
+def write_qa_data(path: str, count: int, seed: int) -> None:
+    """``count`` qa examples in the ``{"data": [...]}`` layout (the script loads its json with ``field="data"``)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        json.dump({"data": [qa_example(i, rng) for i in range(count)]}, f)
 
 
 def hastenize(source: str) -> str:
@@ -351,6 +382,11 @@ def prepare_script(examples: str, spec: ScriptSpec, work: str, framework: str = 
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target, "w") as f:
         f.write(text)
+    for helper in spec.helpers:  # imported from the script's own folder (qa's utils_qa.py)
+        with open(os.path.join(os.path.dirname(source_path), helper)) as f:
+            helper_text = f.read()
+        with open(os.path.join(os.path.dirname(target), helper), "w") as f:
+            f.write(hastenize(helper_text) if framework == "hasten" else helper_text)
     return target
 
 
@@ -398,8 +434,9 @@ def run_harness(examples: str, names: list[str], modes: list[str], work: str, ti
 
 def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
     """Why ``spec`` cannot run here (a missing file or package), else None."""
-    if not os.path.exists(os.path.join(examples, spec.path)):
-        return f"{spec.path} not found under {examples}"
+    for path in (spec.path, *(os.path.join(os.path.dirname(spec.path), h) for h in spec.helpers)):
+        if not os.path.exists(os.path.join(examples, path)):
+            return f"{path} not found under {examples}"
     needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else []) + \
         ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else [])
     import importlib.util

@@ -75,3 +75,54 @@ class Sacrebleu(evaluate.Metric):
                 "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
 '''
 METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC, "sacrebleu": SACREBLEU_METRIC}
+
+# The same for "squad" (run_qa): exact match and token F1 in percent, each prediction scored against its best
+# reference answer after SQuAD's answer normalisation (lower case; punctuation, articles, extra spaces dropped).
+SQUAD_METRIC = '''
+import collections
+import re
+import string
+
+import datasets
+import evaluate
+
+
+def normalized_words(text):
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return re.sub(r"\\b(a|an|the)\\b", " ", text).split()
+
+
+def f1(prediction, reference):
+    predicted, expected = normalized_words(prediction), normalized_words(reference)
+    shared = sum((collections.Counter(predicted) & collections.Counter(expected)).values())
+    if not predicted or not expected:
+        return float(predicted == expected)
+    if shared == 0:
+        return 0.0
+    precision, recall = shared / len(predicted), shared / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+class Squad(evaluate.Metric):
+    """SQuAD v1 exact match and F1 (local, written for the hasten harness)."""
+
+    def _info(self):
+        answers = datasets.Sequence({"text": datasets.Value("string"), "answer_start": datasets.Value("int32")})
+        return evaluate.MetricInfo(
+            description="squad", citation="", inputs_description="{id, prediction_text} and {id, answers}",
+            features=datasets.Features({
+                "predictions": {"id": datasets.Value("string"), "prediction_text": datasets.Value("string")},
+                "references": {"id": datasets.Value("string"), "answers": answers}}))
+
+    def _compute(self, predictions, references):
+        predicted = {p["id"]: p["prediction_text"] for p in predictions}
+        exact = total_f1 = 0.0
+        for reference in references:
+            answer = predicted[reference["id"]]
+            texts = reference["answers"]["text"]
+            exact += max(float(normalized_words(answer) == normalized_words(t)) for t in texts)
+            total_f1 += max(f1(answer, t) for t in texts)
+        count = max(len(references), 1)
+        return {"exact_match": 100.0 * exact / count, "f1": 100.0 * total_f1 / count}
+'''
+METRICS["squad"] = SQUAD_METRIC
