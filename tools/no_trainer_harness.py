@@ -8,8 +8,10 @@ copies it unchanged. Both copies get the same two edits where the installed pack
 configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
 saved as a ``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
 four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI; for translation
-the sentence and its words reversed), local ``accuracy``, ``seqeval`` and ``sacrebleu`` metric scripts
-that ``evaluate.load`` finds in the working folder -- and runs each script:
+the sentence and its words reversed; for qa SQuAD-shaped examples whose question lists the colours or
+the animals and whose answer is the one such word in the context), local ``accuracy``, ``seqeval``,
+``sacrebleu`` and ``squad`` metric scripts that ``evaluate.load`` finds in the working folder -- and
+runs each script (qa with its ``utils_qa.py`` copied beside it):
 
 - ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
 - ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
@@ -22,7 +24,7 @@ Each row gives the script's final metric (its ``all_results.json``) and, for res
 largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
 Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Scripts whose metric ``evaluate`` would download (qa, summarization) are reported as skipped, with the
+Scripts whose metric ``evaluate`` would download (summarization) are reported as skipped, with the
 reason.
 
 Rerunning what tools/no_trainer_result.md reports::
@@ -31,7 +33,9 @@ Rerunning what tools/no_trainer_result.md reports::
     #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
     #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py,
     #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py,
-    #    translation/run_translation_no_trainer.py
+    #    translation/run_translation_no_trainer.py, question-answering/run_qa_no_trainer.py with its
+    #    question-answering/utils_qa.py (the runs reported used utils_qa.py as stored at commit
+    #    e3b8f49f021f206cf09529ed0810d0df7e8d7656; no copy at a22a4378 was at hand),
     #    e.g. into /work/transformers-examples/
     # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
     pip download -d /tmp/nt-deps-dl datasets evaluate
@@ -40,12 +44,12 @@ Rerunning what tools/no_trainer_result.md reports::
     #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml)
     # 3. the runs (hasten from this checkout, Accelerate as installed):
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
-        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation \
+        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation,qa \
         --frameworks hasten,accelerate
     # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
     # come from a second run without tracking:
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py --examples /work/transformers-examples \
-        --scripts clm,mlm,glue,swag,ner,translation --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking \
+        --scripts clm,mlm,glue,swag,ner,translation,qa --frameworks hasten,accelerate --modes 2p,2p-resume --no_tracking \
         --work /tmp/nt-nt
 
 Other options: ``--modes 1p,2p,1p-resume,2p-resume``, ``--work /tmp/nt`` (models, data, outputs
