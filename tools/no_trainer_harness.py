@@ -218,9 +218,13 @@ QA_CLASSES = {"colour": ("blue", "red", "green", "brown"), "animal": ("dog", "ca
 
 
 def qa_example(index: int, rng: random.Random) -> dict:
-    """A SQuAD-shaped example: a context holding one colour and one animal, a question naming one class."""
+    """A SQuAD-shaped example: a context holding one colour and one animal, a question naming one class.
+
+    Every third context is long (26-32 words), longer than ``--max_seq_length`` leaves for it, so the
+    script splits it into overlapping features (``--doc_stride``) and its post-processing joins them.
+    """
     fillers = [w for w in WORDS if not any(w in members for members in QA_CLASSES.values())]
-    words = [rng.choice(fillers) for _ in range(rng.randint(3, 7))]
+    words = [rng.choice(fillers) for _ in range(rng.randint(24, 30) if index % 3 == 2 else rng.randint(3, 7))]
     for members in QA_CLASSES.values():
         words.insert(rng.randint(0, len(words)), rng.choice(members))
     asked = rng.choice(sorted(QA_CLASSES))
