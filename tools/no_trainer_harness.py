@@ -83,7 +83,7 @@ class ScriptSpec:
 
     path: str
     model: str  # "gpt2", "bert" or "bart"
-    data: str  # "text", "glue", "swag", "ner" or "translation"
+    data: str  # "text", "glue", "swag", "ner", "translation" or "summarization"
     extra_args: tuple[str, ...] = ()
     metric: Optional[str] = None
     skip_reason: Optional[str] = None
@@ -102,8 +102,9 @@ SPECS: dict[str, ScriptSpec] = {
                        metric="accuracy"),
     "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "glue",
                      skip_reason="its metric 'squad' would be downloaded by evaluate (no local copy)"),
-    "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
-                                skip_reason="its metric 'rouge' would be downloaded by evaluate (no local copy)"),
+    "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "bart", "summarization",
+                                ("--text_column", "text", "--summary_column", "summary", "--max_source_length", "16",
+                                 "--max_target_length", "16", "--num_beams", "1"), metric="rouge"),
     "translation": ScriptSpec("translation/run_translation_no_trainer.py", "bart", "translation",
                               ("--source_lang", "en", "--target_lang", "ro", "--max_source_length", "16",
                                "--max_target_length", "16", "--num_beams", "1"), metric="sacrebleu"),
@@ -181,7 +182,9 @@ def write_data(kind: str, folder: str) -> list[str]:
              for split in ("train", "validation")}
     for split, count in (("train", 48), ("validation", 16)):
         rows = sentences(count, seed=1 if split == "train" else 2)
-        if kind in ("text", "ner", "translation"):
+        if kind == "summarization":
+            write_summarization_rows(rows, paths[split])
+        elif kind in ("text", "ner", "translation"):
             with open(paths[split], "w") as f:
                 for row in rows:
                     words = row.split()
@@ -200,8 +203,29 @@ def write_data(kind: str, folder: str) -> list[str]:
                 writer.writerow(["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"])
                 writer.writerows(swag_row(row, i) for i, row in enumerate(rows))
         else:
-            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation")
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation, "
+                             "summarization")
     return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
+
+
+def write_summarization_rows(rows: list[str], path: str) -> None:
+    """Json lines of a ``text`` and its ``summary``: the sentence's first three words (a tiny Bart learns to copy)."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({"text": row, "summary": " ".join(row.split()[:3])}) + "\n")
+
+
+def write_nltk_data(folder: str) -> None:
+    """Offline nltk data for summarization, so that nothing is downloaded: the script checks that
+    ``tokenizers/punkt`` exists (else it downloads it) and splits texts with ``nltk.sent_tokenize``,
+    which loads the Punkt parameters from ``tokenizers/punkt_tab/english/``. Empty parameter files make
+    an untrained Punkt model (no abbreviations, no collocations): it splits after every ``.``, and the
+    generated texts have none. The runs find it through ``NLTK_DATA``."""
+    os.makedirs(os.path.join(folder, "tokenizers", "punkt"), exist_ok=True)
+    english = os.path.join(folder, "tokenizers", "punkt_tab", "english")
+    os.makedirs(english, exist_ok=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        open(os.path.join(english, name), "w").close()
 
 
 def hastenize(source: str) -> str:
@@ -223,6 +247,10 @@ def adapt_to_installed_transformers(source: str) -> str:
 
     if not hasattr(accelerate.DistributedType, "TPU"):  # renamed XLA; hasten has only the new name too
         source = source.replace("DistributedType.TPU", "DistributedType.XLA")
+    if not hasattr(transformers.utils, "is_offline_mode"):  # summarization's; transformers 5 takes huggingface_hub's
+        source = source.replace("from transformers.utils import check_min_version, is_offline_mode",
+                                "from huggingface_hub import is_offline_mode\n"
+                                "from transformers.utils import check_min_version")
     if not hasattr(transformers.utils, "send_example_telemetry"):
         source = source.replace("check_min_version, send_example_telemetry", "check_min_version")
         source = re.sub(r"^(\s*)send_example_telemetry\(.*\)$", r"\1pass", source, flags=re.M)
@@ -295,7 +323,8 @@ def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, 
         args += ["--resume_from_checkpoint", checkpoint]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_EVALUATE_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "datasets-cache"),
-               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
+               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true",
+               NLTK_DATA=os.path.join(work, "nltk_data"))
     log_path = os.path.join(work, "logs", f"{framework}-{name}-{mode}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     start = time.monotonic()
@@ -379,6 +408,7 @@ def run_harness(examples: str, names: list[str], modes: list[str], work: str, ti
         os.makedirs(os.path.join(work, metric), exist_ok=True)
         with open(os.path.join(work, metric, f"{metric}.py"), "w") as f:
             f.write(source)
+    write_nltk_data(os.path.join(work, "nltk_data"))
     results = []
     for name in names:
         spec = STANDIN_SPECS[name] if os.path.samefile(examples, STANDIN) else SPECS[name]
@@ -401,7 +431,8 @@ def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
     if not os.path.exists(os.path.join(examples, spec.path)):
         return f"{spec.path} not found under {examples}"
     needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else []) + \
-        ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else [])
+        ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else []) + \
+        (["rouge_score", "nltk"] if spec.metric == "rouge" else [])
     import importlib.util
 
     absent = [pkg for pkg in needed if importlib.util.find_spec(pkg) is None]
