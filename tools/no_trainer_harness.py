@@ -2,14 +2,19 @@
 
 The scripts are written for Accelerate; for hasten this harness copies each one with the word
 ``accelerate`` replaced by ``hasten`` (nothing else of the user's code changed), for Accelerate it
-copies it unchanged. Both copies get the same two edits where the installed packages moved on
-(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry``, Accelerate
-1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
-configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
-saved as a ``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
+copies it unchanged. Both copies get the same edits where the installed packages moved on
+(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry`` and takes
+``is_offline_mode`` from ``huggingface_hub``, Accelerate 1.x has no ``DistributedType.TPU``). It
+builds what the scripts need locally -- tiny models built from configs and saved with
+``save_pretrained``, a WordLevel tokenizer trained on generated text and saved as a
+``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
 four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI; for translation
-the sentence and its words reversed), local ``accuracy``, ``seqeval`` and ``sacrebleu`` metric scripts
-that ``evaluate.load`` finds in the working folder -- and runs each script:
+the sentence and its words reversed; for summarization json lines of a ``text`` and its ``summary``, the
+text's first three words), local ``accuracy``, ``seqeval``, ``sacrebleu`` and ``rouge`` metric scripts
+that ``evaluate.load`` finds in the working folder, and for summarization an nltk data folder
+(``write_nltk_data``: an empty ``tokenizers/punkt`` folder the script checks for, and an untrained
+Punkt parameter set, empty files under ``tokenizers/punkt_tab/english/``, that ``nltk.sent_tokenize``
+loads) which every run finds through ``NLTK_DATA=<work>/nltk_data`` -- and runs each script:
 
 - ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
 - ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
@@ -22,8 +27,8 @@ Each row gives the script's final metric (its ``all_results.json``) and, for res
 largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
 Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Scripts whose metric ``evaluate`` would download (qa, summarization) are reported as skipped, with the
-reason.
+Scripts whose metric ``evaluate`` would download (qa) are reported as skipped, with the reason; nltk
+data is never downloaded (the harness writes it, see above).
 
 Rerunning what tools/no_trainer_result.md reports::
 
@@ -31,16 +36,18 @@ Rerunning what tools/no_trainer_result.md reports::
     #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
     #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py,
     #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py,
-    #    translation/run_translation_no_trainer.py
+    #    translation/run_translation_no_trainer.py, summarization/run_summarization_no_trainer.py
     #    e.g. into /work/transformers-examples/
     # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
     pip download -d /tmp/nt-deps-dl datasets evaluate
     pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
     #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...;
-    #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml)
+    #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml;
+    #    for summarization nltk and rouge_score (which imports absl-py) -- no nltk data: the harness
+    #    writes its own)
     # 3. the runs (hasten from this checkout, Accelerate as installed):
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
-        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation \
+        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation,summarization \
         --frameworks hasten,accelerate
     # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
     # come from a second run without tracking:
