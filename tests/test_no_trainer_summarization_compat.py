@@ -7,6 +7,7 @@ data folder, a local rouge metric script. Under hasten the script itself needed 
 pass, 1-process weights identical to Accelerate's; tools/no_trainer_result.md).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -30,8 +31,6 @@ def test_the_summarization_import_line_imports_with_the_installed_transformers()
 
 def test_the_generated_summaries_are_each_texts_first_three_words(tmp_path):
     harness.write_data("summarization", str(tmp_path))
-    import json
-
     with open(tmp_path / "train.json") as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == 48
