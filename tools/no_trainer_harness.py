@@ -2,16 +2,21 @@
 
 The scripts are written for Accelerate; for hasten this harness copies each one with the word
 ``accelerate`` replaced by ``hasten`` (nothing else of the user's code changed), for Accelerate it
-copies it unchanged. Both copies get the same two edits where the installed packages moved on
-(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry``, Accelerate
-1.x no ``DistributedType.TPU``). It builds what the scripts need locally -- tiny models built from
-configs and saved with ``save_pretrained``, a WordLevel tokenizer trained on generated text and
-saved as a ``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
+copies it unchanged. Both copies get the same edits where the installed packages moved on
+(``adapt_to_installed_transformers``: transformers 5 has no ``send_example_telemetry`` and takes
+``is_offline_mode`` from ``huggingface_hub``, Accelerate 1.x has no ``DistributedType.TPU``). It
+builds what the scripts need locally -- tiny models built from configs and saved with
+``save_pretrained``, a WordLevel tokenizer trained on generated text and saved as a
+``PreTrainedTokenizerFast``, generated csv/json data (sentences; for glue a label; for swag
 four endings, one holding "good"; for ner word tags, colours B-COL and animals B-ANI; for translation
 the sentence and its words reversed; for qa SQuAD-shaped examples whose question lists the colours or
-the animals and whose answer is the one such word in the context), local ``accuracy``, ``seqeval``,
-``sacrebleu`` and ``squad`` metric scripts that ``evaluate.load`` finds in the working folder -- and
-runs each script (qa with its ``utils_qa.py`` copied beside it):
+the animals and whose answer is the one such word in the context; for summarization json lines of a
+``text`` and its ``summary``, the text's first three words), local ``accuracy``, ``seqeval``,
+``sacrebleu``, ``squad`` and ``rouge`` metric scripts that ``evaluate.load`` finds in the working folder,
+and for summarization an nltk data folder (``write_nltk_data``: an empty ``tokenizers/punkt`` folder the
+script checks for, and an untrained Punkt parameter set, empty files under
+``tokenizers/punkt_tab/english/``, that ``nltk.sent_tokenize`` loads) which every run finds through
+``NLTK_DATA=<work>/nltk_data`` -- and runs each script (qa with its ``utils_qa.py`` copied beside it):
 
 - ``1p``: one process (plain ``python script.py``), with ``--checkpointing_steps 2`` and tracking on;
 - ``2p``: two CPU processes (hasten: ``hasten launch --cpu --num_processes 2``; Accelerate:
@@ -24,8 +29,7 @@ Each row gives the script's final metric (its ``all_results.json``) and, for res
 largest difference between the resumed run's final weights and the uninterrupted run's (0 = exact).
 
 Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``HF_EVALUATE_OFFLINE=1``).
-Scripts whose metric ``evaluate`` would download (summarization) are reported as skipped, with the
-reason.
+nltk data is never downloaded (the harness writes it, see above).
 
 Rerunning what tools/no_trainer_result.md reports::
 
@@ -33,18 +37,21 @@ Rerunning what tools/no_trainer_result.md reports::
     #    commit a22a4378d97d06b7a1d9abad6e0086d30fdea199, keeping the examples/pytorch layout:
     #    text-classification/run_glue_no_trainer.py, language-modeling/run_{clm,mlm}_no_trainer.py,
     #    multiple-choice/run_swag_no_trainer.py, token-classification/run_ner_no_trainer.py,
-    #    translation/run_translation_no_trainer.py, question-answering/run_qa_no_trainer.py with its
-    #    question-answering/utils_qa.py (the runs reported used utils_qa.py as stored at commit
-    #    e3b8f49f021f206cf09529ed0810d0df7e8d7656; no copy at a22a4378 was at hand),
+    #    translation/run_translation_no_trainer.py, summarization/run_summarization_no_trainer.py,
+    #    question-answering/run_qa_no_trainer.py with its question-answering/utils_qa.py (the runs
+    #    reported used utils_qa.py as stored at commit e3b8f49f021f206cf09529ed0810d0df7e8d7656; no copy
+    #    at a22a4378 was at hand),
     #    e.g. into /work/transformers-examples/
     # 2. their extra packages into a folder of their own (not the main environment, no CUDA wheels):
     pip download -d /tmp/nt-deps-dl datasets evaluate
     pip install --no-deps --target /tmp/nt-deps /tmp/nt-deps-dl/<the wheels not installed already>
     #    (datasets, evaluate, pyarrow, pandas, dill, multiprocess, aiohttp and its helpers, ...;
-    #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml)
+    #    for ner also seqeval and scikit-learn; for translation sacrebleu, portalocker, tabulate, lxml;
+    #    for summarization nltk and rouge_score (which imports absl-py) -- no nltk data: the harness
+    #    writes its own)
     # 3. the runs (hasten from this checkout, Accelerate as installed):
     PYTHONPATH=$PWD/src:/tmp/nt-deps python tools/no_trainer_harness.py \
-        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation,qa \
+        --examples /work/transformers-examples --scripts clm,mlm,glue,swag,ner,translation,qa,summarization \
         --frameworks hasten,accelerate
     # Accelerate's 2-process runs stop at wait_for_everyone() after end_training(); their numbers
     # come from a second run without tracking:
@@ -87,7 +94,7 @@ class ScriptSpec:
 
     path: str
     model: str  # "gpt2", "bert" or "bart"
-    data: str  # "text", "glue", "swag", "ner" or "translation"
+    data: str  # "text", "glue", "swag", "ner", "translation" or "summarization"
     extra_args: tuple[str, ...] = ()
     metric: Optional[str] = None
     skip_reason: Optional[str] = None
@@ -108,8 +115,9 @@ SPECS: dict[str, ScriptSpec] = {
     "qa": ScriptSpec("question-answering/run_qa_no_trainer.py", "bert", "qa",
                      ("--max_seq_length", "32", "--doc_stride", "8", "--learning_rate", "1e-3"), metric="squad",
                      helpers=("utils_qa.py",)),
-    "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "t5", "glue",
-                                skip_reason="its metric 'rouge' would be downloaded by evaluate (no local copy)"),
+    "summarization": ScriptSpec("summarization/run_summarization_no_trainer.py", "bart", "summarization",
+                                ("--text_column", "text", "--summary_column", "summary", "--max_source_length", "16",
+                                 "--max_target_length", "16", "--num_beams", "1"), metric="rouge"),
     "translation": ScriptSpec("translation/run_translation_no_trainer.py", "bart", "translation",
                               ("--source_lang", "en", "--target_lang", "ro", "--max_source_length", "16",
                                "--max_target_length", "16", "--num_beams", "1"), metric="sacrebleu"),
@@ -190,7 +198,9 @@ def write_data(kind: str, folder: str) -> list[str]:
             write_qa_data(paths[split], count, seed=1 if split == "train" else 2)
             continue
         rows = sentences(count, seed=1 if split == "train" else 2)
-        if kind in ("text", "ner", "translation"):
+        if kind == "summarization":
+            write_summarization_rows(rows, paths[split])
+        elif kind in ("text", "ner", "translation"):
             with open(paths[split], "w") as f:
                 for row in rows:
                     words = row.split()
@@ -209,7 +219,8 @@ def write_data(kind: str, folder: str) -> list[str]:
                 writer.writerow(["sent1", "sent2", "ending0", "ending1", "ending2", "ending3", "label"])
                 writer.writerows(swag_row(row, i) for i, row in enumerate(rows))
         else:
-            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation, qa")
+            raise ValueError(f"no generated data of kind {kind!r}; known: text, glue, swag, ner, translation, qa, "
+                             "summarization")
     return ["--train_file", paths["train"], "--validation_file", paths["validation"]]
 
 
@@ -243,6 +254,26 @@ def write_qa_data(path: str, count: int, seed: int) -> None:
         json.dump({"data": [qa_example(i, rng) for i in range(count)]}, f)
 
 
+def write_summarization_rows(rows: list[str], path: str) -> None:
+    """Json lines of a ``text`` and its ``summary``: the sentence's first three words (a tiny Bart learns to copy)."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({"text": row, "summary": " ".join(row.split()[:3])}) + "\n")
+
+
+def write_nltk_data(folder: str) -> None:
+    """Offline nltk data for summarization, so that nothing is downloaded: the script checks that
+    ``tokenizers/punkt`` exists (else it downloads it) and splits texts with ``nltk.sent_tokenize``,
+    which loads the Punkt parameters from ``tokenizers/punkt_tab/english/``. Empty parameter files make
+    an untrained Punkt model (no abbreviations, no collocations): it splits after every ``.``, and the
+    generated texts have none. The runs find it through ``NLTK_DATA``."""
+    os.makedirs(os.path.join(folder, "tokenizers", "punkt"), exist_ok=True)
+    english = os.path.join(folder, "tokenizers", "punkt_tab", "english")
+    os.makedirs(english, exist_ok=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        open(os.path.join(english, name), "w").close()
+
+
 def hastenize(source: str) -> str:
     """The script's text with the word ``accelerate`` replaced by ``hasten`` (what a migrating user does)."""
     return re.sub(r"\baccelerate\b", "hasten", source)
@@ -262,6 +293,10 @@ def adapt_to_installed_transformers(source: str) -> str:
 
     if not hasattr(accelerate.DistributedType, "TPU"):  # renamed XLA; hasten has only the new name too
         source = source.replace("DistributedType.TPU", "DistributedType.XLA")
+    if not hasattr(transformers.utils, "is_offline_mode"):  # summarization's; transformers 5 takes huggingface_hub's
+        source = source.replace("from transformers.utils import check_min_version, is_offline_mode",
+                                "from huggingface_hub import is_offline_mode\n"
+                                "from transformers.utils import check_min_version")
     if not hasattr(transformers.utils, "send_example_telemetry"):
         source = source.replace("check_min_version, send_example_telemetry", "check_min_version")
         source = re.sub(r"^(\s*)send_example_telemetry\(.*\)$", r"\1pass", source, flags=re.M)
@@ -334,7 +369,8 @@ def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, 
         args += ["--resume_from_checkpoint", checkpoint]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_EVALUATE_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "datasets-cache"),
-               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
+               HF_HOME=os.path.join(work, "hf-home"), TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true",
+               NLTK_DATA=os.path.join(work, "nltk_data"))
     log_path = os.path.join(work, "logs", f"{framework}-{name}-{mode}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     start = time.monotonic()
@@ -423,6 +459,7 @@ def run_harness(examples: str, names: list[str], modes: list[str], work: str, ti
         os.makedirs(os.path.join(work, metric), exist_ok=True)
         with open(os.path.join(work, metric, f"{metric}.py"), "w") as f:
             f.write(source)
+    write_nltk_data(os.path.join(work, "nltk_data"))
     results = []
     for name in names:
         spec = STANDIN_SPECS[name] if os.path.samefile(examples, STANDIN) else SPECS[name]
@@ -446,7 +483,8 @@ def missing_requirement(spec: ScriptSpec, examples: str) -> Optional[str]:
         if not os.path.exists(os.path.join(examples, path)):
             return f"{path} not found under {examples}"
     needed = (["datasets"] if spec.needs_datasets else []) + (["evaluate"] if spec.metric else []) + \
-        ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else [])
+        ([spec.metric] if spec.metric in ("seqeval", "sacrebleu") else []) + \
+        (["rouge_score", "nltk"] if spec.metric == "rouge" else [])
     import importlib.util
 
     absent = [pkg for pkg in needed if importlib.util.find_spec(pkg) is None]

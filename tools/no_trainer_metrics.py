@@ -2,7 +2,7 @@
 
 ``evaluate.load(name)`` finds ``./name/name.py`` in the working folder before it would go to the Hub, so
 ``tools/no_trainer_harness.py`` writes each text below there. Each is written for the harness; the scores
-the scripts read come from the packages that compute them (seqeval, sacrebleu).
+the scripts read come from the packages that compute them (seqeval, sacrebleu, rouge_score).
 """
 
 # A local stand-in for evaluate's "accuracy" metric: evaluate.load("accuracy") finds ./accuracy/accuracy.py
@@ -74,8 +74,6 @@ class Sacrebleu(evaluate.Metric):
         return {"score": bleu.score, "counts": bleu.counts, "precisions": bleu.precisions, "bp": bleu.bp,
                 "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
 '''
-METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC, "sacrebleu": SACREBLEU_METRIC}
-
 # The same for "squad" (run_qa): exact match and token F1 in percent, each prediction scored against its best
 # reference answer after SQuAD's answer normalisation (lower case; punctuation, articles, extra spaces dropped).
 SQUAD_METRIC = '''
@@ -125,4 +123,30 @@ class Squad(evaluate.Metric):
         count = max(len(references), 1)
         return {"exact_match": 100.0 * exact / count, "f1": 100.0 * total_f1 / count}
 '''
-METRICS["squad"] = SQUAD_METRIC
+
+# The same for "rouge" (run_summarization): each pair scored by the rouge_score package, then the mean
+# F-measure per rouge type (evaluate's own script reports the middle of a bootstrap over those scores,
+# which draws random samples; the plain mean keeps the harness's runs reproducible).
+ROUGE_METRIC = '''
+import datasets
+import evaluate
+from rouge_score import rouge_scorer
+
+
+class Rouge(evaluate.Metric):
+    """Mean ROUGE F-measures of predictions against references (local, written for the hasten harness)."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="rouge", citation="", inputs_description="texts and their references",
+            features=datasets.Features({"predictions": datasets.Value("string"),
+                                        "references": datasets.Value("string")}))
+
+    def _compute(self, predictions, references, rouge_types=None, use_stemmer=False):
+        rouge_types = rouge_types or ["rouge1", "rouge2", "rougeL", "rougeLsum"]
+        scorer = rouge_scorer.RougeScorer(rouge_types, use_stemmer=use_stemmer)
+        scores = [scorer.score(ref, pred) for pred, ref in zip(predictions, references)]
+        return {kind: sum(s[kind].fmeasure for s in scores) / max(len(scores), 1) for kind in rouge_types}
+'''
+METRICS = {"accuracy": ACCURACY_METRIC, "seqeval": SEQEVAL_METRIC, "sacrebleu": SACREBLEU_METRIC,
+           "rouge": ROUGE_METRIC, "squad": SQUAD_METRIC}
