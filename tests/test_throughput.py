@@ -255,3 +255,27 @@ def test_lightning_flops_argument_counts_work_since_the_previous_update():
     assert lightning.compute()["device/flops_per_sec"] == pytest.approx(6 * per_batch / 2.0, rel=1e-12)
     with pytest.raises(ValueError, match="not both"):
         Throughput().update(time=1.0, batches=1, samples=1, flops=1.0, flops_per_batch=1.0)
+
+
+def test_one_process_writes_the_summary_file_only_when_the_launcher_asks(tmp_path, monkeypatch):
+    """One process: compute() skips the job's figures unless ``hasten launch`` named a summary file;
+    when it did, the file holds the job figures with ``processes: 1`` (that path is not a collective)."""
+    from hasten import Accelerator
+    from hasten.utils import ThroughputMonitor
+
+    reset_state()
+    monkeypatch.delenv("HASTEN_THROUGHPUT_SUMMARY", raising=False)
+    monitor = ThroughputMonitor(Accelerator(), available_flops=1e9, window_size=3)
+    for i in range(1, 5):
+        monitor.update(time=0.1 * i, batches=i, samples=2 * i, lengths=10 * i, flops_per_batch=6000)
+    quiet = monitor.compute()
+    assert not list(tmp_path.iterdir())
+    summary = tmp_path / "summary.json"
+    monkeypatch.setenv("HASTEN_THROUGHPUT_SUMMARY", str(summary))
+    assert monitor.compute() == quiet  # the same figures for the process; one process gets no job keys
+    written = json.loads(summary.read_text())
+    assert written["processes"] == 1 and written["slowest_rank"] == 0
+    assert written["samples_per_sec"] == pytest.approx(20) and written["mfu"] == pytest.approx(6000 * 10 / 1e9)
+    assert written["step_time_median"] == pytest.approx(0.1) and written["peak_memory_bytes"] > 0
+    assert "samples_per_sec" not in quiet and quiet["device/samples_per_sec"] == pytest.approx(20)
+    reset_state()

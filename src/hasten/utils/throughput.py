@@ -40,7 +40,11 @@ class Window:
 
 def percentile(values: list[float], fraction: float) -> float:
     """The ``fraction`` quantile of ``values``, interpolated linearly between neighbours (numpy's default)."""
-    ordered = sorted(values)
+    return _sorted_percentile(sorted(values), fraction)
+
+
+def _sorted_percentile(ordered: list[float], fraction: float) -> float:
+    """``percentile`` of values already in ascending order (one sort serves several quantiles)."""
     position = fraction * (len(ordered) - 1)
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
@@ -123,7 +127,7 @@ class Throughput:
             return None
         first, last = self._records[0], self._records[-1]
         records = list(self._records)
-        steps = [(b.time - a.time) / (b.batches - a.batches) for a, b in zip(records, records[1:])]
+        steps = sorted((b.time - a.time) / (b.batches - a.batches) for a, b in zip(records, records[1:]))
         return Window(
             full=len(records) == self.window_size,
             elapsed=last.time - first.time,
@@ -131,13 +135,13 @@ class Throughput:
             samples=last.samples - first.samples,
             lengths=None if last.lengths is None else last.lengths - first.lengths,
             flops=None if last.flops is None else sum(r.flops for r in records[1:]),  # work after the first time
-            step_time_median=percentile(steps, 0.5) if steps else None,
-            step_time_p90=percentile(steps, 0.9) if steps else None,
+            step_time_median=_sorted_percentile(steps, 0.5) if steps else None,
+            step_time_p90=_sorted_percentile(steps, 0.9) if steps else None,
         )
 
     def compute(self) -> Metrics:
         """This process's figures and, with ``world_size > 1``, the job's extrapolated ones (see the class)."""
-        metrics = self._device_metrics()
+        metrics = self._device_metrics(self.window())
         if self.world_size > 1 and metrics:
             metrics.update(self._extrapolated(metrics))
         return metrics
@@ -145,8 +149,8 @@ class Throughput:
     def _key(self, name: str) -> str:
         return f"device{self.separator}{name}"
 
-    def _device_metrics(self) -> Metrics:
-        window = self.window()
+    def _device_metrics(self, window: Optional[Window]) -> Metrics:
+        """This process's figures from ``window`` (``self.window()``, made once by the caller)."""
         if window is None:
             return {}
         last = self._records[-1]

@@ -113,10 +113,13 @@ class ThroughputMonitor(Throughput):
 
     def _compute(self, step: Optional[int]) -> Metrics:
         self._calls += 1
-        metrics = self._device_metrics()
+        window = self.window()
+        metrics = self._device_metrics(window)
         memory = peak_memory_bytes(self._accelerator.device)
         metrics[self._key("peak_memory_bytes")] = memory
-        window = self.window()
+        summary_path = os.environ.get(SUMMARY_ENV) if self._accelerator.is_main_process else None
+        if self.world_size == 1 and not summary_path:
+            return metrics  # one process, no launcher to tell: the job's figures are this process's
         mine = {"call": self._calls, "step": step, "memory": memory,
                 "window": None if window is None else dataclasses.asdict(window)}
         if self.world_size == 1:
@@ -127,8 +130,8 @@ class ThroughputMonitor(Throughput):
         job = job_metrics(everyone, self.available_flops)
         if self.world_size > 1:
             metrics.update(job)
-        if self._accelerator.is_main_process:
-            write_summary(self.world_size, job)
+        if summary_path:
+            write_summary(self.world_size, job, summary_path)
         return metrics
 
 
