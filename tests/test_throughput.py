@@ -279,3 +279,38 @@ def test_one_process_writes_the_summary_file_only_when_the_launcher_asks(tmp_pat
     assert written["step_time_median"] == pytest.approx(0.1) and written["peak_memory_bytes"] > 0
     assert "samples_per_sec" not in quiet and quiet["device/samples_per_sec"] == pytest.approx(20)
     reset_state()
+
+
+def test_window_figures_equal_a_recount_of_the_last_updates_after_many_updates_and_a_reset():
+    """The window keeps running totals and its step times in order as updates come and go; its figures must
+    equal those counted afresh from the last ``window_size`` updates (times and FLOPs varying every step)."""
+    import random
+
+    from hasten.utils.throughput import Throughput, percentile
+
+    rng = random.Random(0)
+    meter = Throughput(window_size=7)
+    time = batches = samples = 0
+    history = []
+    for step in range(60):
+        if step == 31:
+            meter.reset()
+            history.clear()
+        time += rng.uniform(0.01, 0.5)
+        batches += rng.randint(1, 3)
+        samples += rng.randint(1, 9)
+        flops = rng.uniform(1e3, 1e6)
+        meter.update(time=time, batches=batches, samples=samples, flops=flops)
+        history.append((time, batches, samples, flops))
+        last = history[-7:]
+        window = meter.window()
+        steps = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(last, last[1:])]
+        assert window.full == (len(last) == 7)
+        assert window.elapsed == pytest.approx(last[-1][0] - last[0][0], rel=1e-12)
+        assert (window.batches, window.samples) == (last[-1][1] - last[0][1], last[-1][2] - last[0][2])
+        assert window.flops == pytest.approx(sum(f for *_, f in last[1:]), rel=1e-9)
+        if steps:
+            assert window.step_time_median == pytest.approx(percentile(steps, 0.5), rel=1e-12)
+            assert window.step_time_p90 == pytest.approx(percentile(steps, 0.9), rel=1e-12)
+        else:
+            assert window.step_time_median is None

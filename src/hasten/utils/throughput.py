@@ -8,6 +8,7 @@ Torch-free: the caller measures the time (after a device synchronisation; see ``
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -21,7 +22,7 @@ class _Record:
     batches: int
     samples: int
     lengths: Optional[int]
-    flops: Optional[float]  # FLOPs of the batches since the previous record
+    flops: Optional[float]  # FLOPs of all batches up to this record (a running total: a window is a difference)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class Throughput:
         self.window_size = window_size
         self.separator = separator
         self._records: deque[_Record] = deque(maxlen=window_size)
+        # The step times between consecutive records, kept also in ascending order so that a compute()
+        # reads its quantiles without sorting the window again (one bisect per update instead).
+        self._steps: deque[float] = deque()
+        self._sorted_steps: list[float] = []
 
     def update(self, *, time: float, batches: int, samples: int, lengths: Optional[int] = None,
                flops: Optional[float] = None, flops_per_batch: Optional[float] = None) -> None:
@@ -119,22 +124,30 @@ class Throughput:
             flops = float(flops_per_batch) * (batches - last.batches if last is not None else batches)
         elif flops is not None:
             flops = float(flops)
-        self._records.append(_Record(float(time), int(batches), int(samples), lengths, flops))
+        if flops is not None and last is not None:
+            flops += last.flops  # the running total
+        record = _Record(float(time), int(batches), int(samples), lengths, flops)
+        if last is not None:
+            if len(self._records) == self.window_size:  # the oldest record, and the step after it, leave
+                bisect_remove(self._sorted_steps, self._steps.popleft())
+            step = (record.time - last.time) / (record.batches - last.batches)
+            self._steps.append(step)
+            bisect.insort(self._sorted_steps, step)
+        self._records.append(record)
 
     def window(self) -> Optional[Window]:
         """The raw numbers of the current window, or None before the first update."""
         if not self._records:
             return None
         first, last = self._records[0], self._records[-1]
-        records = list(self._records)
-        steps = sorted((b.time - a.time) / (b.batches - a.batches) for a, b in zip(records, records[1:]))
+        steps = self._sorted_steps
         return Window(
-            full=len(records) == self.window_size,
+            full=len(self._records) == self.window_size,
             elapsed=last.time - first.time,
             batches=last.batches - first.batches,
             samples=last.samples - first.samples,
             lengths=None if last.lengths is None else last.lengths - first.lengths,
-            flops=None if last.flops is None else sum(r.flops for r in records[1:]),  # work after the first time
+            flops=None if last.flops is None else last.flops - first.flops,  # work after the first time
             step_time_median=_sorted_percentile(steps, 0.5) if steps else None,
             step_time_p90=_sorted_percentile(steps, 0.9) if steps else None,
         )
@@ -174,6 +187,13 @@ class Throughput:
     def reset(self) -> None:
         """Forget every update (e.g. after a pause that should not count, such as evaluation)."""
         self._records.clear()
+        self._steps.clear()
+        self._sorted_steps.clear()
+
+
+def bisect_remove(ordered: list[float], value: float) -> None:
+    """Remove one ``value`` from the ascending list ``ordered`` (it is there: it was inserted with insort)."""
+    del ordered[bisect.bisect_left(ordered, value)]
 
 
 def rates(window: Window, available_flops: Optional[float], devices: int) -> Metrics:
