@@ -144,7 +144,16 @@ class FSDP2Strategy(DTensorStrategy):
             import dataclasses
 
             kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=torch.float32)
+        keep_root = kwargs["reshard_after_forward"] and any(p.requires_grad for p in model.parameters())
+        if keep_root:
+            # The root of a trained model: torch's default (automatic since torch 2.8, before it the same for
+            # the root) keeps the root's own parameters (embeddings, output head) gathered from its forward to
+            # its backward, which starts with them; an explicit True frees and re-gathers them around every
+            # forward. After a forward without gradients nothing follows to free them, so a hook does.
+            del kwargs["reshard_after_forward"]
         fully_shard(model, **kwargs)
+        if keep_root:
+            model.register_forward_hook(_reshard_after_forward_without_grad)
         self._sharded_models.append(weakref.ref(model))
 
     def checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
@@ -257,6 +266,18 @@ class FSDP2Strategy(DTensorStrategy):
         """FSDP2 keeps micro-step gradients unsharded beside each parameter until the sync step (the
         sharded ``.grad`` is still None)."""
         return _unreduced_grads([ref() for ref in self._sharded_models if ref() is not None])
+
+
+def _reshard_after_forward_without_grad(module: nn.Module, args: Any, output: Any) -> None:
+    """Free the root's gathered parameters after a forward no backward will follow (evaluation, ``no_grad``),
+    so ``parameters()`` are the shards again and the memory is returned, as after a training step."""
+    if not torch.is_grad_enabled():
+        _reshard_eagerly(module)
+
+
+@torch.compiler.disable
+def _reshard_eagerly(module: nn.Module) -> None:
+    module.reshard()  # FSDPModule.reshard: outside any compiled graph (it changes the module's parameters)
 
 
 def _place_unsharded(model: nn.Module, device: torch.device) -> None:
