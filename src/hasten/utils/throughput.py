@@ -84,9 +84,8 @@ class Throughput:
         self.window_size = window_size
         self.separator = separator
         self._records: deque[_Record] = deque(maxlen=window_size)
-        # The step times between consecutive records, kept also in ascending order so that a compute()
-        # reads its quantiles without sorting the window again (one bisect per update instead).
-        self._steps: deque[float] = deque()
+        # The step times between consecutive records, in ascending order, so that a compute() reads its
+        # quantiles without sorting the window again (one bisect per update instead).
         self._sorted_steps: list[float] = []
 
     def update(self, *, time: float, batches: int, samples: int, lengths: Optional[int] = None,
@@ -129,10 +128,8 @@ class Throughput:
         record = _Record(float(time), int(batches), int(samples), lengths, flops)
         if last is not None:
             if len(self._records) == self.window_size:  # the oldest record, and the step after it, leave
-                bisect_remove(self._sorted_steps, self._steps.popleft())
-            step = (record.time - last.time) / (record.batches - last.batches)
-            self._steps.append(step)
-            bisect.insort(self._sorted_steps, step)
+                _bisect_remove(self._sorted_steps, _step_time(self._records[0], self._records[1]))
+            bisect.insort(self._sorted_steps, _step_time(last, record))
         self._records.append(record)
 
     def window(self) -> Optional[Window]:
@@ -187,11 +184,15 @@ class Throughput:
     def reset(self) -> None:
         """Forget every update (e.g. after a pause that should not count, such as evaluation)."""
         self._records.clear()
-        self._steps.clear()
         self._sorted_steps.clear()
 
 
-def bisect_remove(ordered: list[float], value: float) -> None:
+def _step_time(before: _Record, after: _Record) -> float:
+    """Seconds per batch between two consecutive records (the same value every time it is computed)."""
+    return (after.time - before.time) / (after.batches - before.batches)
+
+
+def _bisect_remove(ordered: list[float], value: float) -> None:
     """Remove one ``value`` from the ascending list ``ordered`` (it is there: it was inserted with insort)."""
     del ordered[bisect.bisect_left(ordered, value)]
 
