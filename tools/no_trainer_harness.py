@@ -416,22 +416,16 @@ def last_error(log_path: str) -> str:
 
 
 def prepare_script(examples: str, spec: ScriptSpec, work: str, framework: str = "hasten") -> str:
-    """Copy the script (for hasten: word replaced) into ``work/scripts/<framework>``; returns its path."""
-    source_path = os.path.join(examples, spec.path)
-    with open(source_path) as f:
-        text = adapt_to_installed_transformers(f.read())
-    if framework == "hasten":
-        text = hastenize(text)
-    target = os.path.join(work, "scripts", framework, os.path.basename(spec.path))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target, "w") as f:
-        f.write(text)
-    for helper in spec.helpers:  # imported from the script's own folder (qa's utils_qa.py)
-        with open(os.path.join(os.path.dirname(source_path), helper)) as f:
-            helper_text = f.read()
-        with open(os.path.join(os.path.dirname(target), helper), "w") as f:
-            f.write(hastenize(helper_text) if framework == "hasten" else helper_text)
-    return target
+    """Copy the script and the modules it imports from its folder (qa's utils_qa.py) into
+    ``work/scripts/<framework>`` (for hasten: word replaced); returns the script's path."""
+    folder = os.path.join(work, "scripts", framework)
+    os.makedirs(folder, exist_ok=True)
+    for name in (os.path.basename(spec.path), *spec.helpers):
+        with open(os.path.join(examples, os.path.dirname(spec.path), name)) as f:
+            text = adapt_to_installed_transformers(f.read())
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(hastenize(text) if framework == "hasten" else text)
+    return os.path.join(folder, os.path.basename(spec.path))
 
 
 def common_args(spec: ScriptSpec, work: str, name: str, tracking: bool = True) -> list[str]:
