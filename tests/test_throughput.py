@@ -265,7 +265,9 @@ def test_one_process_writes_the_summary_file_only_when_the_launcher_asks(tmp_pat
 
     reset_state()
     monkeypatch.delenv("HASTEN_THROUGHPUT_SUMMARY", raising=False)
-    monitor = ThroughputMonitor(Accelerator(), available_flops=1e9, window_size=3)
+    acc = Accelerator()
+    held = torch.ones(1024, device=acc.device)  # so the peak is above 0 on an accelerator too
+    monitor = ThroughputMonitor(acc, available_flops=1e9, window_size=3)
     for i in range(1, 5):
         monitor.update(time=0.1 * i, batches=i, samples=2 * i, lengths=10 * i, flops_per_batch=6000)
     quiet = monitor.compute()
@@ -278,6 +280,7 @@ def test_one_process_writes_the_summary_file_only_when_the_launcher_asks(tmp_pat
     assert written["samples_per_sec"] == pytest.approx(20) and written["mfu"] == pytest.approx(6000 * 10 / 1e9)
     assert written["step_time_median"] == pytest.approx(0.1) and written["peak_memory_bytes"] > 0
     assert "samples_per_sec" not in quiet and quiet["device/samples_per_sec"] == pytest.approx(20)
+    del held
     reset_state()
 
 
