@@ -25,7 +25,7 @@ lines compare hasten's final weights with Accelerate's for each (script, mode).
 
 torchvision: no wheel of it works with the torch installed here, so the one line ``from torchvision
 import transforms`` becomes ``import harness_transforms as transforms`` in both frameworks' copies
-(``use_transforms_standin``; tools/diffusers_standin/harness_transforms.py, found through
+(``adapt_for_harness``; tools/diffusers_standin/harness_transforms.py, found through
 ``PYTHONPATH``, has the transforms the scripts use; the harness centre-crops images that already have
 the resolution and never flips, so no transform draws a random number). Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
 
@@ -231,9 +231,19 @@ TORCHVISION_IMPORT = "from torchvision import transforms"
 STANDIN_IMPORT = "import harness_transforms as transforms  # harness: torchvision stand-in"
 
 
-def use_transforms_standin(source: str) -> str:
-    """The script with its torchvision import pointed at the harness's stand-in (same line count)."""
-    return source.replace(TORCHVISION_IMPORT, STANDIN_IMPORT)
+SEED_LINE = "import torch; torch.manual_seed(0)  # harness: the script takes no --seed"
+
+
+def adapt_for_harness(source: str) -> str:
+    """The script's text with the two edits the harness makes for both frameworks alike (the line count
+    is kept, so tracebacks name the original lines): the torchvision import pointed at the stand-in, and,
+    for a script without a ``--seed`` argument (train_unconditional.py), torch's global generator seeded
+    where the script imports torch. torch's default seed is drawn anew in every process, so without it two
+    runs of the same script start from different weights and noise and cannot be compared."""
+    source = source.replace(TORCHVISION_IMPORT, STANDIN_IMPORT)
+    if '"--seed"' not in source:
+        source = re.sub(r"^import torch$", SEED_LINE, source, count=1, flags=re.M)
+    return source
 
 
 def prepare_script(examples: str, spec: DiffusersSpec, work: str, framework: str = "hasten") -> str:
@@ -242,7 +252,7 @@ def prepare_script(examples: str, spec: DiffusersSpec, work: str, framework: str
     folder = os.path.join(work, "scripts", framework)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(examples, spec.path)) as f:
-        text = use_transforms_standin(f.read())
+        text = adapt_for_harness(f.read())
     target = os.path.join(folder, os.path.basename(spec.path))
     with open(target, "w") as f:
         f.write(hastenize(text) if framework == "hasten" else text)
