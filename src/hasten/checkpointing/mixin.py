@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import commit, layout, resume, rng, saver
+from . import commit, layout, prehooks, resume, rng, saver
 from .collectives import broadcast_from_main
 from .loading import load_checkpoint
 from .prehooks import CheckpointSession
@@ -184,6 +184,8 @@ class CheckpointMixin:
             for model in models:
                 before_collective()
                 weights.append(attempt(lambda: self.get_state_dict(model)))
+        if hooks:
+            prehooks.hook_view(models)  # the modules DDP wraps, as Accelerate's hooks get them
         for index in range(hook_rounds):
             before_collective()
             if index < len(hooks):

@@ -28,10 +28,32 @@ class PreHooks:
         self.hooks[handle.id] = hook
         return handle
 
-    def run(self, *args: Any) -> None:
-        """Call every hook with ``args`` (a copy of the list: a hook may remove itself)."""
+    def run(self, models: list, *args: Any) -> None:
+        """Call every hook with ``(models, *args)`` (over a copy of the hooks: a hook may remove itself).
+
+        ``models`` is the caller's list, which the hooks may shorten (a model they saved or loaded
+        themselves); before the first hook each DistributedDataParallel in it is replaced by the module
+        it wraps (``hook_view``)."""
+        if self.hooks:
+            hook_view(models)
         for hook in list(self.hooks.values()):
-            hook(*args)
+            hook(models, *args)
+
+
+def hook_view(models: list) -> None:
+    """Replace, in place, each DistributedDataParallel in ``models`` by the module it wraps.
+
+    Accelerate's registry keeps the module ``prepare`` was given and wraps it for DDP apart, so its
+    save and load pre-hooks see the user's module: diffusers' hooks call ``model.save_pretrained``,
+    ``model.load_state_dict`` (keys without ``module.``) and ``isinstance(model, type(unet))`` on them.
+    The caller goes on with the same list (what the hooks left in it), so it gets the module too;
+    ``unwrap_model`` and the strategies take either."""
+    import sys
+
+    parallel = sys.modules.get("torch.nn.parallel")  # loaded with torch; no DDP without it
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    if ddp is not None:
+        models[:] = [m.module if isinstance(m, ddp) else m for m in models]
 
 
 class CheckpointSession:
