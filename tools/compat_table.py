@@ -82,8 +82,9 @@ def render(data: dict) -> str:
                 lines.append(f"| `{name}` | {state} | {note.replace('|', '/')} |")
     text = "\n".join(lines) + "\n"
     # The counts of Accelerate's own test suite, as tools/accelerate_suite.py --markdown wrote them.
-    # Then the transformers no_trainer scripts' harness (tools/no_trainer_harness.py), written by hand.
-    for part in ("accelerate_suite_result.md", "no_trainer_result.md"):
+    # Then the transformers no_trainer scripts' harness (tools/no_trainer_harness.py) and the diffusers
+    # examples' (tools/diffusers_harness.py), written by hand.
+    for part in ("accelerate_suite_result.md", "no_trainer_result.md", "diffusers_result.md"):
         path = os.path.join(HERE, part)
         if os.path.exists(path):
             with open(path) as f:
