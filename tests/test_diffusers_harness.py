@@ -93,7 +93,8 @@ def test_the_transforms_stand_in():
 
     image = Image.new("RGB", (6, 4), (255, 0, 51))
     tensor = transforms.Compose([transforms.Resize(2, interpolation=transforms.InterpolationMode.BILINEAR),
-                                 transforms.CenterCrop(2), transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])(image)
+                                 transforms.CenterCrop(2), transforms.ToTensor(),
+                                 transforms.Normalize([0.5], [0.5])])(image)
     assert tensor.shape == (3, 2, 2)
     assert torch.allclose(tensor[:, 0, 0], torch.tensor([1.0, -1.0, 51 / 255 * 2 - 1]))
     assert transforms.PILToTensor()(image).dtype == torch.uint8

@@ -27,22 +27,30 @@ torchvision: no wheel of it works with the torch installed here, so the one line
 import transforms`` becomes ``import harness_transforms as transforms`` in both frameworks' copies
 (``adapt_for_harness``; tools/diffusers_standin/harness_transforms.py, found through
 ``PYTHONPATH``, has the transforms the scripts use; the harness centre-crops images that already have
-the resolution and never flips, so no transform draws a random number). Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
+the resolution and never flips, so no transform draws a random number). train_unconditional.py takes
+no ``--seed`` and torch's default seed differs in every process, so its copies (both) seed torch where
+they import it (``adapt_for_harness``). Nothing is downloaded (``HF_HUB_OFFLINE=1``,
+``HF_DATASETS_OFFLINE=1``).
 
 Rerunning what tools/diffusers_result.md reports::
 
     # 1. the scripts (outside the repository; never commit them): huggingface/diffusers at commit
-    #    58eb52c0803ea9af3abec60841c2a093bdf1f951, its examples/ folder, e.g.
-    git --git-dir=<diffusers>.git archive HEAD examples | tar -x -C /tmp/diffusers-src
-    #    and, for the PEFT row, huggingface/peft's examples/ folder (commit in diffusers_result.md)
+    #    58eb52c0803ea9af3abec60841c2a093bdf1f951 and huggingface/peft at commit
+    #    5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40, each a git directory (a clone, or the search tool's fetch)
+    mkdir -p /tmp/diffusers-examples /tmp/peft-examples /tmp/dh-src
+    git --git-dir=$DIFFUSERS_GIT archive HEAD examples/unconditional_image_generation examples/text_to_image \
+        examples/dreambooth | tar -x -C /tmp/diffusers-examples --strip-components=1
+    git --git-dir=$PEFT_GIT archive HEAD examples/lora_dreambooth | tar -x -C /tmp/peft-examples --strip-components=1
     # 2. the packages the scripts import, into a folder of their own (no torch, no CUDA wheels): diffusers
-    #    from the same commit (its check_min_version asks for 0.40.0.dev0), datasets and peft from PyPI
-    pip install --no-deps --no-build-isolation --target /tmp/dh-deps <diffusers checkout>
+    #    built from the same commit (the scripts' check_min_version asks for 0.40.0.dev0), the rest from PyPI
+    git --git-dir=$DIFFUSERS_GIT archive HEAD setup.py src | tar -x -C /tmp/dh-src
+    for f in pyproject.toml README.md; do git --git-dir=$DIFFUSERS_GIT show HEAD:$f > /tmp/dh-src/$f; done
+    pip install --no-deps --no-build-isolation --target /tmp/dh-deps /tmp/dh-src
     pip download --no-deps -d /tmp/dh-dl datasets peft pyarrow "dill<0.4.2" pandas "multiprocess<0.70.20"
     pip install --no-deps --target /tmp/dh-deps /tmp/dh-dl/*.whl
-    # 3. the runs (hasten from this checkout, Accelerate as installed):
-    PYTHONPATH=$PWD/src:/tmp/dh-deps python tools/diffusers_harness.py \\
-        --examples /tmp/diffusers-src/examples --frameworks hasten,accelerate
+    # 3. the runs (hasten from this checkout, Accelerate as installed), about 20 s of CPU each:
+    PYTHONPATH=$PWD/src:/tmp/dh-deps python tools/diffusers_harness.py --examples /tmp/diffusers-examples \
+        --peft_examples /tmp/peft-examples --frameworks hasten,accelerate
 
 Other options: ``--scripts`` (default: all of SPECS), ``--modes 1p,2p,1p-resume,2p-resume``,
 ``--work /tmp/hasten-diffusers`` (models, data, outputs under ``out/<framework>/<script>-<mode>``, logs
