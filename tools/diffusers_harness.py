@@ -54,7 +54,8 @@ Rerunning what tools/diffusers_result.md reports::
 
 Other options: ``--scripts`` (default: all of SPECS), ``--modes 1p,2p,1p-resume,2p-resume``,
 ``--work /tmp/hasten-diffusers`` (models, data, outputs under ``out/<framework>/<script>-<mode>``, logs
-under ``logs/``), ``--timeout 600`` (seconds per run), ``--peft_examples`` (PEFT's examples folder).
+under ``logs/``), ``--timeout 600`` (seconds per run), ``--compare_only`` (run nothing, compare the final
+weights earlier runs left in ``--work``).
 Prints one table row per run and ``N passed, N failed`` (skips counted apart); exits 1 if any failed.
 """
 
@@ -386,19 +387,17 @@ def run_harness(roots: dict[str, Optional[str]], names: list[str], modes: list[s
     return results
 
 
-def compare_frameworks(results: list[RunResult], work: str) -> list[str]:
-    """One line per (script, mode) that passed under both frameworks: the largest difference between
-    the two runs' final weights."""
-    passed = {(r.script, r.mode, r.framework) for r in results if r.status == "pass"}
+def compare_frameworks(names: list[str], modes: list[str], work: str) -> list[str]:
+    """One line per (script, mode) whose final weights both frameworks left in ``work`` (this run's or
+    an earlier one's): the largest difference between hasten's and Accelerate's."""
     lines = []
-    for script, mode, framework in sorted(passed):
-        if framework != "hasten" or (script, mode, "accelerate") not in passed:
-            continue
-        weights = SPECS[script].weights
-        gap = max_weight_difference(os.path.join(output_dir_of(work, "hasten", script, mode), weights),
-                                    os.path.join(output_dir_of(work, "accelerate", script, mode), weights))
-        lines.append(f"{script} {mode}: hasten vs accelerate weights max |diff| "
-                     f"{'n/a' if gap is None else f'{gap:.1e}'}")
+    for script in names:
+        for mode in modes:
+            weights = SPECS[script].weights
+            gap = max_weight_difference(os.path.join(output_dir_of(work, "hasten", script, mode), weights),
+                                        os.path.join(output_dir_of(work, "accelerate", script, mode), weights))
+            if gap is not None:
+                lines.append(f"{script} {mode}: hasten vs accelerate weights max |diff| {gap:.1e}")
     return lines
 
 
@@ -410,6 +409,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--work", default="/tmp/hasten-diffusers", help="scratch folder (models, data, outputs, logs)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    parser.add_argument("--compare_only", action="store_true",
+                        help="run nothing; compare the final weights earlier runs left in --work")
     parser.add_argument("--frameworks", default="hasten",
                         help="comma-separated, from hasten, accelerate (accelerate runs the unchanged script)")
     args = parser.parse_args(argv)
@@ -426,13 +427,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"{flag} {folder!r} is not a folder; give a checkout's examples folder")
     roots = {"diffusers": args.examples and os.path.abspath(args.examples),
              "peft": args.peft_examples and os.path.abspath(args.peft_examples)}
-    print("| script | framework | mode | result | secs | metrics | note |\n|---|---|---|---|---|---|---|", flush=True)
     work = os.path.abspath(args.work)
+    if args.compare_only:
+        print("\n".join(compare_frameworks(names, modes, work)))
+        return 0
+    print("| script | framework | mode | result | secs | metrics | note |\n|---|---|---|---|---|---|---|", flush=True)
     results = run_harness(roots, names, modes, work, args.timeout, frameworks)
     for result in results:
         if result.status == "skip" and result.mode == "all":  # the others were printed as they came
             print(format_row(result))
-    for line in compare_frameworks(results, work):
+    for line in compare_frameworks(names, modes, work):
         print(line)
     passed = sum(r.status == "pass" for r in results)
     failed = sum(r.status == "FAIL" for r in results)
