@@ -69,7 +69,7 @@ def _reset(lib: str) -> None:
         GradientState._reset_state()
 
 
-def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, resume=None):
+def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, resume=None, workers: int = 0):
     """Accelerator, model, optimizer and loader as a script builds them (``set_seed`` first)."""
     _reset(lib)
     if lib == "hasten":
@@ -86,7 +86,7 @@ def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, res
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dl = DataLoader(Data(), batch_size=BATCH, shuffle=shuffle, collate_fn=collate)
+    dl = DataLoader(Data(), batch_size=BATCH, shuffle=shuffle, collate_fn=collate, num_workers=workers)
     model, opt, dl = acc.prepare(model, opt, dl)
     return acc, model, opt, dl
 
@@ -117,29 +117,29 @@ def train(acc, model, opt, dl, pattern: str = "plain", done: int = 0, save_to=No
     return {"seen": seen, "steps": step_count - done, "weights": weights, "steps_per_epoch": steps_per_epoch}
 
 
-def _folder(lib: str, shuffle: bool) -> str:
-    return os.path.join(os.environ["HASTEN_TEST_TMP"], f"{lib}-{'shuffled' if shuffle else 'ordered'}")
+def _folder(lib: str, shuffle: bool, workers: int = 0) -> str:
+    return os.path.join(os.environ["HASTEN_TEST_TMP"], f"{lib}-{'shuffled' if shuffle else 'ordered'}-{workers}")
 
 
 _RUNS: dict = {}
 
 
-def uninterrupted(lib: str = "hasten", shuffle: bool = True) -> dict:
+def uninterrupted(lib: str = "hasten", shuffle: bool = True, workers: int = 0) -> dict:
     """The run that was not interrupted (it saves at ``SAVE_AT`` on the way), once per process."""
-    key = (lib, shuffle)
+    key = (lib, shuffle, workers)
     if key not in _RUNS:
-        folder = _folder(lib, shuffle)
-        _RUNS[key] = train(*build(lib, shuffle), save_to=folder)
+        folder = _folder(lib, shuffle, workers)
+        _RUNS[key] = train(*build(lib, shuffle, workers=workers), save_to=folder)
     return _RUNS[key]
 
 
-def resumed(pattern: str, lib: str = "hasten", shuffle: bool = True) -> dict:
-    whole = uninterrupted(lib, shuffle)
-    folder = _folder(lib, shuffle)
+def resumed(pattern: str, lib: str = "hasten", shuffle: bool = True, workers: int = 0) -> dict:
+    whole = uninterrupted(lib, shuffle, workers)
+    folder = _folder(lib, shuffle, workers)
     if pattern == "resume_folder":
-        parts = build(lib, shuffle, resume=folder)  # prepare restores the checkpoint
+        parts = build(lib, shuffle, resume=folder, workers=workers)  # prepare restores the checkpoint
     else:
-        parts = build(lib, shuffle, stateful=pattern == "stateful")
+        parts = build(lib, shuffle, stateful=pattern == "stateful", workers=workers)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if pattern == "continue_option":
@@ -199,3 +199,8 @@ def check_accelerate_ordered():
 
 def check_accelerate_shuffled():
     return _accelerate(shuffle=True)
+
+
+def check_skip_loop_workers():
+    """Two worker processes read the data (one process): their draws are replayed with the epoch."""
+    return resumed("skip_loop", workers=2) if world() == 1 else None

@@ -40,6 +40,16 @@ def test_resumed_run_equals_the_uninterrupted_run(runs, pattern, ws):
         assert values[0]["resumed"]["weights"] == values[1]["resumed"]["weights"]
 
 
+def test_own_skipping_with_dataloader_workers_is_exact(runs):
+    """Workers read the restarted epoch from its start with the saved base seed, so the draws made in
+    them (dataset and collate run there) come out as in the uninterrupted run."""
+    rank = runs[1].assert_passed("check_skip_loop_workers")[0]
+    whole, resumed = rank["whole"], rank["resumed"]
+    assert resumed["steps"] == whole["steps"] - SAVE_AT[1]
+    assert resumed["seen"] == whole["seen"][SAVE_AT[1]:]
+    assert max_diff(resumed["weights"], whole["weights"]) == 0.0
+
+
 @pytest.mark.parametrize("ws", [1, 2])
 def test_a_loop_that_does_not_skip_starts_the_interrupted_epoch_again(runs, ws):
     for rank in runs[ws].assert_passed("check_no_skip"):

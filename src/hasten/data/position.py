@@ -10,6 +10,11 @@ of those generators as they were at its start, and a resumed pass starts from th
 Single-process loading (``num_workers=0``) looks one batch ahead only at the *indices* (to know the
 last batch early), not at the data: reading a sample may draw random numbers (augmentation), and
 a checkpoint saved between two steps must not have consumed the next batch's draws yet.
+
+``load_state`` by default restarts the interrupted epoch (as Accelerate; the loop skips the trained
+batches itself): the pass replays the saved states from its first batch, and reads the batches the
+checkpoint already trained with the global generators set aside (``rngs_set_aside``), so that the
+first untrained batch is read from the restored states, as in the uninterrupted run.
 """
 
 from __future__ import annotations
