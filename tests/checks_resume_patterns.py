@@ -21,6 +21,7 @@ weights next to the uninterrupted run's. ``check_accelerate_*`` run the same scr
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import warnings
@@ -152,28 +153,9 @@ def resumed(pattern: str, lib: str = "hasten", shuffle: bool = True, workers: in
     return {"whole": whole, "resumed": out}
 
 
-def check_skip_loop():
-    return resumed("skip_loop")
-
-
-def check_skip_first_batches():
-    return resumed("skip_first_batches")
-
-
-def check_stateful():
-    return resumed("stateful")
-
-
-def check_no_skip():
-    return resumed("no_skip")
-
-
-def check_continue_option():
-    return resumed("continue_option")
-
-
-def check_resume_folder():
-    return resumed("resume_folder")
+PATTERNS = ("skip_loop", "skip_first_batches", "stateful", "no_skip", "continue_option", "resume_folder")
+for _pattern in PATTERNS:  # check_skip_loop, check_skip_first_batches, ...: one check per pattern
+    globals()[f"check_{_pattern}"] = functools.partial(resumed, _pattern)
 
 
 def check_hasten_ordered():
@@ -184,7 +166,7 @@ def check_hasten_ordered():
 
 
 def _accelerate(shuffle: bool):
-    if world() != 1:
+    if world() != 1 and not shuffle:
         return None
     try:
         import accelerate  # noqa: F401

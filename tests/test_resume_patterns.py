@@ -75,13 +75,17 @@ def test_one_process_sees_the_batches_accelerate_sees(runs):
         assert max_diff(run["resumed"]["weights"], run["whole"]["weights"]) == 0.0
 
 
-def test_accelerate_figures_for_the_record(runs):
-    """Accelerate's own resume of the shuffled run (one process): how far its weights end from its
-    uninterrupted run's (quoted in docs/migration.md); asserts only that the runs completed."""
-    theirs = runs[1].assert_passed("check_accelerate_shuffled")[0]
+@pytest.mark.parametrize("ws", [1, 2])
+def test_accelerate_is_not_exact_on_the_same_run(runs, ws):
+    """Accelerate's own resume of the shuffled run: the interrupted epoch is shuffled anew, so its
+    resumed runs train other batches and end away from its uninterrupted run (figures quoted in
+    docs/migration.md, printed with -s). A hasten run meeting this would not be exact."""
+    theirs = runs[ws].assert_passed("check_accelerate_shuffled")[0]
     if theirs == "not installed":
         pytest.skip("accelerate is not installed")
-    for pattern, run in theirs.items():
+    for pattern in ("skip_loop", "skip_first_batches"):
+        run = theirs[pattern]
         diff = max_diff(run["resumed"]["weights"], run["whole"]["weights"])
-        print(f"accelerate {pattern}: steps {run['resumed']['steps']}, max |diff| {diff:.3g}")
-        assert run["resumed"]["steps"] > 0
+        print(f"accelerate, {ws} process(es), {pattern}: max |diff| {diff:.3g}")
+        assert run["resumed"]["steps"] == run["whole"]["steps"] - SAVE_AT[ws]  # the same number of steps
+        assert run["resumed"]["seen"] != run["whole"]["seen"][SAVE_AT[ws]:] and diff > 1e-3
