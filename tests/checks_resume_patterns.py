@@ -70,7 +70,8 @@ def _reset(lib: str) -> None:
         GradientState._reset_state()
 
 
-def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, resume=None, workers: int = 0):
+def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, resume=None, workers: int = 0,
+          accum: int = 1):
     """Accelerator, model, optimizer and loader as a script builds them (``set_seed`` first)."""
     _reset(lib)
     if lib == "hasten":
@@ -83,6 +84,8 @@ def build(lib: str = "hasten", shuffle: bool = True, stateful: bool = False, res
     random.seed(999)
     set_seed(0)
     kwargs = {"resume": resume} if resume is not None else {}
+    if accum > 1:
+        kwargs["gradient_accumulation_steps"] = accum
     acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful), **kwargs)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 1))
@@ -105,10 +108,11 @@ def train(acc, model, opt, dl, pattern: str = "plain", done: int = 0, save_to=No
         for step, (x, y, ids) in enumerate(active):
             if pattern == "skip_loop" and resumed and epoch == first_epoch and step < resume_step:
                 continue
-            loss = ((model(x) - y) ** 2).mean()
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
+            with acc.accumulate(model):
+                loss = ((model(x) - y) ** 2).mean()
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
             step_count += 1
             seen.append([epoch, ids.tolist()])
             if save_to is not None and step_count == SAVE_AT[world()]:
@@ -118,29 +122,30 @@ def train(acc, model, opt, dl, pattern: str = "plain", done: int = 0, save_to=No
     return {"seen": seen, "steps": step_count - done, "weights": weights, "steps_per_epoch": steps_per_epoch}
 
 
-def _folder(lib: str, shuffle: bool, workers: int = 0) -> str:
-    return os.path.join(os.environ["HASTEN_TEST_TMP"], f"{lib}-{'shuffled' if shuffle else 'ordered'}-{workers}")
+def _folder(lib: str, shuffle: bool, workers: int = 0, accum: int = 1) -> str:
+    return os.path.join(os.environ["HASTEN_TEST_TMP"],
+                        f"{lib}-{'shuffled' if shuffle else 'ordered'}-{workers}-{accum}")
 
 
 _RUNS: dict = {}
 
 
-def uninterrupted(lib: str = "hasten", shuffle: bool = True, workers: int = 0) -> dict:
+def uninterrupted(lib: str = "hasten", shuffle: bool = True, workers: int = 0, accum: int = 1) -> dict:
     """The run that was not interrupted (it saves at ``SAVE_AT`` on the way), once per process."""
-    key = (lib, shuffle, workers)
+    key = (lib, shuffle, workers, accum)
     if key not in _RUNS:
-        folder = _folder(lib, shuffle, workers)
-        _RUNS[key] = train(*build(lib, shuffle, workers=workers), save_to=folder)
+        folder = _folder(lib, shuffle, workers, accum)
+        _RUNS[key] = train(*build(lib, shuffle, workers=workers, accum=accum), save_to=folder)
     return _RUNS[key]
 
 
-def resumed(pattern: str, lib: str = "hasten", shuffle: bool = True, workers: int = 0) -> dict:
-    whole = uninterrupted(lib, shuffle, workers)
-    folder = _folder(lib, shuffle, workers)
+def resumed(pattern: str, lib: str = "hasten", shuffle: bool = True, workers: int = 0, accum: int = 1) -> dict:
+    whole = uninterrupted(lib, shuffle, workers, accum)
+    folder = _folder(lib, shuffle, workers, accum)
     if pattern == "resume_folder":
-        parts = build(lib, shuffle, resume=folder, workers=workers)  # prepare restores the checkpoint
+        parts = build(lib, shuffle, resume=folder, workers=workers, accum=accum)  # prepare restores it
     else:
-        parts = build(lib, shuffle, stateful=pattern == "stateful", workers=workers)
+        parts = build(lib, shuffle, stateful=pattern == "stateful", workers=workers, accum=accum)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if pattern == "continue_option":
@@ -186,3 +191,9 @@ def check_accelerate_shuffled():
 def check_skip_loop_workers():
     """Two worker processes read the data (one process): their draws are replayed with the epoch."""
     return resumed("skip_loop", workers=2) if world() == 1 else None
+
+
+def check_skip_loop_accumulation():
+    """``accumulate`` with 2 micro-steps, saved inside a window (odd ``SAVE_AT``, as diffusers' loops
+    skip in batches): the skipped batches leave the restored step counter and partial gradients alone."""
+    return resumed("skip_loop", accum=2)
