@@ -228,16 +228,6 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         if self.iteration == epoch:  # a set_epoch() during the pass wins
             self.iteration = epoch + 1
 
-    def _replayed(self, iterator: Iterator[Any], count: int) -> Iterator[Any]:
-        """``iterator`` with its first ``count`` items (a restarted epoch's trained batches) read with
-        the global generators set aside; ``iterator`` itself when there are none."""
-        if count <= 0:
-            return iterator
-        from ..state import PartialState
-
-        seed = position.replay_seed(self._epoch, PartialState().process_index)
-        return position.ReplayedPrefix(iterator, count, seed)
-
     def _at_boundary(self) -> None:
         """A step boundary: the last batch is done, the next one not handed out (preemption saves here)."""
         callbacks = self._boundary_callbacks
@@ -512,7 +502,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
 
     def _run(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
         peek = position.peek_indices(iterator) if self._shard is not None and not skip else None
-        iterator = self._replayed(iterator, self._replay_now)
+        iterator = position.replayed(iterator, self._replay_now, self._epoch)
         if peek is not None:
             yield from self._run_lazily(iterator, peek)
             return

@@ -189,9 +189,16 @@ class ReplayedPrefix:
         return item
 
 
-def replay_seed(epoch: int, rank: int) -> int:
-    """The base seed of a replayed pass: from the restored torch seed, the epoch and the process."""
-    return hash((int(torch.initial_seed()), int(epoch), int(rank))) & (2**63 - 1)
+def replayed(iterator: Iterator[Any], count: int, epoch: int) -> Iterator[Any]:
+    """``iterator`` with its first ``count`` items (a restarted epoch's trained batches) read with the
+    global generators set aside; ``iterator`` itself when there are none. The seeds they are read
+    with come from the restored torch seed, the epoch and the process."""
+    if count <= 0:
+        return iterator
+    from ..state import PartialState
+
+    seed = hash((int(torch.initial_seed()), int(epoch), PartialState().process_index)) & (2**63 - 1)
+    return ReplayedPrefix(iterator, count, seed)
 
 
 # -- iterable datasets that can say where they are ------------------------------------------------
