@@ -197,3 +197,17 @@ def check_skip_loop_accumulation():
     """``accumulate`` with 2 micro-steps, saved inside a window (odd ``SAVE_AT``, as diffusers' loops
     skip in batches): the skipped batches leave the restored step counter and partial gradients alone."""
     return resumed("skip_loop", accum=2)
+
+
+def check_saved_again_before_iterating():
+    """A resumed run that saves before its loop ever ran (and ends there); the run resumed from that
+    second checkpoint skips in its own loop and must still equal the uninterrupted run."""
+    whole = uninterrupted()
+    again = _folder("hasten", True) + "-again"
+    acc = build()[0]
+    acc.load_state(_folder("hasten", True))
+    acc.save_state(again)
+    acc.wait_for_everyone()
+    parts = build()
+    parts[0].load_state(again)
+    return {"whole": whole, "resumed": train(*parts, pattern="skip_loop", done=SAVE_AT[world()])}

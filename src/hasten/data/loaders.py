@@ -283,6 +283,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
             return {key: self._left_at[key] for key in ("epoch", "batches_yielded")}
         if self._in_iteration:
             return {"epoch": self._epoch + 1, "batches_yielded": 0}
+        pending = self.pending_resume_state()  # restored, not iterated since: a save keeps that position
+        if pending is not None:
+            return {"epoch": pending["epoch"], "batches_yielded": pending["batches_yielded"]}
         return {"epoch": self.iteration, "batches_yielded": 0}
 
     def exact_resume_state(self) -> dict:
@@ -291,6 +294,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         ``load_state_dict`` accepts either."""
         if not self._in_iteration and self._left_at is not None:
             return dict(self._left_at)
+        pending = None if self._in_iteration else self.pending_resume_state()
+        if pending is not None:
+            return dict(pending, sampler_seed=position.sampler_seed(self))
         out = dict(self.state_dict(), sampler_seed=position.sampler_seed(self))
         if self._in_iteration and not self.end_of_dataloader:
             out.update(self._pass_states)
