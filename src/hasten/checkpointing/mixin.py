@@ -234,11 +234,11 @@ class CheckpointMixin:
 
     def _manifest_head(self, number: Optional[int], mid_window: bool, contents: dict) -> dict[str, Any]:
         """The manifest without its file list, as of the moment the save was asked for."""
-        from .. import __version__
+        from .. import __hasten_version__
 
         pc = self.project_configuration
         return {
-            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __version__,
+            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __hasten_version__,
             "torch_version": torch.__version__, "world_size": self.num_processes,
             "num_machines": self.state.num_machines, "save_on_each_node": bool(pc.save_on_each_node),
             "iteration": number if number is not None else pc.iteration, "step": int(self.step),
