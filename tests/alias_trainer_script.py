@@ -9,7 +9,7 @@ output folder) that resumes from the first one's checkpoint at ``--save_steps``.
 10 rows (not a multiple of the global batch: ``gather_for_metrics`` must drop the padding).
 Report: each run's log history, final weights and prediction summary.
 
-``python alias_trainer_script.py OUT --report R.json [--max_steps 6] [--save_steps 3]``
+``python alias_trainer_script.py OUT --report R.json [--max_steps 6] [--save_steps 3] [--cpu]``
 """
 
 import argparse
@@ -35,7 +35,7 @@ def _train(args, output_dir, resume=None):
         gradient_accumulation_steps=args.accumulation, max_steps=args.max_steps, save_steps=args.save_steps,
         logging_steps=1, learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01,
         max_grad_norm=1.0, seed=0, report_to=[], dataloader_num_workers=0, disable_tqdm=True, eval_strategy="no",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=args.cpu,  # cpu-on-purpose: only when the test's device policy says so (--cpu)
     )
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     trainer.train(resume_from_checkpoint=resume)
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=6)
     parser.add_argument("--save_steps", type=int, default=3)
     parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--cpu", action="store_true", help="TrainingArguments(use_cpu=True)")
     args = parser.parse_args()
 
     first = os.path.join(args.output_dir, "uninterrupted")
