@@ -237,3 +237,23 @@ def test_trainer_on_hasten_equals_accelerate(trainer_runs, processes):
     assert ours["distributed_type"].split(".")[-1] == theirs["distributed_type"].split(".")[-1]
     for run in ("uninterrupted", "resumed"):
         _assert_same(ours[run], theirs[run])
+
+
+def test_one_process_gather_for_metrics_weighs_the_short_last_batch():
+    # What the Trainer's evaluation loss relies on: it gathers loss.repeat(batch_size) for every batch, and
+    # the last, short batch (10 samples, batches of 4: 2 left) must count 2 times, not 4 (as in Accelerate).
+    # Tensors with one row per sample, and any other shape, are kept as they are.
+    got = _json(_python("""
+        import json, torch, hasten
+        acc = hasten.Accelerator()
+        loader = acc.prepare(torch.utils.data.DataLoader(list(range(10)), batch_size=4))
+        rows = []
+        for batch in loader:
+            loss = batch.float().mean().to(acc.device)
+            rows.append([acc.gather_for_metrics(loss.repeat(4)).shape[0], acc.gather_for_metrics(batch).tolist(),
+                         acc.gather_for_metrics(torch.zeros(3, device=acc.device)).shape[0],
+                         acc.gather_for_metrics({"l": loss.repeat(4)})["l"].shape[0]])
+        outside = acc.gather_for_metrics(torch.zeros(4, device=acc.device)).shape[0]
+        print(json.dumps([rows, outside]))
+    """))
+    assert got == [[[4, [0, 1, 2, 3], 3, 4], [4, [4, 5, 6, 7], 3, 4], [2, [8, 9], 3, 2]], 4]
