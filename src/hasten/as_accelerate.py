@@ -92,6 +92,8 @@ class AccelerateAlias(importlib.metadata.DistributionFinder):
     def find_distributions(self, context: Any = None) -> Iterable[importlib.metadata.Distribution]:
         if context is None:
             context = importlib.metadata.DistributionFinder.Context()
+        if list(context.path) != list(sys.path):
+            return  # a search of given folders (not this process's imports): the real files answer
         if context.name is None or _normalized(context.name) == ALIAS:
             yield AcceleratePackage()
 
