@@ -91,6 +91,7 @@ def test_alias_resolves_to_hasten_modules():
             "metadata_dist": importlib.metadata.distribution("accelerate").metadata["Name"],
             "in_distributions": sum(d.metadata["Name"] == "accelerate" for d in importlib.metadata.distributions()),
             "version": accelerate.__version__, "hasten": hasten.__version__,
+            "env": __import__("os").environ.get("HASTEN_AS_ACCELERATE"),
         }))
     """))
     assert got["finders"] == 1 and got["torch_before"] is False
@@ -99,6 +100,7 @@ def test_alias_resolves_to_hasten_modules():
     assert got["missing"] == "No module named 'accelerate.no_such_module'"
     assert got["spec"] and got["metadata"] == got["version"] == got["hasten"]
     assert got["metadata_dist"] == "accelerate" and got["in_distributions"] >= 1
+    assert got["env"] == "1"  # processes that `hasten launch` starts from here get the alias too
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is not installed")

@@ -109,7 +109,8 @@ def is_installed() -> bool:
 def install_as_accelerate() -> None:
     """Make ``import accelerate`` (and its submodules, and its package metadata) resolve to hasten.
 
-    Call it before importing a library built on Accelerate. Calling it again does nothing. Raises
+    Call it before importing a library built on Accelerate. Calling it again does nothing. It also sets
+    ``HASTEN_AS_ACCELERATE=1`` (unless set) so that processes ``hasten launch`` starts from here get it. Raises
     ``RuntimeError`` if the real ``accelerate`` is already imported in this process (its objects would mix
     with hasten's).
     """
@@ -125,6 +126,9 @@ def install_as_accelerate() -> None:
             f"(first thing in the script, or HASTEN_AS_ACCELERATE=1 hasten launch ...)")
     sys.meta_path.insert(0, AccelerateAlias())
     importlib.invalidate_caches()
+    # Processes that `hasten launch` starts from here (a library's own launch, e.g. a CLI that calls
+    # accelerate.commands.launch.launch_command) get the alias too: the launcher's bootstrap reads this.
+    os.environ.setdefault(ENV_VAR, "1")
 
 
 def _run(argv: list) -> None:
