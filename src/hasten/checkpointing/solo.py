@@ -280,6 +280,7 @@ def wait_for_main(kv: Any, key: str, rank: int) -> dict[str, Any]:
     bound = group_timeout()
     try:
         kv.wait([key], timedelta(seconds=bound))
+        record = json.loads(kv.get(key))
     except Exception:  # noqa: BLE001 - torch's store timeout
         raise RuntimeError(
             f"save_state on process {rank}: process 0 did not finish a save_state of its own within {bound:g} s "
@@ -287,7 +288,6 @@ def wait_for_main(kv: Any, key: str, rank: int) -> dict[str, Any]:
             "positions, partial gradients) was not added to any checkpoint. Call save_state on every process at "
             "the same point of the loop, or on process 0 only"
         ) from None
-    record = json.loads(kv.get(key))
     if record.get("error"):
         raise RuntimeError(record["error"])
     return record
@@ -313,8 +313,9 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
         moves = [(os.path.join(staging, name), name) for name in files]
         if hook_folder is not None:
             for name in layout.files_in(hook_folder):
-                if name in manifest["files"] or os.path.lexists(os.path.join(target, name)):
-                    continue  # process 0's copy of the file is the checkpoint's
+                if (name in manifest["files"] or name in files or name.startswith("attached_rank_")
+                        or os.path.lexists(os.path.join(target, name))):
+                    continue  # process 0's copy of the file is the checkpoint's; the record's names are taken
                 source = os.path.join(hook_folder, name)
                 fsync_path(source)
                 from .filereading import file_checksum
