@@ -43,7 +43,7 @@ def test_ddp_save_by_process_0_only_loads_in_one_process(two, fresh_state):
         acc.load_state(saved["folder"])
     messages = [str(w.message) for w in caught]
     got = acc.unwrap_model(model).state_dict()
-    assert all(torch.equal(got[k], torch.tensor(v)) for k, v in saved["expected"].items())
+    assert all(torch.equal(got[k], torch.tensor(v, device=got[k].device)) for k, v in saved["expected"].items())
     assert not any("holds no state" in m for m in messages), messages
     assert any("saved by 2 processes and is resumed by 1" in m for m in messages), messages
 
