@@ -110,6 +110,17 @@ def check_ddp_main_only_save_then_load():
             "expected": {k: v.tolist() for k, v in expected.items()}, "folder": folder}
 
 
+def _go_on(acc, model, opt, batches, steps=4):
+    """``steps`` micro-steps: the first sample of each batch and the numbers drawn before each step."""
+    seen, draws = [], []
+    for _ in range(steps):
+        batch = next(batches)
+        seen.append(batch[0][0].tolist())
+        draws.append(_draws())
+        _micro_step(acc, model, opt, batch)
+    return seen, draws
+
+
 def _every_process(folder, blocking):
     """Save inside an accumulation window on every process (with a hook that draws random numbers), go on
     4 micro-steps; resume from the folder in fresh objects and take the same 4: the same draws and weights."""
@@ -119,12 +130,7 @@ def _every_process(folder, blocking):
     for _ in range(3):  # the third micro-step is the first of a window: partial gradients are saved
         _micro_step(acc, model, opt, next(batches))
     acc.save_state(folder, blocking=blocking)
-    draws, seen = [], []
-    for _ in range(4):
-        batch = next(batches)
-        seen.append(batch[0][0].tolist())
-        draws.append(_draws())
-        _micro_step(acc, model, opt, batch)
+    seen, draws = _go_on(acc, model, opt, batches)
     acc.wait_for_checkpoint()
     expected = _weights(acc, model)
     acc.wait_for_everyone()
@@ -138,13 +144,7 @@ def _every_process(folder, blocking):
     hidden = sorted(n for n in os.listdir(os.path.dirname(folder)) if n.startswith(f".{os.path.basename(folder)}."))
     acc, model, opt, loader = _run(accum=2, hook=True)
     acc.load_state(folder)
-    batches = iter(loader)
-    redraws, reseen = [], []
-    for _ in range(4):
-        batch = next(batches)
-        reseen.append(batch[0][0].tolist())
-        redraws.append(_draws())
-        _micro_step(acc, model, opt, batch)
+    reseen, redraws = _go_on(acc, model, opt, iter(loader))
     got = _weights(acc, model)
     worst = max(float((expected[k] - got[k]).abs().max()) for k in expected)
     return {"draws": redraws == draws, "batches": reseen == seen, "worst": worst,
@@ -262,3 +262,21 @@ def check_automatic_naming_main_only_save_is_one_clear_error():
         return _main_only_refused(acc)
     finally:
         progress.set_hang_timeout(None)
+
+
+def check_a_failure_of_process_0_is_raised_on_every_process():
+    """Every process saves; process 0 cannot (the folder it names is a file): process 1, which waits for its
+    outcome, raises process 0's error instead of waiting for the process group's timeout."""
+    target = _tmp("a_file")
+    acc, model, opt, loader = _run()
+    if acc.is_main_process:
+        with open(target, "w") as f:
+            f.write("not a folder")
+    acc.wait_for_everyone()
+    start = time.monotonic()
+    try:
+        acc.save_state(target)
+        error = None
+    except (ValueError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "elapsed": time.monotonic() - start}

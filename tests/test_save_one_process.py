@@ -156,3 +156,11 @@ def test_generators_are_recorded_after_the_save_hooks(tmp_path, fresh_state, aut
     got = acc.unwrap_model(model).state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert os.path.isdir(folder)
+
+
+def test_a_failure_of_process_0_reaches_the_other_processes(two):
+    main, other = two.assert_passed("check_a_failure_of_process_0_is_raised_on_every_process")
+    assert main["error"].startswith("ValueError: save_state: output_dir=") and "is a file" in main["error"], main
+    assert other["error"].startswith("RuntimeError: save_state failed on process 0; nothing was committed: "
+                                     "ValueError: save_state: output_dir="), other
+    assert other["elapsed"] < 30, other

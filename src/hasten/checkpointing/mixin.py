@@ -108,7 +108,12 @@ class CheckpointMixin:
         gradients when saved inside an accumulation window, and every object given to
         ``register_for_checkpointing``. With ``automatic_checkpoint_naming`` the folder is
         ``project_dir/checkpoints/checkpoint_N`` (``output_dir`` is then ignored) and ``total_limit``
-        applies. Every process must call it.
+        applies. Call it on every process. An unsharded state (one process, DDP) saved into
+        ``output_dir`` may also be saved by process 0 alone (``if accelerator.is_main_process:``):
+        process 0 commits without waiting, and the other processes' own state (generators, partial
+        gradients) is then missing from the checkpoint, as in Accelerate. Where every process must take
+        part (sharded states, automatic naming), a call by one process raises after a bounded wait.
+        The random generators are recorded after the save pre-hooks ran, as Accelerate does.
 
         ``blocking=False`` returns once the state is copied into host memory (buffers kept for the
         next save) and writes, fsyncs and commits on a background thread while training goes on. The
