@@ -25,9 +25,13 @@ def _install_and_ask(python, target, cwd):
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall",
                     "--no-index", target], check=True, timeout=300, env=env, cwd=cwd)
-    where = subprocess.run([python, "-c", "import hasten, sys; print(hasten.__file__); print(hasten.__version__)"],
+    where = subprocess.run([python, "-c", "import hasten, importlib.metadata; print(hasten.__file__); "
+                            "print(hasten.__version__); print(importlib.metadata.version('hasten'))"],
                            capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
     assert where.returncode == 0, where.stderr
+    # The version scheme (docs/migration.md): the installed metadata says what hasten.__version__ says.
+    _, module_version, metadata_version = where.stdout.splitlines()
+    assert metadata_version == module_version, (metadata_version, module_version)
     cli = subprocess.run([os.path.join(os.path.dirname(python), "hasten"), "--help"], capture_output=True,
                          text=True, timeout=60, env=env, cwd=cwd)
     assert cli.returncode == 0 and "launch" in cli.stdout, cli.stdout + cli.stderr

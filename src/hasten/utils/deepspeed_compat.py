@@ -64,8 +64,8 @@ def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any =
 
 
 def __getattr__(name: str) -> Any:
-    if name == "HfDeepSpeedConfig":  # transformers' class, as Accelerate re-exports it
-        from transformers.integrations import HfDeepSpeedConfig
+    if name == "HfDeepSpeedConfig":  # the base class that transformers' own subclasses
+        from .ds_config import HfDeepSpeedConfig
 
         return HfDeepSpeedConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
