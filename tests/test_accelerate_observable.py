@@ -1,0 +1,97 @@
+"""Where hasten behaved differently from Accelerate 1.15 for the same call and now does as Accelerate does
+(the rule: what hasten adds is invisible to code written for Accelerate). Each test states Accelerate's
+observable behaviour and, where hasten keeps a stronger one, that it still holds.
+
+Where cheap, the installed ``accelerate`` answers the same call and the two are compared.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from hasten.utils import ParallelismConfig
+
+LAYOUTS = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 4, 1, 1), (1, 4, 2, 1), (2, 2, 2, 1), (1, 1, 8, 1), (1, 1, 1, 4),
+           (1, 4, 1, 2), (1, 2, 2, 2), (2, 2, 2, 2)]
+
+
+def _sizes(layout: tuple) -> dict:
+    return dict(zip(("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"), layout))
+
+
+class RecordingMesh:
+    """What torch's ``init_device_mesh`` returns, reduced to what the caller does with it: slice and flatten."""
+
+    def __init__(self, device_type: str, shape: tuple, mesh_dim_names: tuple) -> None:
+        self.device_type, self.shape, self.mesh_dim_names = device_type, shape, mesh_dim_names
+        self.flattened: list = []
+
+    def __getitem__(self, names):
+        outer = self
+
+        class Sub:
+            def _flatten(self, name):
+                outer.flattened.append((names, name))
+
+        return Sub()
+
+
+def _build(module, layout, monkeypatch) -> tuple:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = module.ParallelismConfig(**_sizes(layout))
+    with mock.patch("torch.distributed.device_mesh.init_device_mesh", side_effect=RecordingMesh) as init:
+        mesh = config.build_device_mesh("cpu")  # cpu-on-purpose: the mesh is recorded, not built
+    return init.call_count, mesh.device_type, mesh.shape, mesh.mesh_dim_names, mesh.flattened, config
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mesh_names_shape_and_flattening_are_accelerates(layout, monkeypatch) -> None:
+    accelerate = pytest.importorskip("accelerate.parallelism_config")
+    config = ParallelismConfig(**_sizes(layout))
+    reference = accelerate.ParallelismConfig(**_sizes(layout))
+    assert config._get_mesh() == reference._get_mesh()
+    for view in ("dp_dim_names", "non_dp_dim_names", "dp_shard_cp_dim_names", "dp_cp_dim_names", "fsdp_dim_names"):
+        assert sorted(getattr(config, view)) == sorted(getattr(reference, view)), view
+        assert type(getattr(config, view)) is list
+    # A job of one process, with torch's mesh builder replaced (Accelerate's own tests do this): the
+    # layout is not checked against a world of 1 (there is no job yet), and the same mesh is asked for
+    # and flattened the same way.
+    ours, theirs = _build(__import__("hasten.utils", fromlist=["x"]), layout, monkeypatch), _build(
+        accelerate, layout, monkeypatch)
+    assert ours[:5] == theirs[:5]
+    assert ours[4] == [(names, joint) for names, joint in
+                       ((ours[5].dp_dim_names, "dp"), (ours[5].dp_shard_cp_dim_names, "dp_shard_cp"),
+                        (ours[5].dp_cp_dim_names, "dp_cp")) if names]
+
+
+def test_mesh_of_one_process_is_none_and_get_mesh_empty() -> None:
+    assert ParallelismConfig()._get_mesh() == ()
+    assert ParallelismConfig().build_device_mesh("cpu") is None  # cpu-on-purpose: nothing to lay out
+
+
+def test_a_launched_job_of_the_wrong_size_is_refused_before_torch_builds_a_mesh(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what the launcher says torch's rendezvous will have
+    with mock.patch("torch.distributed.device_mesh.init_device_mesh", side_effect=RecordingMesh) as init:
+        with pytest.raises(ValueError, match="tp_size=4 = 4 processes, but this job runs 2"):
+            ParallelismConfig(tp_size=4).build_device_mesh("cpu")  # cpu-on-purpose: refused before any mesh
+    assert init.call_count == 0
+
+
+def test_a_lone_process_names_the_layout_when_torch_cannot_make_the_group(monkeypatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"tp_size=2 = 2 processes, but this process runs alone.*--num_processes 2"):
+        ParallelismConfig(tp_size=2).build_device_mesh("cpu")  # cpu-on-purpose: this process runs alone
+
+
+@pytest.mark.parametrize("value", ["invalid", "unsupported"])
+def test_cp_comm_strategy_refusal_has_accelerates_words(value, monkeypatch) -> None:
+    from hasten.utils import TorchContextParallelConfig
+
+    with pytest.raises(ValueError, match=f"^Invalid cp_comm_strategy: {value} .*use one of"):
+        TorchContextParallelConfig(cp_comm_strategy=value)
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", value)
+    with pytest.raises(ValueError, match=f"^Invalid cp_comm_strategy: {value} "):
+        ParallelismConfig(cp_size=2)
