@@ -95,3 +95,26 @@ def test_cp_comm_strategy_refusal_has_accelerates_words(value, monkeypatch) -> N
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", value)
     with pytest.raises(ValueError, match=f"^Invalid cp_comm_strategy: {value} "):
         ParallelismConfig(cp_size=2)
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_set_is_overflow_is_the_skip_flag_the_scheduler_follows(with_optimizer, fresh_state) -> None:
+    import torch
+
+    from hasten import Accelerator
+
+    accelerator = Accelerator(step_scheduler_with_optimizer=with_optimizer)
+    model = torch.nn.Linear(2, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda n: 1 - n / 10)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    optimizer._is_overflow = False  # Accelerate's private flag, as its scheduler tests set it
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.9) and optimizer.step_was_skipped is False
+    optimizer._is_overflow = True  # a faked fp16 overflow: the scheduler does not advance with the optimizer
+    scheduler.step()
+    assert optimizer.step_was_skipped is True and optimizer._is_overflow is True
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.9 if with_optimizer else 0.8)
+    optimizer._is_overflow = True
+    optimizer.step()  # a real step sets the flag again
+    assert optimizer._is_overflow is False
