@@ -118,3 +118,69 @@ def test_a_set_is_overflow_is_the_skip_flag_the_scheduler_follows(with_optimizer
     optimizer._is_overflow = True
     optimizer.step()  # a real step sets the flag again
     assert optimizer._is_overflow is False
+
+
+def test_to_fsdp2_on_an_fsdp2_config_logs_accelerates_record_and_prints_once(tmp_path, caplog) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from hasten.commands.cli import main
+
+    source = tmp_path / "fsdp2.yaml"
+    source.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}))
+    with caplog.at_level("WARNING"):
+        assert main(["to-fsdp2", "--config_file", str(source), "--output_file", str(tmp_path / "a.yaml")]) == 0
+    [record] = caplog.records
+    assert record.name == "hasten.commands.to_fsdp2" and record.levelname == "WARNING"
+    assert record.getMessage().startswith("Config already specifies FSDP2, skipping conversion...")
+    # Without logging configured (the command line), the note is one stderr line, not two.
+    code = ("import sys; from hasten.commands.cli import main; "
+            f"sys.exit(main(['to-fsdp2', '--config_file', {str(source)!r}, '--output_file', {str(tmp_path / 'b.yaml')!r}]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [line for line in out.stderr.splitlines() if "FSDP2" in line] == [
+        "hasten to-fsdp2: Config already specifies FSDP2, skipping conversion... (fsdp_version: 2): it is written "
+        "unchanged (set fsdp_version: 1 to convert FSDP1 key names)"]
+
+
+def test_non_strict_load_with_extra_keys_is_a_log_record_not_a_warning(tmp_path, caplog) -> None:
+    import warnings
+
+    import torch
+
+    from hasten.utils import load_checkpoint_in_model
+
+    model = torch.nn.Linear(3, 2)
+    state = dict(model.state_dict(), foo=torch.rand(4, 5))
+    torch.save(state, tmp_path / "model.pt")
+    for device_map in (None, {"": "cpu"}):  # cpu-on-purpose: the device map of Accelerate's test
+        caplog.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # -W error: Accelerate only logs here, so hasten must not warn
+            with caplog.at_level("WARNING"):
+                load_checkpoint_in_model(torch.nn.Linear(3, 2), str(tmp_path / "model.pt"), device_map=device_map)
+        [record] = caplog.records
+        assert record.name == "hasten.utils.modeling" and "were not used when initializing Linear: ['foo']" in \
+            record.getMessage()
+        with pytest.raises((ValueError, RuntimeError)):
+            load_checkpoint_in_model(torch.nn.Linear(3, 2), str(tmp_path / "model.pt"), device_map=device_map,
+                                     strict=True)
+
+
+def test_recursively_apply_and_tensorboard_messages_have_accelerates_words(tmp_path, fresh_state) -> None:
+    import torch
+
+    from hasten import Accelerator
+    from hasten.utils import recursively_apply
+
+    with pytest.raises(TypeError) as refused:
+        recursively_apply(torch.tensor, (torch.tensor(1), 1), error_on_other_type=True)
+    assert str(refused.value) == ("Unsupported types (<class 'int'>) passed to `tensor`. Only nested list/tuple/dicts "
+                                  "of objects that are valid for `is_torch_tensor` should be passed.")
+    pytest.importorskip("tensorboard")
+    with pytest.raises(ValueError, match="^Logging with `tensorboard` requires a `logging_dir`.*project_dir="):
+        Accelerator(log_with="tensorboard")
