@@ -184,3 +184,15 @@ def test_recursively_apply_and_tensorboard_messages_have_accelerates_words(tmp_p
     pytest.importorskip("tensorboard")
     with pytest.raises(ValueError, match="^Logging with `tensorboard` requires a `logging_dir`.*project_dir="):
         Accelerator(log_with="tensorboard")
+
+
+def test_estimate_memory_of_a_hub_name_is_an_os_error_without_the_network(monkeypatch) -> None:
+    from hasten.commands import estimate
+
+    monkeypatch.setattr(estimate, "verify_on_hub", lambda *a, **k: "gated")  # as Accelerate's test_gated does
+    args = estimate.estimate_command_parser().parse_args(["meta-llama/Llama-2-7b-hf"])
+    with pytest.raises(OSError, match="never downloads"):
+        estimate.estimate_command(args)
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download meta-llama/Llama-2-7b-hf config.json"):
+        estimate.verify_on_hub("meta-llama/Llama-2-7b-hf")

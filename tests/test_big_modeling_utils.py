@@ -7,6 +7,7 @@ import gc
 import inspect
 import json
 import os
+import shutil
 import weakref
 
 import pytest
@@ -489,9 +490,7 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
         acc.offload_weight(tensor, name, str(theirs_dir), index=theirs_index)
         # byte for byte the same file, and the same index entry
         assert (ours_dir / f"{name}.dat").read_bytes() == (theirs_dir / f"{name}.dat").read_bytes(), name
-    # the same entries, plus the checksum of the bytes that hasten verifies on reading (Accelerate ignores it)
-    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in ours_index.items()} == theirs_index
-    assert all(e["checksum"].startswith("bsum64:") for e in ours_index.values())
+    assert ours_index == theirs_index  # the caller's dict holds Accelerate's entries, nothing more
     assert hu.offload_weight(torch.ones(2), "x", str(ours_dir)) is None and (ours_dir / "x.dat").exists()
     with pytest.raises(ValueError, match="outside the offload folder"):
         hu.offload_weight(torch.ones(2), "../escape", str(ours_dir))
@@ -501,7 +500,19 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
     hu.save_offload_index(None, str(ours_dir))
     acc.save_offload_index(theirs_index, str(theirs_dir))
     on_disk = json.loads((ours_dir / "index.json").read_text())
-    assert on_disk == {**ours_index, "x": {"dtype": "float32", "shape": [2]}}
+    # in the file, each entry also holds the checksum of its .dat bytes, which hasten verifies on reading
+    # (Accelerate ignores the key)
+    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in on_disk.items()} == {
+        **ours_index, "x": {"dtype": "float32", "shape": [2]}}
+    assert all(e["checksum"].startswith("bsum64:") for e in on_disk.values())
+    assert "checksum" not in ours_index["a.weight"]  # the caller's dict is left as it was
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ours_dir, corrupt)
+    raw = bytearray((corrupt / "a.weight.dat").read_bytes())
+    raw[5] ^= 0x40
+    (corrupt / "a.weight.dat").write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="'a.weight' .* is corrupted"):
+        hu.OffloadedWeightsLoader(save_folder=str(corrupt))["a.weight"]
 
     for name, tensor in OFFLOAD_CASES.items():  # each library reads the other's files
         for reader, folder in ((hu.load_offloaded_weight, theirs_dir), (acc.load_offloaded_weight, ours_dir)):

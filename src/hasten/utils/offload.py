@@ -216,8 +216,9 @@ def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: Pat
                    index: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """Write ``weight`` to ``<offload_folder>/<weight_name>.dat`` in Accelerate's raw format (atomically).
 
-    index: a dict that gets the weight's entry (``{"dtype", "shape"}``); it is returned. The file is
-    not in the folder's ``index.json`` until ``save_offload_index`` writes the entries there.
+    index: a dict that gets the weight's entry (``{"dtype", "shape"}``, Accelerate's entry); it is returned.
+    The file is not in the folder's ``index.json`` until ``save_offload_index`` writes the entries there,
+    adding the checksum of each file's bytes that reading verifies.
     """
     import torch
 
@@ -230,15 +231,28 @@ def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: Pat
         data = data.view(getattr(torch, stored))
     array = data.numpy()
     if index is not None:
-        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
+        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape)}
     with atomic_write(path, "wb") as f:
         f.write(array.tobytes())
     return index
 
 
 def save_offload_index(index: Optional[Mapping[str, Any]], offload_folder: PathLike) -> None:
-    """Merge ``index`` (entries from ``offload_weight``) into ``offload_folder``'s ``index.json``."""
-    add_to_index(offload_folder, index or {})
+    """Merge ``index`` (entries from ``offload_weight``) into ``offload_folder``'s ``index.json``.
+
+    The caller's dict is left as Accelerate's (``{"dtype", "shape"}``); in the file, each entry of a
+    ``<name>.dat`` there gets the checksum of the file's bytes (read once, here), which reading checks."""
+    folder = os.fspath(offload_folder)
+    entries = {}
+    for name, entry in (index or {}).items():
+        entry = dict(entry)
+        if "checksum" not in entry and "safetensors_file" not in entry:
+            with contextlib.suppress(ValueError, OSError):  # no such file (yet): an entry without a checksum
+                path = _inside(folder, name, "offload index entry")
+                if os.path.isfile(path) and not os.path.islink(path):
+                    entry["checksum"] = _checksum(load_offloaded_weight(path, entry))
+        entries[name] = entry
+    add_to_index(folder, entries)
 
 
 def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, Any],
