@@ -524,12 +524,37 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
     assert torch.equal(loader["c.bf"], OFFLOAD_CASES["c.bf"])
 
 
+def test_offload_state_dict_writes_accelerates_layout_with_checksums(tmp_path):
+    state = {k: v for k, v in make_net(1).cpu().state_dict().items()}
+    acc.offload_state_dict(str(tmp_path / "acc"), state)
+    hu.offload_state_dict(str(tmp_path / "ours"), state)
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "acc"))  # <name>.dat + index.json
+    for name in state:
+        assert (tmp_path / "ours" / f"{name}.dat").read_bytes() == (tmp_path / "acc" / f"{name}.dat").read_bytes()
+    ours = json.loads((tmp_path / "ours" / "index.json").read_text())
+    theirs = json.loads((tmp_path / "acc" / "index.json").read_text())
+    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in ours.items()} == theirs
+    assert all(e["checksum"].startswith("bsum64:") for e in ours.values())
+    for loader in (acc.OffloadedWeightsLoader, hu.OffloadedWeightsLoader):  # each library reads it
+        weights = loader(save_folder=str(tmp_path / "ours"))
+        assert all(torch.equal(weights[k], v) for k, v in state.items())
+    name = next(iter(state))
+    raw = bytearray((tmp_path / "ours" / f"{name}.dat").read_bytes())
+    raw[-1] ^= 0x01  # a flipped bit is caught by hasten's reader
+    (tmp_path / "ours" / f"{name}.dat").write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="is corrupted"):
+        hu.OffloadedWeightsLoader(save_folder=str(tmp_path / "ours"))[name]
+
+
 def test_load_offloaded_weights_from_either_librarys_folder(tmp_path):
     source = make_net(1).cpu()
     state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
     acc.offload_state_dict(str(tmp_path / "acc"), state)
-    hu.offload_state_dict(str(tmp_path / "hasten"), state)  # hasten's own (safetensors) folder
-    for folder in (tmp_path / "acc", tmp_path / "hasten"):
+    hu.offload_state_dict(str(tmp_path / "hasten"), state)  # Accelerate's layout, as Accelerate's function
+    from hasten.utils.offload import offload_to_safetensors
+
+    offload_to_safetensors(str(tmp_path / "own"), state)  # hasten's own (safetensors) folder
+    for folder in (tmp_path / "acc", tmp_path / "hasten", tmp_path / "own"):
         with init_empty_weights():
             model, reference = Net(), Net()
         index = json.loads((folder / "index.json").read_text())
