@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .._lazy import lazy_module
-from ..accelerate_channels import add_note
+from ..accelerate_channels import add_note, log_warning
 from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -271,10 +271,8 @@ def check_tied_parameters_in_config(model: "nn.Module") -> bool:
 
 
 def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: Mapping[str, Any]) -> None:
-    """Warn about each group of tied parameters that ``device_map`` spreads over several devices
-    (ValueError when a name has no device in the map)."""
-    import warnings
-
+    """Log a WARNING (on ``hasten.utils.modeling``, as Accelerate logs it) for each group of tied parameters
+    that ``device_map`` spreads over several devices (ValueError when a name has no device in the map)."""
     for group in tied_params:
         devices = {}
         for name in group:
@@ -284,8 +282,8 @@ def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_ma
                 raise ValueError(f"device_map gives no device for tied parameter {name!r}; add its module "
                                  "(or \"\" for everything not listed)") from None
         if len(set(devices.values())) > 1:
-            warnings.warn(f"Tied parameters are on different devices: {devices}; put their modules on one device in "
-                          "the device_map, or use device_map='auto'", HastenWarning, stacklevel=2)
+            log_warning("hasten.utils.modeling", f"Tied parameters are on different devices: {devices}; put their "
+                                                 "modules on one device in the device_map, or use device_map='auto'")
 
 
 def _get_tensor(model: "nn.Module", name: str) -> "torch.Tensor":
