@@ -196,3 +196,24 @@ def test_estimate_memory_of_a_hub_name_is_an_os_error_without_the_network(monkey
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="huggingface-cli download meta-llama/Llama-2-7b-hf config.json"):
         estimate.verify_on_hub("meta-llama/Llama-2-7b-hf")
+
+
+# -- differences kept on purpose (docs/migration.md says why) ----------------------------------------------
+def test_an_fsdp_config_on_a_machine_without_gpus_is_refused_not_run_on_cpu(tmp_path, capsys, monkeypatch) -> None:
+    # Accelerate runs such a config on the CPU without a word; hasten stops before anything starts, so a job
+    # meant for GPUs never trains on the CPU unnoticed (a missing driver, a wrong machine), and says how to
+    # ask for the CPU.
+    import yaml
+
+    from hasten.commands.cli import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                                      "num_processes": 1, "num_machines": 1, "use_cpu": False,
+                                      "fsdp_config": {"fsdp_version": 2}}))
+    (tmp_path / "train.py").write_text("")
+    assert main(["launch", "--config_file", str(config), str(tmp_path / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert "distributed_type FSDP asks for GPUs but this machine shows none" in err and "add --cpu" in err
+    assert main(["launch", "--config_file", str(config), "--cpu", "--dry_run", str(tmp_path / "train.py")]) == 0
