@@ -99,7 +99,7 @@ def check_ddp_main_only_save_then_load():
     acc, model, opt, loader = _run(hook=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     resumed = _draws()
     got = _weights(acc, model)
     notes = [str(w.message) for w in caught if "holds no state of process" in str(w.message)]
@@ -143,7 +143,7 @@ def _every_process(folder, blocking):
                   "on_disk": sorted(os.listdir(os.path.join(folder, "extra")))}
     hidden = sorted(n for n in os.listdir(os.path.dirname(folder)) if n.startswith(f".{os.path.basename(folder)}."))
     acc, model, opt, loader = _run(accum=2, hook=True)
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     reseen, redraws = _go_on(acc, model, opt, iter(loader))
     got = _weights(acc, model)
     worst = max(float((expected[k] - got[k]).abs().max()) for k in expected)

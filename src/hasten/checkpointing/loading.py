@@ -107,6 +107,7 @@ def _shared_files(manifest: dict[str, Any]) -> list[str]:
 def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra: dict) -> str:
     custom_later = bool(extra.pop("_custom_later", False))
     checksums = bool(extra.pop("_verify_checksums", True))
+    continue_loaders = bool(extra.pop("continue_dataloaders", False))
     extra.pop("map_location", None)  # state always goes where the live objects are
     if extra:
         warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", HastenWarning, stacklevel=3)
@@ -117,13 +118,13 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
         return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
     pool = ThreadPoolExecutor(max(2, HASH_THREADS))  # two files at once, a big file's checksum in parts
     try:
-        return _load(acc, folder, allow_pickle, custom_later, checksums, pool)
+        return _load(acc, folder, allow_pickle, custom_later, checksums, pool, continue_loaders)
     finally:
         pool.shutdown()
 
 
 def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksums: bool,
-          pool: ThreadPoolExecutor) -> str:
+          pool: ThreadPoolExecutor, continue_loaders: bool = False) -> str:
     # 1. the folder, its files, and what it holds vs this run
     problems: list[tuple[str, str]] = []
     manifest: dict[str, Any] = {}
@@ -186,8 +187,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     if loaded["scaler"] is not None:
         acc.precision.load_state_dict(restorer.detach_state(loaded["scaler"]))
     for dl, state in zip(acc._dataloaders, loaded["dataloaders"]):
-        if hasattr(dl, "load_state_dict"):
-            dl.load_state_dict(restorer.detach_state(state))
+        restore_position(dl, restorer.detach_state(state), continue_loaders)
     unrestored = restorer.dataloader_note(folder, manifest, acc)
     if unrestored is not None:  # once per checkpoint: a script evaluating it again is told once
         warn_once(unrestored)
@@ -208,6 +208,20 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     for note in notes:
         warnings.warn(f"load_state: {note}", HastenWarning, stacklevel=3)
     return folder
+
+
+def restore_position(dataloader: Any, state: dict, continue_loaders: bool) -> None:
+    """Put a prepared loader where a resumed script expects it, as Accelerate does: at the start of
+    the interrupted epoch (``restart_epoch``: that epoch's order, so the script's own skipping, or
+    ``skip_first_batches``, lands on the batches not trained yet), unless the loader is stateful
+    (``use_stateful_dataloader=True``) or ``continue_loaders`` (``load_state(continue_dataloaders=True)``,
+    ``resume=``) asks for hasten's positioning: then it continues at the saved batch."""
+    if continue_loaders or getattr(dataloader, "use_stateful_dataloader", False) \
+            or not hasattr(dataloader, "restart_epoch"):
+        if hasattr(dataloader, "load_state_dict"):
+            dataloader.load_state_dict(state)
+        return
+    dataloader.restart_epoch(state)
 
 
 def _own_files(folder: str, manifest: dict[str, Any], source: int) -> Optional[list[str]]:

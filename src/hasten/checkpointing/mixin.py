@@ -390,7 +390,7 @@ class CheckpointMixin:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, *,
-                   verify: str = "checksum", **load_model_func_kwargs: Any) -> str:
+                   verify: str = "checksum", continue_dataloaders: bool = False, **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 
         Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
@@ -401,9 +401,13 @@ class CheckpointMixin:
         damage raises one error naming the file, on every process, before anything changes.
         ``verify="size"`` skips the checksums (faster, for checkpoints you just wrote yourself).
         Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
+        Prepared dataloaders start their interrupted epoch again, as under Accelerate (a loop skips the
+        trained batches itself, or through ``skip_first_batches``); ``continue_dataloaders=True`` (and
+        stateful loaders) continue at the saved batch instead.
         """
         self.wait_for_checkpoint()
         if verify not in ("checksum", "size"):
             raise ValueError(f"load_state(verify={verify!r}): use 'checksum' (the default) or 'size'")
         load_model_func_kwargs["_verify_checksums"] = verify == "checksum"
+        load_model_func_kwargs["continue_dataloaders"] = continue_dataloaders
         return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)
