@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Any, Iterator
 
 from .imports import is_deepspeed_available
@@ -65,6 +66,9 @@ def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any =
 
 def __getattr__(name: str) -> Any:
     if name == "HfDeepSpeedConfig":  # transformers' class, as Accelerate re-exports it
+        if importlib.util.find_spec("transformers") is None:  # not a hasten dependency, not even an extra's
+            raise ImportError("HfDeepSpeedConfig is transformers' class and transformers is not installed: "
+                              "pip install transformers")
         from transformers.integrations import HfDeepSpeedConfig
 
         return HfDeepSpeedConfig
