@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -48,14 +49,46 @@ def uninterrupted(tmp_path_factory, env):
     return seen
 
 
-@pytest.mark.parametrize("mode,writes", [("blocking", "buffered"), ("background", "direct")])
-def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path, mode, writes):
-    out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "ckpt_killer.py"), out, tmp_path / "project",
-                           "20", "11", mode, writes], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+def _selected(request, name):
+    """The values of parameter ``name`` of this module's selected tests that use fixture ``request``
+    is setting up, so that a fixture starts only the runs that will be read."""
+    fixture = request.fixturename
+    return sorted({item.callspec.params[name] for item in request.session.items
+                   if item.module is request.module and fixture in item.fixturenames})
+
+
+KILLER_WRITES = {"blocking": "buffered", "background": "direct"}
+
+
+@pytest.fixture(scope="module")
+def killers(request, tmp_path_factory):
+    """The kill -9 runs of scripts/ckpt_killer.py, one per mode, started together: they mostly wait
+    (fsyncs, the random delays before each kill), so side by side they cost about one of them."""
+    started = {}
+    for mode in _selected(request, "mode"):
+        root = tmp_path_factory.mktemp(f"killer_{mode}")
+        with open(root / "stderr", "w") as err:  # a file, not a pipe: nobody reads while the other runs
+            proc = subprocess.Popen([sys.executable, os.path.join(HERE, "scripts", "ckpt_killer.py"), root / "report.json",
+                                     root / "project", "20", "11", mode, KILLER_WRITES[mode]], stdout=subprocess.DEVNULL,
+                                    stderr=err, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        started[mode] = (proc, root)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])  # background: O_DIRECT writes (KILLER_WRITES)
+def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(killers, mode):
+    proc, root = killers[mode]
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, (root / "stderr").read_text()[-3000:]
+    report = json.loads((root / "report.json").read_text())
     assert report["errors"] == []
     rounds = report["rounds"]
     assert len(rounds) == 20
@@ -81,17 +114,14 @@ def _sharded_ranks(project, saves, mode="blocking"):
     return procs
 
 
-@pytest.mark.parametrize("mode", ["blocking", "background"])
-def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
-    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards (in the foreground, or on the
-    background thread of ``save_state(blocking=False)`` while the next step changes the weights): the next
-    job resumes from the newest complete checkpoint, whose weights and Adam state agree with its recorded step."""
+def _sharded_kills(project, mode):
+    """4 rounds of both ranks SIGKILLed during saves, then a run that only resumes; returns the step
+    the last one resumed at and how many rounds left a half-written save behind (asserting as it goes)."""
     import random
 
     from hasten.checkpointing import layout
 
     rng = random.Random(5)
-    project = tmp_path / "project"
     root = layout.auto_root(str(project))
     expected, mid_save = -1, 0
     for round_ in range(4):
@@ -120,6 +150,39 @@ def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadab
     for p in procs:
         p.wait(timeout=120)
     assert hello == ["hello", str(expected), "True"], hello
+    return expected, mid_save
+
+
+@pytest.fixture(scope="module")
+def sharded_kills(request, tmp_path_factory):
+    """_sharded_kills for each selected mode, on threads started together (the rounds mostly wait for
+    process start-up, the shards' fsyncs and the random delays): mode -> its result or its exception."""
+    results = {}
+
+    def run(mode, project):
+        try:
+            results[mode] = _sharded_kills(project, mode)
+        except BaseException as e:  # noqa: BLE001 - handed to the test that reads this mode
+            results[mode] = e
+
+    threads = {mode: threading.Thread(target=run, args=(mode, tmp_path_factory.mktemp(f"sharded_{mode}") / "project"),
+                                      daemon=True) for mode in _selected(request, "mode")}
+    for thread in threads.values():
+        thread.start()
+    yield results, threads
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(sharded_kills, mode):
+    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards (in the foreground, or on the
+    background thread of ``save_state(blocking=False)`` while the next step changes the weights): the next
+    job resumes from the newest complete checkpoint, whose weights and Adam state agree with its recorded step."""
+    results, threads = sharded_kills
+    threads[mode].join(600)
+    assert mode in results, "the rounds did not end within 600 s"
+    if isinstance(results[mode], BaseException):
+        raise results[mode]
+    expected, mid_save = results[mode]
     assert expected >= 4 and mid_save >= 1
 
 
