@@ -101,21 +101,64 @@ def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(killers,
     assert all(r["complete"] and len(r["complete"]) <= 3 for r in rounds[1:])
 
 
-def _sharded_ranks(project, saves, mode="blocking"):
-    """Start the 2 ranks of scripts/ckpt_killer_sharded.py; returns them (rank 0's stdout is a pipe)."""
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = clean_env(os.devnull, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1, HASTEN_USE_CPU=1)
-        procs.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py"), str(project), str(saves), mode],
-                                      env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, text=True))
-    return procs
+class _ShardedRanks:
+    """The 2 ranks' fork servers of scripts/ckpt_killer_sharded.py (torch and hasten imported once per
+    rank, not once per job): ``start`` runs one 2-process job and returns its processes' pids."""
+
+    def __init__(self):
+        self.servers, self.ended0 = [], None
+        for rank in range(2):
+            env = clean_env(os.devnull, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
+                            MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=1, HASTEN_USE_CPU=1)
+            self.servers.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py")], env=env,
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, text=True))
+
+    def start(self, project, saves, mode="blocking"):
+        job = json.dumps([str(project), saves, mode, free_port()]) + "\n"
+        for server in self.servers:
+            server.stdin.write(job)
+            server.stdin.flush()
+        return [int(self._line(server, "pid")[1]) for server in self.servers]
+
+    def line(self):
+        """The next line rank 0's job printed, split (``exit <status>`` if it ended first)."""
+        line = self.servers[0].stdout.readline().split()
+        if line[:1] == ["exit"]:
+            self.ended0 = line
+        return line
+
+    def finish(self):
+        """Wait for both jobs to be gone (killed, or ended); their exit statuses."""
+        first = self.ended0 or self._line(self.servers[0], "exit")
+        self.ended0 = None
+        return [int(first[1]), int(self._line(self.servers[1], "exit")[1])]
+
+    def close(self):
+        """End the servers (at the end of their input; killed if that takes more than a minute)."""
+        for server in self.servers:
+            try:
+                server.stdin.close()
+            except OSError:
+                pass
+        for server in self.servers:
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+    @staticmethod
+    def _line(server, word):
+        while True:
+            line = server.stdout.readline().split()
+            assert line, f"the fork server ended before printing {word!r}"
+            if line[0] == word:
+                return line
 
 
 def _sharded_kills(project, mode):
-    """4 rounds of both ranks SIGKILLed during saves, then a run that only resumes; returns the step
+    """4 rounds of both ranks SIGKILLed during saves, then a job that only resumes; returns the step
     the last one resumed at and how many rounds left a half-written save behind (asserting as it goes)."""
     import random
 
@@ -124,32 +167,37 @@ def _sharded_kills(project, mode):
     rng = random.Random(5)
     root = layout.auto_root(str(project))
     expected, mid_save = -1, 0
-    for round_ in range(4):
-        procs = _sharded_ranks(project, 10_000, mode)
-        try:
-            hello = procs[0].stdout.readline().split()
-            assert hello[:1] == ["hello"] and int(hello[1]) == expected and hello[2] == "True", (round_, hello)
-            # Kill only after this round completed one save, so that every round makes progress even on a
-            # loaded machine; the next saves start at once, so the random delay lands mostly inside one.
-            assert procs[0].stdout.readline().startswith("saved"), round_
-            time.sleep(rng.uniform(0.05, 0.6))
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
-            for p in procs:
-                p.wait(timeout=60)
-        names = sorted(os.listdir(root))
-        mid_save += any(n.startswith(".") for n in names)
-        newest = layout.newest_complete(root)
-        assert newest is not None, names
-        manifest = layout.read_manifest(newest[1])
-        assert manifest["layout"]["state_dict"] == "dcp"
-        expected = _step_of(newest[1], manifest)
-    procs = _sharded_ranks(project, 0)  # the last kill's newest checkpoint loads too
-    hello = procs[0].stdout.readline().split()
-    for p in procs:
-        p.wait(timeout=120)
-    assert hello == ["hello", str(expected), "True"], hello
+    ranks_ = _ShardedRanks()
+    try:
+        for round_ in range(4):
+            pids = ranks_.start(project, 10_000, mode)
+            try:
+                hello = ranks_.line()
+                assert hello[:1] == ["hello"] and int(hello[1]) == expected and hello[2] == "True", (round_, hello)
+                # Kill only after this round completed one save, so that every round makes progress even on a
+                # loaded machine; the next saves start at once, so the random delay lands mostly inside one.
+                assert ranks_.line()[:1] == ["saved"], round_
+                time.sleep(rng.uniform(0.05, 0.6))
+            finally:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it died by itself (its failure is asserted above)
+                        pass
+                ranks_.finish()
+            names = sorted(os.listdir(root))
+            mid_save += any(n.startswith(".") for n in names)
+            newest = layout.newest_complete(root)
+            assert newest is not None, names
+            manifest = layout.read_manifest(newest[1])
+            assert manifest["layout"]["state_dict"] == "dcp"
+            expected = _step_of(newest[1], manifest)
+        ranks_.start(project, 0)  # the last kill's newest checkpoint loads too
+        hello = ranks_.line()
+        assert ranks_.finish() == [0, 0], hello
+        assert hello == ["hello", str(expected), "True"], hello
+    finally:
+        ranks_.close()
     return expected, mid_save
 
 
