@@ -34,7 +34,7 @@ def resume_run(folder: str, mode: str) -> list:
     seen: list = []
     if mode == "resume":
         torch.manual_seed(999)  # whatever a fresh process's generator holds, load_state restores it
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     for epoch in range(EPOCHS if mode == "full" else 2):
         for step, batch in enumerate(loader):
             seen.append(batch.tolist())
@@ -88,7 +88,7 @@ def check_two_process_resume():
     acc = Accelerator()
     torch.manual_seed(1000 + acc.process_index)
     loader = acc.prepare(make())
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     resumed = []
     for _ in range(2):
         for batch in loader:

@@ -151,7 +151,7 @@ def _resume_run(folder, stage, accum, save_at=None):
     progress = Progress()
     acc.register_for_checkpointing(progress)
     if save_at is None:
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     losses = {}
     for _ in range(loader.iteration, 2):
         for x, y in loader:
@@ -351,7 +351,7 @@ def check_zero_checkpoints_for_merge_weights():
 
     acc, model = _trained(3, steps=1)
     with _Warnings() as caught:
-        acc.load_state(os.path.join(root, "zero1"))
+        acc.load_state(os.path.join(root, "zero1"), continue_dataloaders=True)
     got, expected = acc.get_state_dict(model), load_file(os.path.join(root, "zero1.safetensors"))
     assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
     assert any("ZeRO stage 1 on 2 processes" in w and "optimizers start fresh" in w for w in caught), caught
@@ -414,7 +414,7 @@ def check_load_on_one_process():
                Accelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin)))
         model, opt, loader = _prepared(acc)
         with _Warnings() as caught:
-            acc.load_state(folder)
+            acc.load_state(folder, continue_dataloaders=True)
         got = acc.get_state_dict(model)
         assert sorted(got) == sorted(expected) and all(torch.equal(got[k].cpu(), expected[k]) for k in expected), name
         messages[name] = [m for m in caught if "optimizers start fresh" in m]
@@ -433,7 +433,7 @@ def check_load_on_one_process():
     acc = _accelerator(zero_stage=2)
     model, _, _ = _prepared(acc)
     try:
-        acc.load_state(os.path.join(os.path.dirname(folder), "plain"))
+        acc.load_state(os.path.join(os.path.dirname(folder), "plain"), continue_dataloaders=True)
     except Exception as e:  # noqa: BLE001
         assert "written without DeepSpeed and this run uses DeepSpeed" in str(e), str(e)
     else:
@@ -446,7 +446,7 @@ def check_load_on_one_process():
                               torch.utils.data.DataLoader(_data(), batch_size=2))
     before = acc.get_state_dict(model)
     try:
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     except Exception as e:  # noqa: BLE001 - the message is what the test judges
         refused = str(e)
     else:
@@ -466,7 +466,7 @@ def check_load_back_on_two_processes():
     acc = _accelerator(zero_stage=2, gradient_clipping=1.0)
     model, opt, loader = _prepared(acc)
     with _Warnings() as caught:
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     got, expected = acc.get_state_dict(model), load_file(folder + ".safetensors")
     assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
     assert any("ZeRO stage 3 on 1 processes" in m for m in caught), caught

@@ -189,12 +189,12 @@ def check_save_state_resumes_exactly():
     after_save = _steps(acc, model, opt, 3, 3)
     final = _full(acc, model)
     # The same Accelerator goes back to the checkpoint: the float8 scales must follow the loaded weights.
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     rolled_back = _steps(acc, model, opt, 3, 3)
     assert rolled_back == after_save, (rolled_back, after_save)
     # A fresh run resumes from it.
     acc, model, opt = _resume_setup()
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     resumed = _steps(acc, model, opt, 3, 3)
     again = _full(acc, model)
     assert resumed == after_save, (resumed, after_save)

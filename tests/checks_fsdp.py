@@ -189,7 +189,7 @@ def check_bitwise_resume():
     unpickling.dcp_metadata = lambda path: reads.append(1) or read(path)
     dcp.FileSystemReader.read_metadata = lambda self, *a, **k: pickled.append(1) or read_pickled(self, *a, **k)
     try:
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     finally:
         unpickling.dcp_metadata, dcp.FileSystemReader.read_metadata = read, read_pickled
     at_save = {k: v.tolist() for k, v in _full(acc, model).items()}
@@ -214,7 +214,7 @@ def check_ddp_checkpoint_into_fsdp():
     expected = _full(acc, model)
     rest_ddp = _run(acc, model, opt, batches, 4)
     acc, model, opt, loader = _setup()
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     got = _full(acc, model)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     rest = _run(acc, model, opt, _batches(loader), 4)
@@ -225,7 +225,7 @@ def check_ddp_checkpoint_into_fsdp():
 def check_fsdp_checkpoint_into_ddp():
     folder = os.path.join(os.environ["FSDP_TMP"], "resume")  # written by check_bitwise_resume
     acc, model, opt, loader = _setup(plugin=False)
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     return _run(acc, model, opt, _batches(loader), 11)
 
 
@@ -235,7 +235,7 @@ def check_single_process_checkpoint_into_fsdp():
     acc = Accelerator(fsdp_plugin=Plugin(fsdp_version=2))
     model = acc.prepare(_model())
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=0.01))  # built on the sharded parameters
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     assert len(opt.state) == 6
     return {k: v.tolist() for k, v in _full(acc, model).items()}
 
@@ -251,7 +251,7 @@ def check_layout_mismatch_changes_nothing():
     model, opt, _ = acc.prepare(model, opt, torch.utils.data.DataLoader(_data(), batch_size=3, shuffle=True))
     before = _full(acc, model)
     try:
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     except Exception as e:  # noqa: BLE001
         message = f"{type(e).__name__}: {e}"
     else:
@@ -395,7 +395,7 @@ def check_fp16_overflow_on_one_process_skips_everywhere():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
     acc, model, opt, sched, loader = _fp16_setup()
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     assert acc.scaler.state_dict() == saved_scaler, (acc.scaler.state_dict(), saved_scaler)
     assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
     assert _fp16_step(acc, model, opt, sched, _batches(loader), "grad")["scale"] == saved_scaler["scale"] / 2
@@ -435,7 +435,7 @@ def check_background_save_while_training_goes_on():
     assert buffers and all(name.startswith("/model_0/") or name.startswith("/optimizer_0/") for name in buffers)
     for folder, weights, losses in zip(folders, saved, after):
         acc, model, opt, loader = _setup()
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
         assert all(torch.equal(weights[k], v) for k, v in _full(acc, model).items())
         assert _run(acc, model, opt, _batches(loader), 3) == losses
     return sorted(os.listdir(os.path.join(folders[0], "sharded")))
@@ -489,7 +489,7 @@ def check_replicate_holds_full_parameters():
     acc.save_state(folder)
     saved = _full(acc, model)
     _train(acc, model, opt, loader, 2)
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
     meta = dcp.FileSystemReader(os.path.join(folder, "sharded")).read_metadata()
     chunks = {k: [list(c.sizes) for c in v.chunks] for k, v in meta.state_dict_metadata.items()

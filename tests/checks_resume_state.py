@@ -63,7 +63,7 @@ def _sgd_lr_resume(kind):
     _step(acc, model, opt, next(batches))
     expected = _full(acc, model)
     acc, model, opt, sched, loader = _sgd_run(kind)
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     lr, last = opt.param_groups[0]["lr"], sched.get_last_lr()[0]
     assert lr == saved_lr == last, f"{kind}: lr {lr} after load_state, {saved_lr} at save, scheduler says {last}"
     _step(acc, model, opt, next(iter(loader)))  # the loader resumes at the batch after the save

@@ -217,7 +217,7 @@ def _resume_run(make: Callable[[], Accelerator], kind: str, folder: str, togethe
         with torch.no_grad():  # the frozen model must come back from the checkpoint too
             for p in acc.unwrap_model(other).parameters():
                 p.add_(1.0)
-        acc.load_state(folder)
+        acc.load_state(folder, continue_dataloaders=True)
     losses = {}
     while counter.steps < steps:
         for batch in loader:

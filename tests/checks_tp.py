@@ -177,7 +177,7 @@ def check_tp_checkpoint_roundtrip():
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(_data(), batch_size=4))
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
     x, y = next(iter(loader))  # the data position came back too: third batch
     acc.backward(nn.functional.mse_loss(model(x), y))
@@ -191,7 +191,7 @@ def check_tp_checkpoint_roundtrip():
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
-    acc.load_state(os.environ["TP_SINGLE_CKPT"])
+    acc.load_state(os.environ["TP_SINGLE_CKPT"], continue_dataloaders=True)
     assert len(opt.state) == 6
     return {"layout": layout, "saved": {k: v.tolist() for k, v in saved.items()},
             "from_single": {k: v.tolist() for k, v in _full(acc, model).items()}}
@@ -268,7 +268,7 @@ def check_tp_with_fsdp_over_dp_shard_of_one():
     acc.backward(model(torch.randn(2, FEATURES, device=acc.device)).pow(2).mean())
     opt.step()
     opt.zero_grad()
-    acc.load_state(folder)
+    acc.load_state(folder, continue_dataloaders=True)
     assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
     return out
 

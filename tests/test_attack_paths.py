@@ -194,12 +194,12 @@ def test_save_model_files_stay_plain_safetensors(saved):
 # -- disk-offload folders ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
-    from hasten.utils.offload import offload_state_dict
+    from hasten.utils.offload import offload_to_safetensors
 
     root = tmp_path_factory.mktemp("offload")
     torch.manual_seed(2)
     state = {"a.weight": torch.randn(6, 5), "b.weight": torch.randn(7).half(), "c.bias": torch.arange(5)}
-    offload_state_dict(str(root / "ours"), state)
+    offload_to_safetensors(str(root / "ours"), state)  # the layout of hasten's own offloading
     assert sorted(os.listdir(root / "ours")) == ["index.json", "offload-00001.safetensors"]
     return root, state
 

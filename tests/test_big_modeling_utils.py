@@ -7,6 +7,7 @@ import gc
 import inspect
 import json
 import os
+import shutil
 import weakref
 
 import pytest
@@ -187,8 +188,12 @@ def test_set_module_tensor_to_device_from_meta_with_a_value():
     assert torch.equal(layer.weight.cpu(), value.float())
     with pytest.raises(ValueError, match="'bias' is on the meta device .* pass value="):
         set_module_tensor_to_device(layer, "bias", DEVICE)
-    with pytest.raises(ValueError, match=r"shape \[3\] but the module's tensor has \[2\]"):
+    with pytest.raises(ValueError) as wrong_shape:  # str() is Accelerate's sentence; hasten's fix is a note
         set_module_tensor_to_device(layer, "bias", DEVICE, value=torch.zeros(3))
+    assert str(wrong_shape.value) == ('Trying to set a tensor of shape torch.Size([3]) in "bias" (which has shape '
+                                      'torch.Size([2])), this looks incorrect.')
+    assert wrong_shape.value.__notes__ == ["'bias' of Linear is [2], the value [3]: the value (checkpoint) does not "
+                                           "belong to this model"]
     set_module_tensor_to_device(layer, "bias", DEVICE, value=torch.ones(2), dtype=torch.float16)
     assert layer.bias.dtype == torch.float16
     net = nn.Sequential(nn.BatchNorm1d(2))
@@ -409,7 +414,7 @@ def test_calculate_maximum_sizes_matches_accelerate():
     assert ours[0] == sum(t.numel() * 4 for t in model.state_dict().values()) - model.head.weight.numel() * 4
 
 
-def test_tie_checks_match_accelerate():
+def test_tie_checks_match_accelerate(caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     for tie in (True, False):
@@ -420,13 +425,16 @@ def test_tie_checks_match_accelerate():
     assert hu.check_tied_parameters_in_config(make_net()) is acc.check_tied_parameters_in_config(make_net()) is False
 
     ties = [["embed.weight", "head.weight"]]
-    with pytest.warns(UserWarning, match="different devices"):
-        hu.check_tied_parameters_on_same_device(ties, {"embed": "cpu", "": "disk"})
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(), caplog.at_level("WARNING"):
+        warnings.simplefilter("error")  # a log record, as Accelerate's, not a Python warning
+        caplog.clear()
+        hu.check_tied_parameters_on_same_device(ties, {"embed": "cpu", "": "disk"})
+        [record] = caplog.records
+        assert record.name == "hasten.utils.modeling" and "Tied parameters are on different devices" in record.message
         hu.check_tied_parameters_on_same_device(ties, {"": "cpu", "body": "disk"})
+        assert len(caplog.records) == 1
     for fn in (hu.check_tied_parameters_on_same_device, acc.check_tied_parameters_on_same_device):
         with pytest.raises(ValueError):
             fn(ties, {"embed": "cpu"})
@@ -485,9 +493,7 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
         acc.offload_weight(tensor, name, str(theirs_dir), index=theirs_index)
         # byte for byte the same file, and the same index entry
         assert (ours_dir / f"{name}.dat").read_bytes() == (theirs_dir / f"{name}.dat").read_bytes(), name
-    # the same entries, plus the checksum of the bytes that hasten verifies on reading (Accelerate ignores it)
-    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in ours_index.items()} == theirs_index
-    assert all(e["checksum"].startswith("bsum64:") for e in ours_index.values())
+    assert ours_index == theirs_index  # the caller's dict holds Accelerate's entries, nothing more
     assert hu.offload_weight(torch.ones(2), "x", str(ours_dir)) is None and (ours_dir / "x.dat").exists()
     with pytest.raises(ValueError, match="outside the offload folder"):
         hu.offload_weight(torch.ones(2), "../escape", str(ours_dir))
@@ -497,7 +503,19 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
     hu.save_offload_index(None, str(ours_dir))
     acc.save_offload_index(theirs_index, str(theirs_dir))
     on_disk = json.loads((ours_dir / "index.json").read_text())
-    assert on_disk == {**ours_index, "x": {"dtype": "float32", "shape": [2]}}
+    # in the file, each entry also holds the checksum of its .dat bytes, which hasten verifies on reading
+    # (Accelerate ignores the key)
+    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in on_disk.items()} == {
+        **ours_index, "x": {"dtype": "float32", "shape": [2]}}
+    assert all(e["checksum"].startswith("bsum64:") for e in on_disk.values())
+    assert "checksum" not in ours_index["a.weight"]  # the caller's dict is left as it was
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ours_dir, corrupt)
+    raw = bytearray((corrupt / "a.weight.dat").read_bytes())
+    raw[5] ^= 0x40
+    (corrupt / "a.weight.dat").write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="'a.weight' .* is corrupted"):
+        hu.OffloadedWeightsLoader(save_folder=str(corrupt))["a.weight"]
 
     for name, tensor in OFFLOAD_CASES.items():  # each library reads the other's files
         for reader, folder in ((hu.load_offloaded_weight, theirs_dir), (acc.load_offloaded_weight, ours_dir)):
@@ -509,12 +527,37 @@ def test_offload_weight_writes_accelerates_format_both_ways(tmp_path):
     assert torch.equal(loader["c.bf"], OFFLOAD_CASES["c.bf"])
 
 
+def test_offload_state_dict_writes_accelerates_layout_with_checksums(tmp_path):
+    state = {k: v for k, v in make_net(1).cpu().state_dict().items()}
+    acc.offload_state_dict(str(tmp_path / "acc"), state)
+    hu.offload_state_dict(str(tmp_path / "ours"), state)
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "acc"))  # <name>.dat + index.json
+    for name in state:
+        assert (tmp_path / "ours" / f"{name}.dat").read_bytes() == (tmp_path / "acc" / f"{name}.dat").read_bytes()
+    ours = json.loads((tmp_path / "ours" / "index.json").read_text())
+    theirs = json.loads((tmp_path / "acc" / "index.json").read_text())
+    assert {k: {f: v for f, v in e.items() if f != "checksum"} for k, e in ours.items()} == theirs
+    assert all(e["checksum"].startswith("bsum64:") for e in ours.values())
+    for loader in (acc.OffloadedWeightsLoader, hu.OffloadedWeightsLoader):  # each library reads it
+        weights = loader(save_folder=str(tmp_path / "ours"))
+        assert all(torch.equal(weights[k], v) for k, v in state.items())
+    name = next(iter(state))
+    raw = bytearray((tmp_path / "ours" / f"{name}.dat").read_bytes())
+    raw[-1] ^= 0x01  # a flipped bit is caught by hasten's reader
+    (tmp_path / "ours" / f"{name}.dat").write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="is corrupted"):
+        hu.OffloadedWeightsLoader(save_folder=str(tmp_path / "ours"))[name]
+
+
 def test_load_offloaded_weights_from_either_librarys_folder(tmp_path):
     source = make_net(1).cpu()
     state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
     acc.offload_state_dict(str(tmp_path / "acc"), state)
-    hu.offload_state_dict(str(tmp_path / "hasten"), state)  # hasten's own (safetensors) folder
-    for folder in (tmp_path / "acc", tmp_path / "hasten"):
+    hu.offload_state_dict(str(tmp_path / "hasten"), state)  # Accelerate's layout, as Accelerate's function
+    from hasten.utils.offload import offload_to_safetensors
+
+    offload_to_safetensors(str(tmp_path / "own"), state)  # hasten's own (safetensors) folder
+    for folder in (tmp_path / "acc", tmp_path / "hasten", tmp_path / "own"):
         with init_empty_weights():
             model, reference = Net(), Net()
         index = json.loads((folder / "index.json").read_text())

@@ -91,7 +91,7 @@ def test_overwrite_in_place_and_unchanged_cases(tmp_path, capsys):
     again = tmp_path / "again.yaml"
     assert main(["to-fsdp2", "--config_file", source, "--output_file", str(again)]) == 0
     assert _load(again) == _load(source)
-    assert "already uses FSDP2" in capsys.readouterr().err
+    assert "Config already specifies FSDP2, skipping conversion..." in capsys.readouterr().err
     plain = _write(tmp_path / "ddp.yaml", {"distributed_type": "MULTI_GPU", "num_processes": 2})
     assert main(["to-fsdp2", "--config_file", plain, "--output_file", str(tmp_path / "ddp2.yaml")]) == 0
     assert _load(tmp_path / "ddp2.yaml") == _load(plain)

@@ -161,7 +161,7 @@ def test_batch_sampler_shard_resumed_anywhere_ends_like_the_uninterrupted_pass(s
 
 def test_batch_sampler_shard_bad_arguments():
     sampler = BatchSampler(SequentialSampler(range(10)), 3, False)
-    with pytest.raises(ValueError, match="batch_size=3 is not a multiple of 2"):
+    with pytest.raises(ValueError, match="batch_size=3 is not a round multiple of 2"):
         BatchSamplerShard(sampler, 2, 0, split_batches=True)
     with pytest.raises(ValueError, match="process_index=2"):
         BatchSamplerShard(sampler, 2, 2)
@@ -180,7 +180,7 @@ def test_iterable_dataset_shard():
         got = [list(IterableDatasetShard(Stream(n), bs, num_processes=3, process_index=r)) for r in range(3)]
         assert len({len(g) for g in got}) == 1 and len(got[0]) % bs == 0
         assert sorted(set(x for g in got for x in g)) == list(range(n))
-    with pytest.raises(ValueError, match="batch_size=3 is not a multiple of 2"):
+    with pytest.raises(ValueError, match="batch_size=3 is not a round multiple of 2"):
         IterableDatasetShard(Stream(4), 3, num_processes=2, split_batches=True)
 
 
@@ -228,7 +228,7 @@ def test_prepare_bad_arguments():
         prepare_data_loader(DataLoader(list(range(4))), dispatch_batches=True)
     with pytest.raises(ValueError, match="batch_size=None"):
         prepare_data_loader(DataLoader(list(range(4)), batch_size=None))
-    with pytest.raises(ValueError, match="not a multiple of 2"):
+    with pytest.raises(ValueError, match="not a round multiple of 2"):
         prepare_data_loader(DataLoader(list(range(9)), batch_size=3), split_batches=True, num_processes=2)
     with pytest.raises(TypeError, match="DataLoader"):
         prepare_data_loader([1, 2, 3])
@@ -284,7 +284,7 @@ def test_sharding_layouts_two_processes(two):
     assert r0["split"]["batches"] == [[0, 1], [4, 5], [8, 9]] and r1["split"]["batches"] == [[2, 3], [6, 7], [0, 1]]
     assert r1["split_uneven"] == {"batches": [[2, 3], [6, 7]], "len": 2}
     assert r0["drop_last"]["batches"] == [[0, 1, 2]] and r1["drop_last"]["batches"] == [[3, 4, 5]]
-    assert "batch of 3 samples" in r0["split_error"] and "not a multiple of 2" in r0["split_error"]
+    assert "batch of 3 samples" in r0["split_error"] and "not a round multiple of 2" in r0["split_error"]
 
 
 def test_sharding_layouts_one_process(one):

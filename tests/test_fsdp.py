@@ -84,7 +84,7 @@ def test_fsdp_checkpoint_loads_into_one_process(two, fresh_state):
     loader = torch.utils.data.DataLoader(checks_fsdp._data(), batch_size=3, shuffle=True)
     model, opt, loader = acc.prepare(model, opt, loader)
     with pytest.warns(UserWarning, match="saved by 2 processes"):
-        acc.load_state(os.path.join(two.tmp, "resume"))
+        acc.load_state(os.path.join(two.tmp, "resume"), continue_dataloaders=True)
     assert len(opt.state) == 6  # Adam moments came along
     got = model.state_dict()
     assert all(torch.equal(got[k].cpu(), torch.tensor(at_save[k])) for k in at_save)  # the model may be on a GPU

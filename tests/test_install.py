@@ -31,11 +31,11 @@ except ImportError:  # Python 3.10: pip's own copy of the same parser
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What legitimately needs an optional package on a core install: a module (its import) or a
-# ``module:attribute`` (reading it), mapped to the package its ImportError must name. Decided: no
-# module. Every module imports on the core install; deepspeed, torchao, transformers, tqdm and the
-# trackers are imported where they are used, and those places say what to install. One name:
-# HfDeepSpeedConfig is transformers' class (so it is left out of ``hasten.utils.__all__``).
-NEEDS_OPTIONAL: dict[str, str] = {"hasten.utils:HfDeepSpeedConfig": "transformers"}
+# ``module:attribute`` (reading it), mapped to the package its ImportError must name. Decided:
+# nothing. Every module imports, and every name in every ``__all__`` resolves, on the core install;
+# deepspeed, torchao, transformers, tqdm and the trackers are imported where they are used, and
+# those places say what to install.
+NEEDS_OPTIONAL: dict[str, str] = {}
 
 
 def _pyproject() -> dict:
@@ -145,9 +145,13 @@ def _pip(python: str, *args: str, build: str, cwd) -> None:
 
 def _ask(python: str, cwd) -> str:
     """Where the venv's hasten lives (asserting that it and its CLI answer)."""
-    where = subprocess.run([python, "-c", "import hasten; print(hasten.__file__); print(hasten.__version__)"],
+    where = subprocess.run([python, "-c", "import hasten, importlib.metadata; print(hasten.__file__); "
+                            "print(hasten.__version__); print(importlib.metadata.version('hasten'))"],
                            capture_output=True, text=True, timeout=120, env=_env(), cwd=cwd)
     assert where.returncode == 0, where.stderr
+    # The version scheme (docs/migration.md): the installed metadata says what hasten.__version__ says.
+    _, module_version, metadata_version = where.stdout.splitlines()
+    assert metadata_version == module_version, (metadata_version, module_version)
     cli = subprocess.run([os.path.join(os.path.dirname(python), "hasten"), "launch", "--help"], capture_output=True,
                          text=True, timeout=60, env=_env(), cwd=cwd)
     assert cli.returncode == 0 and "--num_processes" in cli.stdout, cli.stdout + cli.stderr

@@ -137,13 +137,13 @@ def test_dataloaders_the_run_has_are_restored_and_the_rest_named_once(tmp_path, 
 
     reset()
     acc, (model, opt, first) = _plain(loaders=1)
-    messages = _caught(lambda: acc.load_state(str(tmp_path / "ckpt")))
+    messages = _caught(lambda: acc.load_state(str(tmp_path / "ckpt"), continue_dataloaders=True))
     assert torch.equal(next(iter(first))[0], expected[0])
     assert any("dataloader 1" in m and "not restored" in m for m in messages), messages
 
     reset()
     acc, (model, opt, first, second, third) = _plain(loaders=3)
-    messages = _caught(lambda: acc.load_state(str(tmp_path / "ckpt")))
+    messages = _caught(lambda: acc.load_state(str(tmp_path / "ckpt"), continue_dataloaders=True))
     assert torch.equal(next(iter(first))[0], expected[0]) and torch.equal(next(iter(second))[0], expected[1])
     assert len(list(third)) == 12  # a whole epoch: it starts at the beginning
     assert any("dataloader 2" in m and "start" in m for m in messages), messages

@@ -222,7 +222,7 @@ def test_cp_comm_strategy_is_checked():
 
     assert comm_strategy(None) == "allgather" and comm_strategy(Handler()) == "alltoall"
     Handler.cp_comm_strategy = "ring"
-    with pytest.raises(ValueError, match="cp_comm_strategy='ring'; use one of \\['allgather', 'alltoall'\\]"):
+    with pytest.raises(ValueError, match="Invalid cp_comm_strategy: ring \\(ParallelismConfig\\); use one of \\['allgather', 'alltoall'\\]"):
         comm_strategy(Handler())
 
 

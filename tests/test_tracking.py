@@ -162,7 +162,7 @@ def test_tracking_off_is_a_no_op():
 @pytest.mark.parametrize("log_with, error, words", [
     ("wandbb", ValueError, ["'wandbb'", "did you mean 'wandb'"]),
     (["wandb", "nope"], ValueError, ["'nope'", "comet_ml"]),
-    ("tensorboard", ValueError, ["logging directory", "project_dir"]),
+    ("tensorboard", ValueError, ["Logging with `tensorboard` requires a `logging_dir`", "project_dir"]),
     (object(), TypeError, ["GeneralTracker", "tensorboard"]),
 ])
 def test_bad_log_with(log_with, error, words):

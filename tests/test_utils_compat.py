@@ -217,7 +217,7 @@ def test_torch_context_parallel_config(monkeypatch):
     assert config("alltoall").cp_comm_strategy == "alltoall"
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
     assert config().cp_comm_strategy == "alltoall"
-    with pytest.raises(ValueError, match="cp_comm_strategy='ring'"):
+    with pytest.raises(ValueError, match="^Invalid cp_comm_strategy: ring .*use one of"):
         config("ring")
     if SAME_ACCELERATE:
         assert vars(config()) == vars(accelerate.utils.TorchContextParallelConfig())

@@ -192,8 +192,10 @@ def test_recursively_apply_keeps_container_types():
     assert type(out[0]["p"].y) is tuple and out[0]["p"].y[1] == "s"
     assert out[0]["p"].x.tolist() == [2.0] and out[0]["p"].y[0].tolist() == [1.0, 1.0]
     assert type(out[1]) is defaultdict and out[1].default_factory is list and out[1]["q"].tolist() == [2.0]
-    with pytest.raises(TypeError, match="cannot take a str"):
-        recursively_apply(lambda t: t, [torch.ones(1), "s"], error_on_other_type=True)
+    with pytest.raises(TypeError) as refused:  # Accelerate's exact words, which its tests compare
+        recursively_apply(torch.tensor, (torch.tensor(1), 1), error_on_other_type=True)
+    assert str(refused.value) == ("Unsupported types (<class 'int'>) passed to `tensor`. Only nested list/tuple/dicts "
+                                  "of objects that are valid for `is_torch_tensor` should be passed.")
 
 
 def test_find_batch_size_and_concatenate():

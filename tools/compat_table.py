@@ -51,9 +51,7 @@ def rows(data: dict) -> list[tuple[str, str, str, str]]:
     for name in data["top_level_modules"]:
         out.append(("hasten (modules)", name, *status(name, _module_exists(name))))
     for name in data["utils"]:
-        # its export table, not __all__: HfDeepSpeedConfig (transformers' class) is exported but left out
-        # of __all__, so that `from hasten.utils import *` works without transformers
-        out.append(("hasten.utils", name, *status(name, name in hasten.utils._EXPORTS)))
+        out.append(("hasten.utils", name, *status(name, name in hasten.utils.__all__)))
     return out
 
 

@@ -4,7 +4,17 @@ from typing import TYPE_CHECKING
 
 from ._lazy import lazy_module
 
-__version__ = "0.1.0"
+# The version scheme (docs/migration.md, "Version numbers"). Scripts written for Accelerate gate features on
+# its version (``version.parse(accelerate.__version__) >= version.parse("0.16.0")``); after the word
+# replacement they read ``hasten.__version__``. So the package version is the Accelerate release whose API
+# hasten implements, with hasten's own release as the post-release number (major*10000 + minor*100 +
+# patch): 1.15.0.post100 is hasten 0.1.0 on Accelerate 1.15.0's API. It sorts >= 1.15.0 and < 1.15.1, so
+# every such gate takes Accelerate 1.15's branch, it is a plain PEP 440 version (no local label: an index
+# accepts it) and it grows with each hasten release. pyproject.toml's ``version`` is this same string, so
+# ``importlib.metadata.version("hasten") == hasten.__version__`` (tests/test_version.py checks all three).
+__hasten_version__ = "0.1.0"  # hasten's own release number
+__accelerate_version__ = "1.15.0"  # the Accelerate release whose API hasten implements
+__version__ = "1.15.0.post100"
 
 _EXPORTS = {
     "Accelerator": ".accelerator",
@@ -46,6 +56,7 @@ _EXPORTS = {
     "infer_auto_device_map": ".utils.device_map",
     "prepare_pippy": ".inference",  # refused: raises on use (hasten.utils.compat.REFUSED)
     "rich": ".utils.refused",  # refused likewise
+    "install_as_accelerate": ".as_accelerate",  # hasten's own: libraries built on Accelerate, unedited
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

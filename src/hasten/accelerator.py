@@ -282,20 +282,23 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
 
         Scripts written for Accelerate (transformers' ``run_*_no_trainer.py``) resume by hand: after
         ``load_state`` they run the interrupted epoch through ``skip_first_batches(loader, n)`` and
-        the next epochs through ``loader``. hasten's ``load_state`` already restored ``loader`` to
-        batch ``n``; the returned loader now plays that pass and ``loader`` goes on with the next
-        epoch, so no batch is skipped twice. When ``n`` is where the restored epoch stood, the
-        returned loader replays it exactly (the interrupted pass's shuffle, no new draw from the
-        restored generator), so the resumed run equals the uninterrupted one; Accelerate shuffles
-        that pass anew."""
+        the next epochs through ``loader``. After ``load_state`` (which left ``loader`` at the start of
+        the interrupted epoch, or at its saved batch with ``continue_dataloaders=True``) the returned
+        loader plays that epoch from batch ``n``, with its own order, and ``loader`` goes on with the
+        next epoch. When ``n`` is where the saved run stood, the returned loader continues exactly as
+        that run did (no batch is read twice, no new draw from the restored generators), so the
+        resumed run equals the uninterrupted one; Accelerate shuffles that pass anew."""
         from .data_loader import skip_first_batches
 
         skipped = skip_first_batches(dataloader, num_batches=num_batches)
         pending = getattr(dataloader, "pending_resume_state", lambda: None)()
-        if pending is not None:  # restored by load_state, not iterated since
+        if pending is not None and hasattr(skipped, "load_state_dict"):  # restored by load_state, not iterated since
             dataloader.load_state_dict({"epoch": dataloader.iteration + 1, "batches_yielded": 0})
-            if pending["batches_yielded"] == num_batches and hasattr(skipped, "load_state_dict"):
-                skipped.load_state_dict(pending)  # after the line above: both share the sampler
+            if pending["batches_yielded"] != num_batches:  # the epoch's order from another batch
+                pending = {k: v for k, v in pending.items()
+                           if k not in ("dataset_state", "stream_head", "stream_pending")}
+                pending["batches_yielded"] = num_batches
+            skipped.load_state_dict(pending)  # after the line above: both share the sampler
         return skipped
 
     # -- the training step ----------------------------------------------------------------------

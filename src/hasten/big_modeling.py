@@ -134,10 +134,10 @@ def disk_offload(model: "nn.Module", offload_dir: PathLike, execution_device: Op
     index) and read each submodule's weights onto ``execution_device`` only for its forward."""
     from .hooks import AlignDevicesHook, add_hook_to_module, attach_align_device_hook
     from .utils.modeling import find_tied_parameters, retie_parameters
-    from .utils.offload import INDEX_NAME, OffloadedWeightsLoader, offload_state_dict
+    from .utils.offload import INDEX_NAME, OffloadedWeightsLoader, offload_to_safetensors
 
     if not os.path.isfile(os.path.join(os.fspath(offload_dir), INDEX_NAME)):
-        offload_state_dict(offload_dir, model.state_dict())
+        offload_to_safetensors(offload_dir, model.state_dict())
     if execution_device is None:
         execution_device = _first_device(model)
     tied = find_tied_parameters(model)
@@ -186,7 +186,7 @@ def _disjoint(model: "nn.Module", device_map: Mapping[str, Any]) -> dict[str, An
 def _prepare_disk_folder(model: "nn.Module", disk_modules: list[str], offload_dir: Optional[PathLike],
                          offload_index: Optional[Mapping], offload_buffers: bool) -> None:
     """Make sure the offload folder holds every weight of the disk modules (writing those it lacks)."""
-    from .utils.offload import offload_state_dict, read_index
+    from .utils.offload import offload_to_safetensors, read_index
 
     if offload_dir is None and offload_index is None:
         raise ValueError(f"dispatch_model: device_map sends {disk_modules} to 'disk', so it needs offload_dir= (a "
@@ -202,7 +202,7 @@ def _prepare_disk_folder(model: "nn.Module", disk_modules: list[str], offload_di
                          "nor loaded in the model (meta); load the checkpoint with load_checkpoint_and_dispatch or "
                          "load_checkpoint_in_model(..., offload_folder=) first")
     if wanted:
-        offload_state_dict(offload_dir, {n: state[n].detach() for n in wanted if n in state})
+        offload_to_safetensors(offload_dir, {n: state[n].detach() for n in wanted if n in state})
 
 
 def dispatch_model(

@@ -29,6 +29,7 @@ from .saving import (
     _listing,
     find_aliases,
 )
+from .accelerate_channels import log_warning
 from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -479,15 +480,22 @@ def fit_problems(mismatched: Sequence[str], missing: Sequence[str], unexpected: 
     return problems
 
 
-def warn_partial_load(checkpoint: PathLike, model: Any, missing: Sequence[str], unexpected: Sequence[str],
-                      stacklevel: int) -> None:
-    """The warning of a non-strict load that left keys out (``stacklevel`` counts this function)."""
-    if missing or unexpected:
-        warnings.warn(
-            f"load_checkpoint_in_model: {os.fspath(checkpoint)!r} lacks {_listing(missing) if missing else 'nothing'} "
-            f"and has extra {_listing(unexpected) if unexpected else 'nothing'} for {type(model).__name__}; the "
-            "matching weights were loaded (strict=True makes this an error)", HastenWarning, stacklevel=stacklevel,
-        )
+def log_partial_load(checkpoint: PathLike, model: Any, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    """Report a non-strict load that left keys out: a WARNING record on ``hasten.utils.modeling``, where
+    Accelerate logs its record about unused weights (with its words), so code that watches the log sees
+    it and ``-W error`` does not make it an exception. Missing keys, which Accelerate does not report,
+    are named in the same record."""
+    if not (missing or unexpected):
+        return
+    where, name = os.fspath(checkpoint), type(model).__name__
+    parts = []
+    if unexpected:
+        parts.append(f"Some weights of the model checkpoint at {where} were not used when initializing {name}: "
+                     f"{list(unexpected)}.")
+    if missing:
+        parts.append(f"load_checkpoint_in_model: {where!r} lacks {_listing(missing)} for {name}.")
+    parts.append("The matching weights were loaded (strict=True makes this an error).")
+    log_warning("hasten.utils.modeling", " ".join(parts))
 
 
 def load_checkpoint_in_model(
@@ -574,7 +582,7 @@ def load_checkpoint_in_model(
     for name in expected:
         _device_for(name, device_map)  # every tensor has a device before anything moves
     _check_ties(ties, device_map)
-    warn_partial_load(checkpoint, model, missing, unexpected, stacklevel=3)
+    log_partial_load(checkpoint, model, missing, unexpected)
 
     placer = _Placer(model, device_map, dtype, keep_in_fp32_modules or [], offload_folder, offload_buffers)
     aliases_of: dict[str, list[str]] = {}

@@ -118,6 +118,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def is_overflow(self) -> bool:  # Accelerate's older name
         return self.step_was_skipped
 
+    # Accelerate's private flag behind step_was_skipped; code written for Accelerate sets it to fake an
+    # overflow (its scheduler tests do), so setting it sets the skip flag the scheduler reads.
+    @property
+    def _is_overflow(self) -> bool:
+        return self.step_was_skipped
+
+    @_is_overflow.setter
+    def _is_overflow(self, value: bool) -> None:
+        self._step_was_skipped = bool(value)
+
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
 

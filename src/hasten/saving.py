@@ -21,7 +21,6 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
-from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -336,12 +335,14 @@ def save(obj: Any, f: Union[PathLike, IO[bytes]], save_on_each_node: bool = Fals
             )
         metadata = {"format": "pt"}
         if aliases:  # a state_dict(), as Accelerate: one name of each tie is kept (safetensors cannot share memory)
-            import warnings
+            from .accelerate_channels import log_warning
 
+            # A WARNING record on Accelerate's logger (word replaced), with its words first, as Accelerate does.
             pairs = [f"{a!r} (same tensor as {c!r})" for a, c in aliases.items()]
-            warnings.warn(f"save(safe_serialization=True): left out {_listing(pairs)}, which share memory with "
-                          f"saved tensors; the ties are recorded in the file's metadata ({ALIASES_KEY!r}), which "
-                          "load_checkpoint_in_model uses to restore them", HastenWarning, stacklevel=2)
+            log_warning("hasten.utils.other",
+                        f"Removed shared tensor {sorted(aliases)} while saving: save(safe_serialization=True) left "
+                        f"out {_listing(pairs)}, which share memory with saved tensors; the ties are recorded in the "
+                        f"file's metadata ({ALIASES_KEY!r}), which load_checkpoint_in_model uses to restore them")
             metadata[ALIASES_KEY] = json.dumps(dict(aliases), sort_keys=True)
         if path is None:
             f.write(safe_bytes(tensors, metadata=metadata))  # type: ignore[union-attr]

@@ -136,6 +136,23 @@ def write_and_commit(job: SaveJob, prepared: tuple, group: Any = None) -> None:
     raise_if_any([[s] if s else [] for s in statuses], RuntimeError, "save_state could not commit the checkpoint:")
 
 
+def commit_alone(job: SaveJob, items: list) -> None:
+    """The protocol on process 0 alone, for a save no other process takes part in (``solo``): step 1
+    for its own files, then steps 4 to 7, without any exchange. Raises as ``write_and_commit`` does;
+    nothing is committed on a failure."""
+    try:
+        writer = saver.Writer(job.folder, job.rank)
+        for item in items:
+            writer.write(item)
+    except Exception as e:  # noqa: BLE001 - reported as every save failure is
+        layout.remove_tree(job.folder)
+        raise RuntimeError(f"save_state failed; nothing was committed:\n  - process {job.rank}: "
+                           f"{type(e).__name__}: {e}") from e
+    status = _commit(job, [writer.files], {})
+    if status:
+        raise RuntimeError(f"save_state could not commit the checkpoint:\n  - {status}")
+
+
 def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) -> Optional[str]:
     """Steps 4 to 7 on the committing process; returns what went wrong, or None."""
     folder, parent = job.folder, os.path.dirname(job.target)

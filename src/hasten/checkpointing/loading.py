@@ -12,7 +12,7 @@ import torch
 
 from ..saving import CheckpointMismatchError
 from ..state import warn_once
-from . import accelerate_folder, backends, layout, restorer, resume, rng, saver
+from . import accelerate_folder, backends, layout, restorer, resume, rng, saver, solo
 from .collectives import broadcast_from_main, gather
 from .fileio import HASH_THREADS, CheckpointCorruptError
 from .filereading import Bounce, quiet_frombuffer
@@ -107,6 +107,7 @@ def _shared_files(manifest: dict[str, Any]) -> list[str]:
 def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra: dict) -> str:
     custom_later = bool(extra.pop("_custom_later", False))
     checksums = bool(extra.pop("_verify_checksums", True))
+    continue_loaders = bool(extra.pop("continue_dataloaders", False))
     extra.pop("map_location", None)  # state always goes where the live objects are
     if extra:
         warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", HastenWarning, stacklevel=3)
@@ -117,16 +118,17 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
         return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
     pool = ThreadPoolExecutor(max(2, HASH_THREADS))  # two files at once, a big file's checksum in parts
     try:
-        return _load(acc, folder, allow_pickle, custom_later, checksums, pool)
+        return _load(acc, folder, allow_pickle, custom_later, checksums, pool, continue_loaders)
     finally:
         pool.shutdown()
 
 
 def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksums: bool,
-          pool: ThreadPoolExecutor) -> str:
+          pool: ThreadPoolExecutor, continue_loaders: bool = False) -> str:
     # 1. the folder, its files, and what it holds vs this run
     problems: list[tuple[str, str]] = []
     manifest: dict[str, Any] = {}
+    missing: Optional[str] = None  # why this process has no per-process state in the checkpoint
     reader: Optional[restorer.Reader] = None
     saved_world = acc.num_processes
     try:
@@ -143,7 +145,10 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
                              f" of {manifest['gradient_accumulation_steps']}) by {saved_world} processes, whose "
                              f"partial gradients cannot be split over {acc.num_processes}; resume with {saved_world} "
                              "processes, or save where accelerator.sync_gradients is True"))
-        own = [saver.rank_file(source)] + ([saver.grads_file(source)] if manifest["mid_accumulation"] else [])
+        own = _own_files(folder, manifest, source)
+        if own is None:  # saved by process 0 alone: this process resumes without state of its own
+            missing = solo.missing_note(folder, source, manifest["mid_accumulation"])
+            own = [saver.rank_file(0)]  # its dataloader position and step counter are everyone's
         names = own + (_shared_files(manifest) if acc.is_local_main_process else [])
         if not problems:
             reader.verify(names, checksums)
@@ -156,7 +161,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     loaded: dict[str, Any] = {}
     try:
         acc._checkpoints.load_pre_hooks.run(models, folder)
-        loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems)
+        loaded = _read_states(acc, reader, manifest, models, allow_pickle, problems, missing is None)
     except Exception as e:  # noqa: BLE001
         problems.append((_kind(e), f"process {acc.process_index}: {type(e).__name__}: {e}"))
     _agree(problems, folder)
@@ -182,8 +187,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     if loaded["scaler"] is not None:
         acc.precision.load_state_dict(restorer.detach_state(loaded["scaler"]))
     for dl, state in zip(acc._dataloaders, loaded["dataloaders"]):
-        if hasattr(dl, "load_state_dict"):
-            dl.load_state_dict(restorer.detach_state(state))
+        restore_position(dl, restorer.detach_state(state), continue_loaders)
     unrestored = restorer.dataloader_note(folder, manifest, acc)
     if unrestored is not None:  # once per checkpoint: a script evaluating it again is told once
         warn_once(unrestored)
@@ -195,7 +199,7 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
         auto.pending_custom = [None] * len(acc._custom_objects) + custom[len(acc._custom_objects):]
     acc.step = int(loaded["rank"]["step"])
     acc.project_configuration.iteration = int(manifest["iteration"]) + 1
-    notes = rng.restore(restorer.detach_state(loaded["rank"]["rng"]))
+    notes = [missing] if missing else rng.restore(restorer.detach_state(loaded["rank"]["rng"]))
     reader.close()
     if saved_world != acc.num_processes:
         notes.append(f"the checkpoint was saved by {saved_world} processes and is resumed by {acc.num_processes}: "
@@ -206,8 +210,35 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     return folder
 
 
+def restore_position(dataloader: Any, state: dict, continue_loaders: bool) -> None:
+    """Put a prepared loader where a resumed script expects it, as Accelerate does: at the start of
+    the interrupted epoch (``restart_epoch``: that epoch's order, so the script's own skipping, or
+    ``skip_first_batches``, lands on the batches not trained yet), unless the loader is stateful
+    (``use_stateful_dataloader=True``) or ``continue_loaders`` (``load_state(continue_dataloaders=True)``,
+    ``resume=``) asks for hasten's positioning: then it continues at the saved batch."""
+    if continue_loaders or getattr(dataloader, "use_stateful_dataloader", False) \
+            or not hasattr(dataloader, "restart_epoch"):
+        if hasattr(dataloader, "load_state_dict"):
+            dataloader.load_state_dict(state)
+        return
+    dataloader.restart_epoch(state)
+
+
+def _own_files(folder: str, manifest: dict[str, Any], source: int) -> Optional[list[str]]:
+    """The per-process files of saved process ``source``; those it attached to a checkpoint that
+    process 0 committed alone (``solo``) join the manifest's list, checked like the rest. None when a
+    checkpoint of that kind holds none (saved by process 0 only)."""
+    own = [saver.rank_file(source)] + ([saver.grads_file(source)] if manifest["mid_accumulation"] else [])
+    if own[0] not in manifest["files"] and solo.TOKEN_KEY in manifest:
+        attached = solo.read_attachment(folder, manifest, source)
+        if attached is None:
+            return None
+        manifest["files"].update(attached)
+    return own
+
+
 def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list, allow_pickle: bool,
-                 problems: list) -> dict[str, Any]:
+                 problems: list, own_state: bool = True) -> dict[str, Any]:
     contents = manifest["contents"]
     out: dict[str, Any] = {"models": [], "model_views": [], "optimizers": [], "optimizer_files": [], "schedulers": [],
                            "custom": [], "grads": None}
@@ -251,14 +282,17 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
         warnings.warn("load_state: the checkpoint and this run differ in fp16 gradient scaling; the scaler "
                       + ("state is ignored" if contents["scaler"] else "starts fresh"), HastenWarning, stacklevel=4)
     out["custom"] = [reader.state(e["file"], allow_pickle)[0] for e in contents["custom_objects"]]
-    source = resume.saved_rank_for(acc.process_index, int(manifest["world_size"]))
+    source = resume.saved_rank_for(acc.process_index, int(manifest["world_size"])) if own_state else 0
     rank_state, _ = reader.state(saver.rank_file(source))
     out["rank"] = rank_state
+    # Without a state of its own, process 0's position is converted as for another number of processes:
+    # only what decides every process's order (epoch, batches, shuffle seeds) is taken from it.
+    infos = contents["dataloaders"] if own_state else [dict(i, num_processes=None) for i in contents["dataloaders"]]
     out["dataloaders"] = [
         resume.convert_loader_state(state, info, dl, i, acc.strategy.mesh.dp_size)
-        for i, (state, info, dl) in enumerate(zip(rank_state["dataloaders"], contents["dataloaders"], acc._dataloaders))
+        for i, (state, info, dl) in enumerate(zip(rank_state["dataloaders"], infos, acc._dataloaders))
     ]
-    if manifest["mid_accumulation"]:
+    if manifest["mid_accumulation"] and own_state:
         view = reader.view(saver.grads_file(source))
         problems.extend(("mismatch", p) for p in restorer.check_gradients(view, acc))
         out["grads"] = view.tensors()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import commit, layout, resume, rng, saver
+from . import commit, layout, resume, rng, saver, solo
 from .collectives import broadcast_from_main
 from .loading import load_checkpoint
 from .prehooks import CheckpointSession
@@ -108,7 +108,12 @@ class CheckpointMixin:
         gradients when saved inside an accumulation window, and every object given to
         ``register_for_checkpointing``. With ``automatic_checkpoint_naming`` the folder is
         ``project_dir/checkpoints/checkpoint_N`` (``output_dir`` is then ignored) and ``total_limit``
-        applies. Every process must call it.
+        applies. Call it on every process. An unsharded state (one process, DDP) saved into
+        ``output_dir`` may also be saved by process 0 alone (``if accelerator.is_main_process:``):
+        process 0 commits without waiting, and the other processes' own state (generators, partial
+        gradients) is then missing from the checkpoint, as in Accelerate. Where every process must take
+        part (sharded states, automatic naming), a call by one process raises after a bounded wait.
+        The random generators are recorded after the save pre-hooks ran, as Accelerate does.
 
         ``blocking=False`` returns once the state is copied into host memory (buffers kept for the
         next save) and writes, fsyncs and commits on a background thread while training goes on. The
@@ -116,7 +121,6 @@ class CheckpointMixin:
         and raises if it failed. The next ``save_state``/``load_state``/``end_training`` waits for
         it too, and so does the interpreter at exit.
         """
-        rng_state = rng.capture()  # first: nothing below may move a generator before it is recorded
         pc = self.project_configuration
         staging_limit = getattr(pc, "staging_memory_limit", None)
         if not blocking and staging_limit is not None:  # also a value set after construction, before any collective
@@ -131,11 +135,22 @@ class CheckpointMixin:
                           HastenWarning, stacklevel=2)
         if not pc.automatic_checkpoint_naming and output_dir is None:
             raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-        self._refuse_sharded_on_each_node()
         pending = self._auto_resume.unresolved() if self._auto_resume is not None else None
         if pending:
             raise RuntimeError(pending + "; saving now would overwrite the run's history")
         self.wait_for_checkpoint()  # one save at a time; a failed background save is reported here
+        cause = solo.collective_cause(self)
+        background = self._checkpoints.background_save() if not blocking else None
+        if background is not None:  # read at every save: a lowered limit releases what no longer fits
+            background.stager.limit = staging_limit
+        if cause is None:  # no collective: process 0 commits alone, the others attach their own files
+            save = solo.save_as_main if self.is_main_process else solo.save_as_other
+            target = save(self, output_dir, background)
+            pc.iteration += 1
+            return target
+        # Before the first collective: a call made by one process is an error, not a hang.
+        solo.check_arrival(self.process_index, self.num_processes, cause)
+        self._refuse_sharded_on_each_node()
         choice = broadcast_from_main([self._choose_target(output_dir) if self.is_main_process else None])[0]
         if isinstance(choice, str):
             raise ValueError(choice)
@@ -149,12 +164,9 @@ class CheckpointMixin:
         # index up to it, so that the agreements stay paired.
         hooks = list(self._checkpoints.save_pre_hooks.hooks.values())
         hook_rounds = max(self._agree_on_folder(folder, writes_shared, len(hooks)))
-        mid_window = self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
+        mid_window = self._mid_window()
         contents: dict[str, Any] = {}
         write_shards = listing = None
-        background = self._checkpoints.background_save() if not blocking else None
-        if background is not None:  # read at every save: a lowered limit releases what no longer fits
-            background.stager.limit = staging_limit
         group = commit.save_group() if background is not None else None  # the save's exchanges, apart from training's
         prepared: tuple
         problem: Optional[str] = None  # this process's first failure, agreed before each collective below
@@ -188,6 +200,9 @@ class CheckpointMixin:
             before_collective()
             if index < len(hooks):
                 attempt(lambda: hooks[index](models, weights, folder))
+        # After the hooks, as Accelerate records them: a hook that draws random numbers (diffusers' do)
+        # must not make the resumed run differ from the uninterrupted one.
+        rng_state = rng.capture()
         if dcp_format:
             before_collective()
 
@@ -202,16 +217,7 @@ class CheckpointMixin:
             write_shards, listing = attempt(plan_sharded) or (None, None)
 
         def local_items() -> list:  # no collective from here to the exchange in write_and_commit
-            # Hooks may drop weights (a model they saved themselves) without dropping the model.
-            classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
-            if not dcp_format:
-                contents["models"] = [{"file": saver.indexed("model", i)} for i in range(len(weights))]
-            for i, entry in enumerate(contents["models"]):
-                entry.update({"class": classes[i]} if classes else {})
-            items = saver.shared_items(weights, self, contents, backend) if writes_shared else []
-            items.append(saver.state_item(saver.rank_file(self.process_index), saver.rank_state(self, rng_state)))
-            if mid_window:
-                items.append(saver.Item(saver.grads_file(self.process_index), saver.gradients(self)))
+            items = self._own_items(models, weights, contents, rng_state, writes_shared, backend, mid_window)
             if background is not None:
                 items = background.stager.stage(items)
             return items
@@ -228,17 +234,33 @@ class CheckpointMixin:
         pc.iteration = (number if number is not None else pc.iteration) + 1
         return target
 
+    def _mid_window(self) -> bool:
+        return self.gradient_accumulation_steps > 1 and self.step % self.gradient_accumulation_steps != 0
+
+    def _own_items(self, models: list, weights: list, contents: dict, rng_state: dict, writes_shared: bool,
+                   backend: Any, mid_window: bool) -> list:
+        """This process's files of a save: the shared ones when it writes them, then its own."""
+        # Hooks may drop weights (a model they saved themselves) without dropping the model.
+        dcp_format = backend is not None
+        classes = [type(self.unwrap_model(m)).__name__ for m in models] if len(models) == len(weights) or dcp_format else []
+        if not dcp_format:
+            contents["models"] = [{"file": saver.indexed("model", i)} for i in range(len(weights))]
+        for i, entry in enumerate(contents["models"]):
+            entry.update({"class": classes[i]} if classes else {})
+        items = saver.shared_items(weights, self, contents, backend) if writes_shared else []
+        return items + saver.process_items(self, rng_state, mid_window)
+
     def wait_for_checkpoint(self) -> None:
         """Block until a ``save_state(blocking=False)`` in progress is committed; raise if it failed."""
         self._checkpoints.wait()
 
     def _manifest_head(self, number: Optional[int], mid_window: bool, contents: dict) -> dict[str, Any]:
         """The manifest without its file list, as of the moment the save was asked for."""
-        from .. import __version__
+        from .. import __hasten_version__
 
         pc = self.project_configuration
         return {
-            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __version__,
+            "format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "hasten_version": __hasten_version__,
             "torch_version": torch.__version__, "world_size": self.num_processes,
             "num_machines": self.state.num_machines, "save_on_each_node": bool(pc.save_on_each_node),
             "iteration": number if number is not None else pc.iteration, "step": int(self.step),
@@ -368,7 +390,7 @@ class CheckpointMixin:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, *,
-                   verify: str = "checksum", **load_model_func_kwargs: Any) -> str:
+                   verify: str = "checksum", continue_dataloaders: bool = False, **load_model_func_kwargs: Any) -> str:
         """Restore everything ``save_state`` stored; returns the checkpoint folder used.
 
         Without ``input_dir`` (and with automatic naming) the newest *complete* checkpoint of
@@ -379,9 +401,13 @@ class CheckpointMixin:
         damage raises one error naming the file, on every process, before anything changes.
         ``verify="size"`` skips the checksums (faster, for checkpoints you just wrote yourself).
         Pickled registered objects load only with ``load_kwargs={"weights_only": False}``.
+        Prepared dataloaders start their interrupted epoch again, as under Accelerate (a loop skips the
+        trained batches itself, or through ``skip_first_batches``); ``continue_dataloaders=True`` (and
+        stateful loaders) continue at the saved batch instead.
         """
         self.wait_for_checkpoint()
         if verify not in ("checksum", "size"):
             raise ValueError(f"load_state(verify={verify!r}): use 'checksum' (the default) or 'size'")
         load_model_func_kwargs["_verify_checksums"] = verify == "checksum"
+        load_model_func_kwargs["continue_dataloaders"] = continue_dataloaders
         return load_checkpoint(self, input_dir, load_kwargs or {}, load_model_func_kwargs)

@@ -140,7 +140,7 @@ class AutoResume:
         if any(counts[k] < saved[k] for k in counts):
             return  # more prepare() calls to come
         self.done = True
-        acc.load_state(self.folder, _custom_later=True)
+        acc.load_state(self.folder, _custom_later=True, continue_dataloaders=True)  # loops need no skipping
 
     def restore_custom(self, first: int) -> None:
         acc = self.accelerator

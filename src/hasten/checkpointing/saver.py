@@ -162,6 +162,15 @@ def plan_custom(objects: list[Any]) -> list[dict[str, Any]]:
     return entries
 
 
+def process_items(accelerator: Any, rng_state: dict[str, Any], mid_window: bool) -> list[Item]:
+    """This process's own files: ``rank_<r>`` and, inside an accumulation window, ``grads_rank_<r>``."""
+    rank = accelerator.process_index
+    items = [state_item(rank_file(rank), rank_state(accelerator, rng_state))]
+    if mid_window:
+        items.append(Item(grads_file(rank), gradients(accelerator)))
+    return items
+
+
 def rank_state(accelerator: Any, rng_state: dict[str, Any]) -> dict[str, Any]:
     return {
         "rng": rng_state,

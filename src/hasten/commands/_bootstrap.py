@@ -208,6 +208,16 @@ def _show_hasten_warnings() -> None:
     warnings.showwarning = show
 
 
+def _alias_accelerate() -> None:
+    """``HASTEN_AS_ACCELERATE=1``: ``import accelerate`` gives hasten in this process (a library built on
+    Accelerate runs unedited; ``hasten.as_accelerate``). The one case where this file imports hasten,
+    because the user asked for it; the package root and that module are torch-free."""
+    if os.environ.get("HASTEN_AS_ACCELERATE", "").strip().lower() in ("1", "true", "yes", "on"):
+        from hasten.as_accelerate import install_as_accelerate
+
+        install_as_accelerate()
+
+
 def _is_zip(path: str) -> bool:
     import zipfile
 
@@ -225,6 +235,7 @@ def main(argv: list) -> None:
     _sibling("_lines").install()
     _show_hasten_warnings()
     _start_heartbeat()
+    _alias_accelerate()
     sys.argv = [target, *args]
     if module:
         sys.path.insert(0, os.getcwd())

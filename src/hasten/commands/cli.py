@@ -24,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a plain PyTorch training loop on CPU, one GPU, many GPUs or many machines.",
         epilog="Run `hasten <command> --help` for the flags of each command.",
     )
-    from .. import __version__
+    from .. import __accelerate_version__, __hasten_version__, __version__
 
-    parser.add_argument("--version", action="version", version=f"hasten {__version__}")
+    parser.add_argument("--version", action="version", version=(
+        f"hasten {__hasten_version__} (Accelerate API {__accelerate_version__}; package version {__version__})"))
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=ArgParser)
     config.add_parser(subparsers)
     launch.add_parser(subparsers)

@@ -94,6 +94,8 @@ def _start_watchdog(plan: "Plan") -> hangs.Watchdog:
     os.environ.update(hangs.child_env(folder, plan.device))
     value = plan.res.values["hang_timeout"]
     source = f"{value.source}" if value.source != "default" else "default; --hang_timeout or HASTEN_HANG_TIMEOUT"
+    # The processes bound their wait for each other at a collective save by it (checkpointing/solo.py).
+    os.environ["HASTEN_HANG_TIMEOUT"] = str(float(value.value))
     launcher = os.getpid()
     return hangs.Watchdog(folder, float(value.value), source, plan.nproc_per_node,
                           stop=lambda: os.kill(launcher, signal.SIGTERM)).start()  # the agent then stops the processes

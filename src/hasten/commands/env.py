@@ -30,11 +30,11 @@ def _version(module: str) -> str:
 
 def collect(config_file: Optional[str] = None) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """(label, value) rows and the effective config; imports torch."""
-    from .. import __version__
+    from .. import __accelerate_version__, __hasten_version__, __version__
     from .config import load_effective
 
     rows: list[tuple[str, str]] = [
-        ("hasten", __version__),
+        ("hasten", f"{__hasten_version__} (Accelerate API {__accelerate_version__}; package version {__version__})"),
         ("Python", f"{platform.python_version()} ({sys.executable})"),
         ("Platform", platform.platform()),
     ]

@@ -98,11 +98,22 @@ def build_model(spec: str, library_name: Optional[str] = None, trust_remote_code
         return _build_transformers(spec, config_path, trust_remote_code, kwargs)
     if library_name is None and _CLASS_PATH.fullmatch(spec):
         return _build_class(spec, kwargs)
-    raise MissingFileError(
+    raise _not_local(spec)
+
+
+def _not_local(spec: str) -> MissingFileError:
+    return MissingFileError(
         f"MODEL {spec!r} is neither a local config (folder with config.json, or the file) nor a class path "
         "package.module:Class; hasten estimate-memory never downloads: fetch the config first (e.g. "
         f"`huggingface-cli download {spec} config.json --local-dir {spec.split('/')[-1]}`) and pass the folder"
     )
+
+
+def verify_on_hub(repo: str, token: Optional[str] = None) -> Any:
+    """Accelerate's look-up of ``repo`` on the Hugging Face Hub. hasten's estimate-memory never contacts the
+    Hub, so there is nothing to verify: this raises ``MissingFileError`` (a ``FileNotFoundError``, the
+    ``OSError`` Accelerate raises for a repository it cannot use) saying how to fetch the config."""
+    raise _not_local(repo)
 
 
 def _build_transformers(spec: str, path: str, trust_remote_code: bool, kwargs: dict) -> tuple[Any, str]:

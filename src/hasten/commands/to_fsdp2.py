@@ -9,6 +9,7 @@ FSDP2 has no use for are dropped with a note on stderr; keys this command does n
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -54,8 +55,16 @@ def add_parser(subparsers: Any) -> None:
     to_fsdp2_command_parser(subparsers)
 
 
-def _note(text: str) -> None:
+# Accelerate logs its notes on this logger (word replaced); code that watches the log (assertLogs, caplog)
+# sees hasten's there too. The NullHandler keeps Python's last-resort handler from printing them a second time
+# next to the stderr line when logging is not configured.
+_LOGGER = logging.getLogger("hasten.commands.to_fsdp2")
+_LOGGER.addHandler(logging.NullHandler())
+
+
+def _note(text: str, level: int = logging.WARNING) -> None:
     print(f"hasten to-fsdp2: {text}", file=sys.stderr)
+    _LOGGER.log(level, text)
 
 
 def _reshard(key: str, value: Any) -> bool:
@@ -76,14 +85,14 @@ def convert_config_to_fsdp2(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with its ``fsdp_config`` section rewritten for FSDP2 (notes go to stderr)."""
     section = config.get("fsdp_config")
     if not section:
-        _note("the config has no fsdp_config section; it is written unchanged")
+        _note("No FSDP config found in the config file, skipping conversion: it is written unchanged", logging.INFO)
         return config
     if not isinstance(section, dict):
         raise HastenCLIError(f"fsdp_config must be a mapping of fsdp_* keys, not {type(section).__name__}; "
                              "fix the config file")
     if section.get("fsdp_version", 1) == 2:
-        _note("the config already uses FSDP2 (fsdp_version: 2); it is written unchanged (set fsdp_version: 1 "
-              "to convert FSDP1 key names)")
+        _note("Config already specifies FSDP2, skipping conversion... (fsdp_version: 2): it is written unchanged "
+              "(set fsdp_version: 1 to convert FSDP1 key names)")
         return config
     out: dict[str, Any] = {}
     for key, value in section.items():

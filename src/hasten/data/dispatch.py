@@ -299,6 +299,7 @@ class DataLoaderDispatcher(PreparedLoaderMixin, DataLoader):
             batches, seed_state = position.start_iterator(self, lambda: DataLoader.__iter__(self), self._resume_now)
             if seed_state is not None:
                 self._seed_state = seed_state
+            batches = position.replayed(batches, self._replay_now * per_step, self._epoch)  # already trained
             stream = position.stateful_stream(self)
             if stream is not None:
                 state, _, pending = self._stream_after or (None, None, None)

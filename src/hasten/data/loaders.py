@@ -137,6 +137,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         self._epoch = iteration
         self._position = 0  # batches of the current epoch behind us (skipped on resume included)
         self._resume_skip = 0
+        self._replay = 0  # batches at the start of the next pass that a checkpoint already trained
+        self._replay_now = 0  # ... of the current pass
+        self._restarted: Optional[dict] = None  # the saved position behind _replay (for skip_first_batches)
         self._resume_states: Optional[dict] = None  # generator states of an interrupted pass (load_state_dict)
         self._resume_now: Optional[dict] = None  # ... while the resumed pass starts
         self._pass_states: dict = {}  # generator states at the start of the current pass
@@ -175,9 +178,11 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         """Start a pass: sync RNGs, pick the epoch, register; returns (epoch, batches to skip)."""
         epoch, skip = self.iteration, self._resume_skip
         resume, self._resume_states = (self._resume_states or None), None
-        if resume is None:  # a resumed pass keeps the restored states (the sync happened before the save)
+        replay, self._replay, self._restarted = self._replay, 0, None
+        if resume is None and not replay:  # a resumed pass keeps the restored states (synced before the save)
             _sync_rng(self.rng_types, self.synchronized_generator)
         self._resume_now = resume
+        self._replay_now = replay
         position.begin_sampler_pass(self)
         state = position.sampler_generator_state(self.synchronized_generator, resume)
         self._pass_states = {} if state is None else {"sampler_generator_state": state}
@@ -278,6 +283,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
             return {key: self._left_at[key] for key in ("epoch", "batches_yielded")}
         if self._in_iteration:
             return {"epoch": self._epoch + 1, "batches_yielded": 0}
+        pending = self.pending_resume_state()  # restored, not iterated since: a save keeps that position
+        if pending is not None:
+            return {"epoch": pending["epoch"], "batches_yielded": pending["batches_yielded"]}
         return {"epoch": self.iteration, "batches_yielded": 0}
 
     def exact_resume_state(self) -> dict:
@@ -286,6 +294,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         ``load_state_dict`` accepts either."""
         if not self._in_iteration and self._left_at is not None:
             return dict(self._left_at)
+        pending = None if self._in_iteration else self.pending_resume_state()
+        if pending is not None:
+            return dict(pending, sampler_seed=position.sampler_seed(self))
         out = dict(self.state_dict(), sampler_seed=position.sampler_seed(self))
         if self._in_iteration and not self.end_of_dataloader:
             out.update(self._pass_states)
@@ -301,8 +312,11 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         return out
 
     def pending_resume_state(self) -> Optional[dict]:
-        """What ``load_state_dict`` restored and no pass has used yet (None: nothing pending), in the
-        form ``load_state_dict`` takes: hands an interrupted epoch to ``skip_first_batches``' loader."""
+        """The interrupted epoch that ``load_state_dict`` or ``restart_epoch`` restored and no pass has
+        used yet (None: nothing pending), in the form ``load_state_dict`` takes (it continues at the
+        saved batch): hands that epoch to ``skip_first_batches``' loader."""
+        if self._restarted is not None:
+            return dict(self._restarted)
         if not self._resume_skip:
             return None
         sampler = self.get_sampler()
@@ -311,14 +325,37 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         return state if epoch_seed is None else dict(state, sampler_epoch_seed=int(epoch_seed))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on."""
+        """Make the next pass run epoch ``state_dict["epoch"]`` from batch ``batches_yielded`` on
+        (continue where the saved pass stood, as a stateful loader does)."""
         self.iteration = int(state_dict.get("epoch", 0))
         self._left_at = None
         self._resume_skip = int(state_dict.get("batches_yielded", 0))
+        self._replay, self._restarted = 0, None
         keys = ("seed_generator_state", "sampler_generator_state", "dataset_state", "stream_head",
                 "stream_pending")
         self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
         position.set_sampler_seed(self, state_dict.get("sampler_seed"), state_dict.get("sampler_epoch_seed"))
+
+    def restart_epoch(self, state_dict: dict) -> None:
+        """Make the next pass run epoch ``state_dict["epoch"]`` (a ``state_dict()``) again from its first
+        batch, with the order and generator states the saved pass had: what ``load_state`` does by
+        default, so that a loop that skips the first ``batches_yielded`` batches itself (or
+        ``skip_first_batches``) lands on the batches the saved run had not trained yet.
+
+        Those first batches are read with the global generators set aside
+        (``position.rngs_set_aside``): skipping them leaves the restored generators as they were, so
+        the rest of the epoch equals the uninterrupted run's exactly. The next pass is the next epoch.
+        """
+        done = int(state_dict.get("batches_yielded", 0))
+        self.load_state_dict(state_dict)
+        if not done:
+            return
+        self._resume_skip = 0
+        self._replay = done
+        self._restarted = dict(state_dict)
+        # Where the saved pass stood inside an iterable dataset: not wanted when the epoch starts again.
+        for key in ("dataset_state", "stream_head", "stream_pending"):
+            self._resume_states.pop(key, None)
 
     @property
     def takes_even_batches(self) -> bool:
@@ -471,6 +508,7 @@ class DataLoaderShard(PreparedLoaderMixin, DataLoader):
 
     def _run(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
         peek = position.peek_indices(iterator) if self._shard is not None and not skip else None
+        iterator = position.replayed(iterator, self._replay_now, self._epoch)
         if peek is not None:
             yield from self._run_lazily(iterator, peek)
             return

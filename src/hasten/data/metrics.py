@@ -104,7 +104,7 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False, *,
     """
     objects = use_gather_object or not _all_tensors(input_data)
     if not PartialState().use_distributed:
-        return input_data
+        return input_data if objects else _one_process(input_data)
     state = _Replicas.of(data_parallel)
     loader = GradientState().active_dataloader if GradientState._shared_state else None
     rounds = _rounds(loader, state) if loader is not None else None
@@ -116,6 +116,24 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False, *,
     if objects:
         return [item for result in results for item in result]
     return concatenate(results)
+
+
+def _one_process(data: Any) -> Any:
+    """One process pads nothing, so every tensor is kept, but for one case, where hasten agrees with
+    Accelerate: in a prepared loader's last, short batch, a tensor with one row per entry of the *configured*
+    batch (transformers' ``Trainer`` gathers ``loss.repeat(batch_size)``) is cut to the batch's samples, as
+    several processes cut a padded batch; the short batch then weighs what it holds in an average."""
+    gradient_state = GradientState()
+    loader = gradient_state.active_dataloader if GradientState._shared_state else None
+    size = getattr(loader, "total_batch_size", None)
+    remainder = getattr(gradient_state, "remainder", -1)
+    if loader is None or not gradient_state.end_of_dataloader or not size or not 0 < remainder < size:
+        return data
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:remainder] if tensor.ndim > 0 and tensor.shape[0] == size else tensor
+
+    return recursively_apply(cut, data)
 
 
 # -- one round --------------------------------------------------------------------------------------

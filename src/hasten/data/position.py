@@ -10,10 +10,16 @@ of those generators as they were at its start, and a resumed pass starts from th
 Single-process loading (``num_workers=0``) looks one batch ahead only at the *indices* (to know the
 last batch early), not at the data: reading a sample may draw random numbers (augmentation), and
 a checkpoint saved between two steps must not have consumed the next batch's draws yet.
+
+``load_state`` by default restarts the interrupted epoch (as Accelerate; the loop skips the trained
+batches itself): the pass replays the saved states from its first batch, and reads the batches the
+checkpoint already trained with the global generators set aside (``rngs_set_aside``), so that the
+first untrained batch is read from the restored states, as in the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -124,6 +130,75 @@ def set_sampler_seed(loader: Any, seed: Optional[int], epoch_seed: Optional[int]
         sampler.initial_seed = int(seed)
     if hasattr(sampler, "resume_seed"):
         sampler.resume_seed = None if epoch_seed is None else int(epoch_seed)
+
+
+# -- replaying the batches a checkpoint already trained ---------------------------------------------
+@contextlib.contextmanager
+def rngs_set_aside(seed: int) -> Iterator[None]:
+    """Run the body on global generators (Python, NumPy, torch's CPU one) seeded from ``seed``, then
+    put their states back, as if the body had drawn nothing (a CUDA generator in use is put back too).
+
+    Reading a replayed batch (one the checkpoint's run already trained) must not move the
+    generators the checkpoint restored: a loop that skips that batch then reads the first new batch
+    from exactly the state the uninterrupted run had. The seed varies per batch, so a loop that
+    trains the replayed batches still sees varied augmentation.
+    """
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")  # only if the script uses it (importing it costs time)
+    saved_python, saved_torch = random.getstate(), torch.get_rng_state()
+    saved_numpy = numpy.random.get_state() if numpy is not None else None
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    saved_cuda = torch.cuda.get_rng_state() if cuda else None
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+    # A state, not torch.manual_seed: that would also queue a seed for CUDA generators not yet made.
+    torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
+    try:
+        yield
+    finally:
+        random.setstate(saved_python)
+        torch.set_rng_state(saved_torch)
+        if numpy is not None:
+            numpy.random.set_state(saved_numpy)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state(saved_cuda)
+
+
+class ReplayedPrefix:
+    """``iterator`` whose first ``count`` items are read with the global generators set aside
+    (``rngs_set_aside``): the batches of an interrupted epoch that its checkpoint already trained."""
+
+    def __init__(self, iterator: Iterator[Any], count: int, seed: int) -> None:
+        self._iterator = iterator
+        self._count = count
+        self._seed = seed
+        self._read = 0
+
+    def __iter__(self) -> "ReplayedPrefix":
+        return self
+
+    def __next__(self) -> Any:
+        if self._read >= self._count:
+            return next(self._iterator)
+        with rngs_set_aside(hash((self._seed, self._read)) & (2**63 - 1)):
+            item = next(self._iterator)
+        self._read += 1
+        return item
+
+
+def replayed(iterator: Iterator[Any], count: int, epoch: int) -> Iterator[Any]:
+    """``iterator`` with its first ``count`` items (a restarted epoch's trained batches) read with the
+    global generators set aside; ``iterator`` itself when there are none. The seeds they are read
+    with come from the restored torch seed, the epoch and the process."""
+    if count <= 0:
+        return iterator
+    from ..state import PartialState
+
+    seed = hash((int(torch.initial_seed()), int(epoch), PartialState().process_index)) & (2**63 - 1)
+    return ReplayedPrefix(iterator, count, seed)
 
 
 # -- iterable datasets that can say where they are ------------------------------------------------

@@ -69,7 +69,7 @@ def _check_split(dataloader: DataLoader, num_processes: int) -> None:
     if size % num_processes != 0:
         raise ValueError(
             f"split_batches=True cuts each batch of {size} samples into {num_processes} equal parts, but {size} is "
-            f"not a multiple of {num_processes}; use a batch size that is a multiple of the number of processes "
+            f"not a round multiple of {num_processes}; use a batch size that is a multiple of the number of processes "
             "or split_batches=False"
         )
 

@@ -225,7 +225,7 @@ class BatchSamplerShard(BatchSampler):
             if self.batch_size % num_processes != 0:
                 raise ValueError(
                     f"split_batches=True cuts each batch into {num_processes} equal parts, but batch_size="
-                    f"{self.batch_size} is not a multiple of {num_processes}; use a batch size that is "
+                    f"{self.batch_size} is not a round multiple of {num_processes}; use a batch size that is "
                     f"(e.g. {max(1, self.batch_size // num_processes) * num_processes}) or split_batches=False"
                 )
 
@@ -397,7 +397,7 @@ class IterableDatasetShard(IterableDataset):
         if split_batches and (batch_size is None or batch_size % num_processes != 0):
             raise ValueError(
                 f"split_batches=True cuts each batch into {num_processes} equal parts, but batch_size="
-                f"{batch_size} is not a multiple of {num_processes}; use a batch size that is or split_batches=False"
+                f"{batch_size} is not a round multiple of {num_processes}; use a batch size that is or split_batches=False"
             )
         self.dataset = dataset
         self.batch_size = batch_size

@@ -30,7 +30,7 @@ def comm_strategy(handler: Any) -> str:
     value = getattr(handler, "cp_comm_strategy", None) or os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY",
                                                                          "allgather")
     if value not in COMM_STRATEGIES:
-        raise ValueError(f"ParallelismConfig: cp_comm_strategy={value!r}; use one of {list(COMM_STRATEGIES)}")
+        raise ValueError(f"Invalid cp_comm_strategy: {value} (ParallelismConfig); use one of {list(COMM_STRATEGIES)}")
     return value
 
 

@@ -37,6 +37,25 @@ def check_layout(sizes: dict[str, int], world_size: int) -> None:
         )
 
 
+def mesh_names_and_shape(sizes: dict[str, int], keep: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The torch mesh's dimension names and sizes: those of ``DIMS`` larger than 1 (or kept), in ``DIMS`` order."""
+    names = tuple(n for n in DIMS if sizes.get(n, 1) > 1 or n in keep) or ("dp_shard",)
+    return names, tuple(sizes.get(n, 1) for n in names)
+
+
+def flatten_joint(mesh: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """Flatten the joint dimensions (``FLATTENED``) of ``mesh`` whose parts are enabled; return them by name.
+
+    Collective: every process flattens the same dimensions in the same order (each makes a group).
+    The parts go to the mesh as a list, the type ``ParallelismConfig.dp_dim_names`` has (Accelerate's)."""
+    flattened = {}
+    for joint, parts in FLATTENED.items():
+        enabled = [n for n in parts if sizes.get(n, 1) > 1]
+        if enabled:
+            flattened[joint] = mesh[enabled]._flatten(joint)
+    return flattened
+
+
 class ParallelMesh:
     """Named dimensions over the job's processes; the strategy that trains on them owns it.
 
@@ -112,13 +131,9 @@ class ParallelMesh:
         if self._device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            names = tuple(n for n in DIMS if self.sizes[n] > 1 or n in self.keep) or ("dp_shard",)
-            shape = tuple(self.sizes[n] for n in names)
+            names, shape = mesh_names_and_shape(self.sizes, self.keep)
             mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-            for joint, parts in FLATTENED.items():
-                enabled = tuple(n for n in parts if self.sizes[n] > 1)
-                if enabled:  # every process flattens the same dimensions in the same order (new groups)
-                    self._flattened[joint] = mesh[enabled]._flatten(joint)
+            self._flattened = flatten_joint(mesh, self.sizes)
             self._device_mesh = mesh
         return self._device_mesh
 

@@ -237,7 +237,7 @@ def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     """Fill ``model`` (DTensor parameters, possibly on ``meta``) from ``checkpoint``; see the module's
     docstring. Every process must call it. Returns ``LoadResult(missing, unexpected)``."""
-    from ..model_loading import warn_partial_load
+    from ..model_loading import log_partial_load
     from ..saving import LoadResult
 
     plan: Optional[_Plan] = None
@@ -258,5 +258,5 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
     _agree(failure)
-    warn_partial_load(checkpoint, model, plan.missing, plan.unexpected, stacklevel=4)
+    log_partial_load(checkpoint, model, plan.missing, plan.unexpected)
     return LoadResult(plan.missing, plan.unexpected)

@@ -78,9 +78,10 @@ def _missing_package_error(name: str) -> ImportError:
 
 
 def _needs_directory_error(name: str) -> ValueError:
-    return ValueError(
-        f"log_with={name!r} writes into a logging directory, and none is set; pass "
-        "Accelerator(project_dir='runs') or project_config=ProjectConfiguration(logging_dir=...)"
+    return ValueError(  # Accelerate's words first (code written for it matches them), then the fix
+        f"Logging with `{name}` requires a `logging_dir` to be passed in: log_with={name!r} writes into a logging "
+        "directory, and none is set; pass Accelerator(project_dir='runs') or "
+        "project_config=ProjectConfiguration(logging_dir=...)"
     )
 
 

@@ -116,7 +116,5 @@ _EXPORTS = {
     **{name: ".refused" for name in _REFUSED if name not in _TOP_LEVEL_ONLY},
     "FeatureNotAvailableError": ".compat",
 }
-# `from hasten.utils import *` works on a core install: HfDeepSpeedConfig is transformers' class (it needs
-# transformers), so it is reachable by name but not pulled in by a star import.
-__all__ = sorted(set(_EXPORTS) - {"HfDeepSpeedConfig"})
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_module(__name__, _EXPORTS)

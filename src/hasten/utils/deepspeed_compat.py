@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any, Iterator
 
 from .imports import is_deepspeed_available
@@ -65,11 +64,8 @@ def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any =
 
 
 def __getattr__(name: str) -> Any:
-    if name == "HfDeepSpeedConfig":  # transformers' class, as Accelerate re-exports it
-        if importlib.util.find_spec("transformers") is None:  # not a hasten dependency, not even an extra's
-            raise ImportError("HfDeepSpeedConfig is transformers' class and transformers is not installed: "
-                              "pip install transformers")
-        from transformers.integrations import HfDeepSpeedConfig
+    if name == "HfDeepSpeedConfig":  # the base class that transformers' own subclasses
+        from .ds_config import HfDeepSpeedConfig
 
         return HfDeepSpeedConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .._lazy import lazy_module
+from ..accelerate_channels import add_note, log_warning
 from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -210,8 +211,12 @@ def set_module_tensor_to_device(
             if not isinstance(value, torch.Tensor):
                 value = torch.as_tensor(value)
             if tuple(value.shape) != tuple(old.shape):
-                raise ValueError(f"value for {tensor_name!r} has shape {list(value.shape)} but the module's tensor has "
-                                 f"{list(old.shape)}; the checkpoint does not belong to this model")
+                # str() is Accelerate's sentence, which code written for Accelerate compares; the fix is a note.
+                error = ValueError(f'Trying to set a tensor of shape {value.shape} in "{leaf}" (which has shape '
+                                   f'{old.shape}), this looks incorrect.')
+                add_note(error, f"{tensor_name!r} of {type(module).__name__} is {list(old.shape)}, the value "
+                                f"{list(value.shape)}: the value (checkpoint) does not belong to this model")
+                raise error
             want = old.dtype if cast is None else (value.dtype if is_cast_exempt(value) else cast)
             new = value.to(device=target, dtype=want, non_blocking=non_blocking)
         else:
@@ -266,10 +271,8 @@ def check_tied_parameters_in_config(model: "nn.Module") -> bool:
 
 
 def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: Mapping[str, Any]) -> None:
-    """Warn about each group of tied parameters that ``device_map`` spreads over several devices
-    (ValueError when a name has no device in the map)."""
-    import warnings
-
+    """Log a WARNING (on ``hasten.utils.modeling``, as Accelerate logs it) for each group of tied parameters
+    that ``device_map`` spreads over several devices (ValueError when a name has no device in the map)."""
     for group in tied_params:
         devices = {}
         for name in group:
@@ -279,8 +282,8 @@ def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_ma
                 raise ValueError(f"device_map gives no device for tied parameter {name!r}; add its module "
                                  "(or \"\" for everything not listed)") from None
         if len(set(devices.values())) > 1:
-            warnings.warn(f"Tied parameters are on different devices: {devices}; put their modules on one device in "
-                          "the device_map, or use device_map='auto'", HastenWarning, stacklevel=2)
+            log_warning("hasten.utils.modeling", f"Tied parameters are on different devices: {devices}; put their "
+                                                 "modules on one device in the device_map, or use device_map='auto'")
 
 
 def _get_tensor(model: "nn.Module", name: str) -> "torch.Tensor":

@@ -1,14 +1,16 @@
-"""The disk-offload folder: weights written with safetensors, read back lazily one tensor at a time.
+"""The disk-offload folder: weights on disk with an ``index.json``, read back lazily one tensor at a time.
 
-A folder holds ``offload-NNNNN.safetensors`` files and ``index.json``, which maps every offloaded
-tensor name to ``{"safetensors_file", "weight_name", "dtype", "shape"}`` (file names relative to the
-folder, so the folder can be moved). Tied names point at one stored tensor. This layout differs from
-Accelerate's on purpose (a few checked safetensors files instead of one raw file per tensor, and a
-checksum per entry); Accelerate does not read it (it resolves ``safetensors_file`` against the working
-directory). hasten in turn reads folders written by Accelerate (``<name>.dat`` raw arrays), through
-``numpy.memmap``, and Accelerate's own functions for that format (``offload_weight``,
-``save_offload_index``, ``load_offloaded_weight``) write and read it. Nothing here unpickles.
-Every file is written atomically; the index is rewritten (atomically) after the weights it names.
+Two layouts share the folder and the index. hasten's own offloading (the loaders, ``disk_offload``,
+``dispatch_model``) writes ``offload-NNNNN.safetensors`` files, the index mapping each tensor name to
+``{"safetensors_file", "weight_name", "dtype", "shape", "checksum"}`` (file names relative to the
+folder, so it can be moved; tied names point at one stored tensor): a few checked files instead of
+one per tensor. Accelerate's public functions for the folder keep Accelerate's layout, one raw
+``<name>.dat`` array per tensor with ``{"dtype", "shape"}`` in the index: ``offload_state_dict``,
+``offload_weight`` / ``save_offload_index`` and ``load_offloaded_weight`` write and read it as
+Accelerate does, and the index in the file also records each ``.dat``'s checksum (Accelerate ignores
+the key; hasten verifies it on reading). hasten reads both layouts, including folders Accelerate
+wrote (through ``numpy.memmap``); Accelerate reads the ``.dat`` one. Nothing here unpickles. Every
+file is written atomically; the index is rewritten (atomically) after the weights it names.
 """
 
 from __future__ import annotations
@@ -147,7 +149,18 @@ def add_to_index(folder: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> 
 
 
 def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tensor"]) -> None:
-    """Write ``state_dict`` to the offload folder ``save_dir`` and add its tensors to the index."""
+    """Write ``state_dict`` to the offload folder ``save_dir`` in Accelerate's format (one ``<name>.dat``
+    per tensor, each written atomically) and add the tensors to its ``index.json``, with the checksum of
+    each file that reading verifies. Accelerate reads the folder too. hasten's own offloading (the
+    loaders, ``disk_offload``, ``dispatch_model``) writes safetensors files: ``offload_to_safetensors``."""
+    folder = os.fspath(save_dir)
+    os.makedirs(folder, exist_ok=True)
+    add_to_index(folder, {name: _write_dat(tensor, name, folder) for name, tensor in state_dict.items()})
+
+
+def offload_to_safetensors(save_dir: PathLike, state_dict: Mapping[str, "torch.Tensor"]) -> None:
+    """Write ``state_dict`` to a new safetensors file in ``save_dir`` (tied names stored once) and add
+    its tensors to the index."""
     add_to_index(save_dir, write_offload_file(save_dir, state_dict))
 
 
@@ -212,33 +225,55 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     return tensor.reshape(shape)
 
 
-def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: PathLike,
-                   index: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
-    """Write ``weight`` to ``<offload_folder>/<weight_name>.dat`` in Accelerate's raw format (atomically).
-
-    index: a dict that gets the weight's entry (``{"dtype", "shape"}``); it is returned. The file is
-    not in the folder's ``index.json`` until ``save_offload_index`` writes the entries there.
-    """
+def _write_dat(weight: "torch.Tensor", weight_name: str, folder: str) -> dict[str, Any]:
+    """Write ``weight`` to ``<folder>/<weight_name>.dat`` (Accelerate's raw format, atomically); its index
+    entry, with the checksum of the bytes written."""
     import torch
 
-    folder = os.fspath(offload_folder)
     path = _inside(folder, weight_name, "offload_weight: weight_name")
+    if weight.device.type == "meta":
+        raise ValueError(f"offload: {weight_name!r} is on the meta device (no data); load or materialise it first")
     dtype_name = str(weight.dtype).replace("torch.", "")
     data = weight.detach().to("cpu").contiguous()
     stored = _numpy_stand_in(dtype_name)
     if stored != dtype_name:
         data = data.view(getattr(torch, stored))
     array = data.numpy()
-    if index is not None:
-        index[weight_name] = {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
     with atomic_write(path, "wb") as f:
         f.write(array.tobytes())
+    return {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
+
+
+def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: PathLike,
+                   index: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """Write ``weight`` to ``<offload_folder>/<weight_name>.dat`` in Accelerate's raw format (atomically).
+
+    index: a dict that gets the weight's entry (``{"dtype", "shape"}``, Accelerate's entry); it is returned.
+    The file is not in the folder's ``index.json`` until ``save_offload_index`` writes the entries there,
+    adding the checksum of each file's bytes that reading verifies.
+    """
+    entry = _write_dat(weight, weight_name, os.fspath(offload_folder))
+    if index is not None:
+        index[weight_name] = {"dtype": entry["dtype"], "shape": entry["shape"]}
     return index
 
 
 def save_offload_index(index: Optional[Mapping[str, Any]], offload_folder: PathLike) -> None:
-    """Merge ``index`` (entries from ``offload_weight``) into ``offload_folder``'s ``index.json``."""
-    add_to_index(offload_folder, index or {})
+    """Merge ``index`` (entries from ``offload_weight``) into ``offload_folder``'s ``index.json``.
+
+    The caller's dict is left as Accelerate's (``{"dtype", "shape"}``); in the file, each entry of a
+    ``<name>.dat`` there gets the checksum of the file's bytes (read once, here), which reading checks."""
+    folder = os.fspath(offload_folder)
+    entries = {}
+    for name, entry in (index or {}).items():
+        entry = dict(entry)
+        if "checksum" not in entry and "safetensors_file" not in entry:
+            with contextlib.suppress(ValueError, OSError):  # no such file (yet): an entry without a checksum
+                path = _inside(folder, name, "offload index entry")
+                if os.path.isfile(path) and not os.path.islink(path):
+                    entry["checksum"] = _checksum(load_offloaded_weight(path, entry))
+        entries[name] = entry
+    add_to_index(folder, entries)
 
 
 def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, Any],

@@ -79,9 +79,11 @@ def recursively_apply(func: Callable, data: Any, *args: Any, test_type: Callable
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
+        # Accelerate's text, which code written for it compares exactly; it names the type and what is accepted.
         raise TypeError(
-            f"{getattr(func, '__name__', func)} cannot take a {_type_name(data)}: it accepts values for which "
-            f"{getattr(test_type, '__name__', test_type)} is true, nested in dicts, lists and tuples"
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested "
+            f"list/tuple/dicts of objects that are valid for `{getattr(test_type, '__name__', test_type)}` should be "
+            "passed."
         )
     return data
 

@@ -60,8 +60,9 @@ class TorchContextParallelConfig:
         if self.cp_comm_strategy is None:
             self.cp_comm_strategy = os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")
         if self.cp_comm_strategy not in _CP_COMM_STRATEGIES:
-            raise ValueError(f"TorchContextParallelConfig: cp_comm_strategy={self.cp_comm_strategy!r}; use one of "
-                             f"{list(_CP_COMM_STRATEGIES)}")
+            # Accelerate's words first ("Invalid cp_comm_strategy: X"), which scripts and tests match.
+            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy} (TorchContextParallelConfig); use one "
+                             f"of {list(_CP_COMM_STRATEGIES)}")
 
 
 def parallelism_from_tp_plugin(torch_tp_plugin: Any, parallelism_config: Any) -> Any:

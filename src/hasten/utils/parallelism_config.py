@@ -120,27 +120,94 @@ class ParallelismConfig:
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SIZES + ("cp_backend",)}
 
+    # Accelerate's names of the enabled dimensions (lists, as Accelerate's), in mesh order.
+    @property
+    def dp_dim_names(self) -> list[str]:
+        """The enabled data-parallel dimensions (flattened into ``dp``)."""
+        return [n for n in ("dp_replicate", "dp_shard") if self.sizes()[n] > 1]
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        """The enabled dimensions whose processes receive the same batch."""
+        return [n for n in ("tp", "cp") if self.sizes()[n] > 1]
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        """The enabled dimensions FSDP2 shards the model over (flattened into ``dp_shard_cp``)."""
+        return [n for n in ("dp_shard", "cp") if self.sizes()[n] > 1]
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        """The enabled dimensions the loss is averaged over (flattened into ``dp_cp``)."""
+        return [n for n in ("dp_replicate", "dp_shard", "cp") if self.sizes()[n] > 1]
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """The dimensions FSDP2 is applied over, replication included."""
+        return ["dp_replicate"] * self.dp_replicate_enabled + ["dp_shard_cp"]
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return self.dp_dim_names + self.non_dp_dim_names
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp_size > 1
+
+    def _get_mesh(self) -> tuple:
+        """``(dimension names, sizes)`` of the torch mesh (the enabled dimensions, in mesh order), or ``()``
+        when none is enabled. Accelerate's private helper, which its tests call."""
+        from ..strategies.mesh import mesh_names_and_shape
+
+        if self.total_size == 1:
+            return ()
+        return mesh_names_and_shape(self.sizes())
+
     def build_device_mesh(self, device_type: str) -> Any:
         """The torch ``DeviceMesh`` of this layout on ``device_type`` ("cuda", "cpu", ...), with the joint
         dimensions ``dp``, ``dp_shard_cp`` and ``dp_cp`` flattened as Accelerate's; ``None`` when every
-        size is 1. Collective: every process of the (already initialised) process group calls it."""
+        size is 1. Collective: every process of the job calls it.
+
+        The layout is checked against the job's size before any group is made: the process group's
+        size once it exists, else the launcher's ``WORLD_SIZE`` (the size torch's rendezvous will
+        use). A process that no launcher started has no size to check against yet: torch's
+        ``init_device_mesh`` is called as in Accelerate, and its refusal is raised naming the layout."""
         if self.total_size == 1:
             return None
         import torch.distributed as dist
 
-        from ..strategies.mesh import ParallelMesh
+        from ..strategies.mesh import ParallelMesh, check_layout, flatten_joint
 
-        if not (dist.is_available() and dist.is_initialized()):
-            world, rank = 1, 0  # the layout check below names the mismatch before torch would hang
-        else:
-            world, rank = dist.get_world_size(), dist.get_rank()
-        return ParallelMesh(self.sizes(), rank, world, device_type).device_mesh()
+        if dist.is_available() and dist.is_initialized():
+            return ParallelMesh(self.sizes(), dist.get_rank(), dist.get_world_size(), device_type).device_mesh()
+        launched = os.environ.get("WORLD_SIZE")
+        if launched:
+            check_layout(self.sizes(), int(launched))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, shape = self._get_mesh()
+        try:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        except (ValueError, RuntimeError) as error:
+            if launched:
+                raise
+            raise ValueError(
+                f"ParallelismConfig: {self._shown()} = {self.total_size} processes, but this process runs alone (no "
+                f"process group, no WORLD_SIZE from a launcher); start it with hasten launch --num_processes "
+                f"{self.total_size} (torch: {error})") from error
+        if dist.is_available() and dist.is_initialized():  # torch made the group: its size is the job's
+            check_layout(self.sizes(), dist.get_world_size())
+        flatten_joint(mesh, self.sizes())
+        return mesh
+
+    def _shown(self) -> str:
+        return (f"dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
+                f"cp_size={self.cp_size} x tp_size={self.tp_size}")
 
     # -- checks before the process group ----------------------------------------------------------
     def check(self, world_size: int, sharded: bool, device_type: str) -> None:
         """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
-        shown = (f"dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
-                 f"cp_size={self.cp_size} x tp_size={self.tp_size}")
+        shown = self._shown()
         if self.total_size == 1 and world_size > 1:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
         if self.total_size != world_size:
