@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -48,14 +49,46 @@ def uninterrupted(tmp_path_factory, env):
     return seen
 
 
-@pytest.mark.parametrize("mode,writes", [("blocking", "buffered"), ("background", "direct")])
-def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path, mode, writes):
-    out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "ckpt_killer.py"), out, tmp_path / "project",
-                           "20", "11", mode, writes], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+def _selected(request, name):
+    """The values of parameter ``name`` of this module's selected tests that use fixture ``request``
+    is setting up, so that a fixture starts only the runs that will be read."""
+    fixture = request.fixturename
+    return sorted({item.callspec.params[name] for item in request.session.items
+                   if item.module is request.module and fixture in item.fixturenames})
+
+
+KILLER_WRITES = {"blocking": "buffered", "background": "direct"}
+
+
+@pytest.fixture(scope="module")
+def killers(request, tmp_path_factory):
+    """The kill -9 runs of scripts/ckpt_killer.py, one per mode, started together: they mostly wait
+    (fsyncs, the random delays before each kill), so side by side they cost about one of them."""
+    started = {}
+    for mode in _selected(request, "mode"):
+        root = tmp_path_factory.mktemp(f"killer_{mode}")
+        with open(root / "stderr", "w") as err:  # a file, not a pipe: nobody reads while the other runs
+            proc = subprocess.Popen([sys.executable, os.path.join(HERE, "scripts", "ckpt_killer.py"), root / "report.json",
+                                     root / "project", "20", "11", mode, KILLER_WRITES[mode]], stdout=subprocess.DEVNULL,
+                                    stderr=err, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        started[mode] = (proc, root)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])  # background: O_DIRECT writes (KILLER_WRITES)
+def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(killers, mode):
+    proc, root = killers[mode]
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, (root / "stderr").read_text()[-3000:]
+    report = json.loads((root / "report.json").read_text())
     assert report["errors"] == []
     rounds = report["rounds"]
     assert len(rounds) == 20
@@ -68,58 +101,136 @@ def test_kill_9_while_saving_never_loses_the_newest_complete_checkpoint(tmp_path
     assert all(r["complete"] and len(r["complete"]) <= 3 for r in rounds[1:])
 
 
-def _sharded_ranks(project, saves, mode="blocking"):
-    """Start the 2 ranks of scripts/ckpt_killer_sharded.py; returns them (rank 0's stdout is a pipe)."""
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = clean_env(os.devnull, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1, HASTEN_USE_CPU=1)
-        procs.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py"), str(project), str(saves), mode],
-                                      env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, text=True))
-    return procs
+class _ShardedRanks:
+    """The 2 ranks' fork servers of scripts/ckpt_killer_sharded.py (torch and hasten imported once per
+    rank, not once per job): ``start`` runs one 2-process job and returns its processes' pids."""
+
+    def __init__(self):
+        self.servers, self.ended0 = [], None
+        for rank in range(2):
+            env = clean_env(os.devnull, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
+                            MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=1, HASTEN_USE_CPU=1)
+            self.servers.append(subprocess.Popen([sys.executable, script("ckpt_killer_sharded.py")], env=env,
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, text=True))
+
+    def start(self, project, saves, mode="blocking"):
+        job = json.dumps([str(project), saves, mode, free_port()]) + "\n"
+        for server in self.servers:
+            server.stdin.write(job)
+            server.stdin.flush()
+        return [int(self._line(server, "pid")[1]) for server in self.servers]
+
+    def line(self):
+        """The next line rank 0's job printed, split (``exit <status>`` if it ended first)."""
+        line = self.servers[0].stdout.readline().split()
+        if line[:1] == ["exit"]:
+            self.ended0 = line
+        return line
+
+    def finish(self):
+        """Wait for both jobs to be gone (killed, or ended); their exit statuses."""
+        first = self.ended0 or self._line(self.servers[0], "exit")
+        self.ended0 = None
+        return [int(first[1]), int(self._line(self.servers[1], "exit")[1])]
+
+    def close(self):
+        """End the servers (at the end of their input; killed if that takes more than a minute)."""
+        for server in self.servers:
+            try:
+                server.stdin.close()
+            except OSError:
+                pass
+        for server in self.servers:
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+    @staticmethod
+    def _line(server, word):
+        while True:
+            line = server.stdout.readline().split()
+            assert line, f"the fork server ended before printing {word!r}"
+            if line[0] == word:
+                return line
 
 
-@pytest.mark.parametrize("mode", ["blocking", "background"])
-def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
-    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards (in the foreground, or on the
-    background thread of ``save_state(blocking=False)`` while the next step changes the weights): the next
-    job resumes from the newest complete checkpoint, whose weights and Adam state agree with its recorded step."""
+def _sharded_kills(project, mode):
+    """4 rounds of both ranks SIGKILLed during saves, then a job that only resumes; returns the step
+    the last one resumed at and how many rounds left a half-written save behind (asserting as it goes)."""
     import random
 
     from hasten.checkpointing import layout
 
     rng = random.Random(5)
-    project = tmp_path / "project"
     root = layout.auto_root(str(project))
     expected, mid_save = -1, 0
-    for round_ in range(4):
-        procs = _sharded_ranks(project, 10_000, mode)
+    ranks_ = _ShardedRanks()
+    try:
+        for round_ in range(4):
+            pids = ranks_.start(project, 10_000, mode)
+            try:
+                hello = ranks_.line()
+                assert hello[:1] == ["hello"] and int(hello[1]) == expected and hello[2] == "True", (round_, hello)
+                # Kill only after this round completed one save, so that every round makes progress even on a
+                # loaded machine; the next saves start at once, so the random delay lands mostly inside one.
+                assert ranks_.line()[:1] == ["saved"], round_
+                time.sleep(rng.uniform(0.05, 0.6))
+            finally:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it died by itself (its failure is asserted above)
+                        pass
+                ranks_.finish()
+            names = sorted(os.listdir(root))
+            mid_save += any(n.startswith(".") for n in names)
+            newest = layout.newest_complete(root)
+            assert newest is not None, names
+            manifest = layout.read_manifest(newest[1])
+            assert manifest["layout"]["state_dict"] == "dcp"
+            expected = _step_of(newest[1], manifest)
+        ranks_.start(project, 0)  # the last kill's newest checkpoint loads too
+        hello = ranks_.line()
+        assert ranks_.finish() == [0, 0], hello
+        assert hello == ["hello", str(expected), "True"], hello
+    finally:
+        ranks_.close()
+    return expected, mid_save
+
+
+@pytest.fixture(scope="module")
+def sharded_kills(request, tmp_path_factory):
+    """_sharded_kills for each selected mode, on threads started together (the rounds mostly wait for
+    process start-up, the shards' fsyncs and the random delays): mode -> its result or its exception."""
+    results = {}
+
+    def run(mode, project):
         try:
-            hello = procs[0].stdout.readline().split()
-            assert hello[:1] == ["hello"] and int(hello[1]) == expected and hello[2] == "True", (round_, hello)
-            # Kill only after this round completed one save, so that every round makes progress even on a
-            # loaded machine; the next saves start at once, so the random delay lands mostly inside one.
-            assert procs[0].stdout.readline().startswith("saved"), round_
-            time.sleep(rng.uniform(0.05, 0.6))
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
-            for p in procs:
-                p.wait(timeout=60)
-        names = sorted(os.listdir(root))
-        mid_save += any(n.startswith(".") for n in names)
-        newest = layout.newest_complete(root)
-        assert newest is not None, names
-        manifest = layout.read_manifest(newest[1])
-        assert manifest["layout"]["state_dict"] == "dcp"
-        expected = _step_of(newest[1], manifest)
-    procs = _sharded_ranks(project, 0)  # the last kill's newest checkpoint loads too
-    hello = procs[0].stdout.readline().split()
-    for p in procs:
-        p.wait(timeout=120)
-    assert hello == ["hello", str(expected), "True"], hello
+            results[mode] = _sharded_kills(project, mode)
+        except BaseException as e:  # noqa: BLE001 - handed to the test that reads this mode
+            results[mode] = e
+
+    threads = {mode: threading.Thread(target=run, args=(mode, tmp_path_factory.mktemp(f"sharded_{mode}") / "project"),
+                                      daemon=True) for mode in _selected(request, "mode")}
+    for thread in threads.values():
+        thread.start()
+    yield results, threads
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_kill_9_during_sharded_fsdp2_saves_leaves_the_previous_checkpoint_loadable(sharded_kills, mode):
+    """Both ranks of an FSDP2 job SIGKILLed while they write DCP shards (in the foreground, or on the
+    background thread of ``save_state(blocking=False)`` while the next step changes the weights): the next
+    job resumes from the newest complete checkpoint, whose weights and Adam state agree with its recorded step."""
+    results, threads = sharded_kills
+    threads[mode].join(600)
+    assert mode in results, "the rounds did not end within 600 s"
+    if isinstance(results[mode], BaseException):
+        raise results[mode]
+    expected, mid_save = results[mode]
     assert expected >= 4 and mid_save >= 1
 
 

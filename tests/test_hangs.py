@@ -2,10 +2,17 @@
 
 A rank that skips a collective, a rank stuck in its dataset, a straggler, and a healthy run that
 starts slowly. Then the watchdog's decisions on heartbeat files written by hand (no processes).
+
+The launches mostly wait (hang timeouts, sleeps), so the module starts every selected one at once
+(on first use) and each test reads its own: the module costs about the longest launch, not their sum.
+A thread per launch records when it ended, so the time to the report is measured as before.
 """
 
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -15,6 +22,16 @@ from scripts.launch_common import clean_env, hasten, ranks, script
 
 MARGIN_S = 25  # heartbeat + check interval + stack dumps + shutdown, on a loaded 2-core machine
 
+# mode of scripts/launch_hang.py -> (launch flags, extra environment)
+SCENARIOS = {
+    "skip": (("--hang_timeout", "10"), {}),
+    "loader": ((), {"HASTEN_HANG_TIMEOUT": "600"}),  # the script's own setting (8 s) wins
+    "setup": (("--hang_timeout", "6"), {}),
+    "setup_torch": (("--hang_timeout", "6"), {}),
+    "straggler": (("--hang_timeout", "10"), {}),
+    "normal": (("--hang_timeout", "5"), {}),
+}
+
 
 @pytest.fixture
 def env(tmp_path):
@@ -22,12 +39,47 @@ def env(tmp_path):
     return clean_env(tmp_path / "absent.yaml", TMPDIR=tmp_path / "tmp")
 
 
-def launch_hang(tmp_path, env, mode, *flags, timeout=240):
-    out = tmp_path / "out"
-    out.mkdir()
-    rc, stdout, err, _ = hasten(["launch", "--cpu", "--num_processes", "2", *flags, script("launch_hang.py"), mode,
-                                 out], env, timeout=timeout)
-    return rc, err, out, time.monotonic()
+class Launch:
+    """One scenario's `hasten launch --cpu --num_processes 2 launch_hang.py MODE OUT`, started now."""
+
+    def __init__(self, root, mode):
+        flags, extra = SCENARIOS[mode]
+        self.tmp, self.out = root / "tmp", root / "out"
+        self.tmp.mkdir()
+        self.out.mkdir()
+        env = clean_env(root / "absent.yaml", TMPDIR=self.tmp, **extra)
+        self.proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes",
+                                      "2", *flags, script("launch_hang.py"), mode, str(self.out)],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err, self.ended = "", None
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self):
+        _, self.err = self.proc.communicate()
+        self.ended = time.monotonic()
+
+    def result(self, timeout=300):
+        """(exit status, stderr, the OUT folder, when the launcher exited)."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.proc.kill()
+            self.thread.join(30)
+            pytest.fail(f"the launch did not end within {timeout} s: {self.err[-3000:]}")
+        return self.proc.returncode, self.err, self.out, self.ended
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The launches of every selected test of this module (its ``mode`` parameter), started together."""
+    modes = sorted({item.callspec.params["mode"] for item in request.session.items
+                    if item.module is request.module and "launches" in item.fixturenames})
+    started = {mode: Launch(tmp_path_factory.mktemp(f"hang_{mode}"), mode) for mode in modes}
+    yield started
+    for launch in started.values():
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+        launch.thread.join(30)
 
 
 def hung_for(out, ended):
@@ -42,8 +94,9 @@ def report_of(err):
     return err[err.index("hasten: hang:"):]
 
 
-def test_a_rank_that_skips_a_collective_is_reported(tmp_path, env):
-    rc, err, out, ended = launch_hang(tmp_path, env, "skip", "--hang_timeout", "10")
+@pytest.mark.parametrize("mode", ["skip"])
+def test_a_rank_that_skips_a_collective_is_reported(launches, mode):
+    rc, err, out, ended = launches[mode].result()
     assert rc == hangs.HANG_EXIT_STATUS, err
     report = report_of(err)
     lines = report.splitlines()
@@ -62,9 +115,9 @@ def test_a_rank_that_skips_a_collective_is_reported(tmp_path, env):
     assert took < 10 + MARGIN_S, f"reported {took:.0f} s after the hang began"
 
 
-def test_a_rank_stuck_in_its_dataset_is_reported(tmp_path, env):
-    env = dict(env, HASTEN_HANG_TIMEOUT="600")  # the script's own setting (8 s) wins
-    rc, err, out, ended = launch_hang(tmp_path, env, "loader")
+@pytest.mark.parametrize("mode", ["loader"])
+def test_a_rank_stuck_in_its_dataset_is_reported(launches, mode):
+    rc, err, out, ended = launches[mode].result()  # HASTEN_HANG_TIMEOUT=600, the script's own setting (8 s) wins
     assert rc == hangs.HANG_EXIT_STATUS, err
     report = report_of(err)
     assert "no process made progress for 8 s (hang timeout, set by the script)" in report
@@ -82,10 +135,10 @@ def test_a_rank_stuck_in_its_dataset_is_reported(tmp_path, env):
     ("setup", "(from hasten reduce)", "(from hasten wait_for_everyone)"),
     ("setup_torch", "all_reduce(float[1]) (from torch.distributed.all_reduce)", "(from torch.distributed.barrier)"),
 ])
-def test_a_hang_before_the_first_step_is_reported(tmp_path, env, mode, rank0, rank1):
+def test_a_hang_before_the_first_step_is_reported(launches, mode, rank0, rank1):
     """No batch, step or backward yet: the clock starts at the first collective a process enters
     (hasten's, or torch.distributed called directly)."""
-    rc, err, out, ended = launch_hang(tmp_path, env, mode, "--hang_timeout", "6", timeout=120)
+    rc, err, out, ended = launches[mode].result()
     assert rc == hangs.HANG_EXIT_STATUS, err
     report = report_of(err)
     assert "no process made progress for 6 s" in report.splitlines()[0]
@@ -98,8 +151,9 @@ def test_a_hang_before_the_first_step_is_reported(tmp_path, env, mode, rank0, ra
     assert took < 6 + MARGIN_S, f"reported {took:.0f} s after the hang began"
 
 
-def test_a_straggler_is_a_warning(tmp_path, env):
-    rc, err, out, _ = launch_hang(tmp_path, env, "straggler", "--hang_timeout", "10")
+@pytest.mark.parametrize("mode", ["straggler"])
+def test_a_straggler_is_a_warning(launches, mode):
+    rc, err, out, _ = launches[mode].result()
     assert rc == 0, err
     assert [r["steps"] for r in ranks(out, 2)] == [60, 60]
     warnings = [line for line in err.splitlines() if "straggler" in line]
@@ -109,12 +163,13 @@ def test_a_straggler_is_a_warning(tmp_path, env):
     assert "hasten: hang" not in err
 
 
-def test_a_healthy_run_that_starts_slowly_is_left_alone(tmp_path, env):
-    rc, err, out, _ = launch_hang(tmp_path, env, "normal", "--hang_timeout", "5")
+@pytest.mark.parametrize("mode", ["normal"])
+def test_a_healthy_run_that_starts_slowly_is_left_alone(launches, mode):
+    rc, err, out, _ = launches[mode].result()
     assert rc == 0, err
     assert [r["steps"] for r in ranks(out, 2)] == [30, 30]
     assert "hang" not in err and "straggler" not in err, err
-    assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("hasten-hang-")]  # removed: nothing hung
+    assert not [n for n in os.listdir(launches[mode].tmp) if n.startswith("hasten-hang-")]  # removed: nothing hung
 
 
 # -- the watchdog on hand-written heartbeats ------------------------------------------------------
@@ -207,8 +262,6 @@ def test_cuda_runs_get_the_nccl_flight_recorder():
 def test_hang_timeout_setting(tmp_path, env):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("hang_timeout: 42\n")
-    rc, out, err, _ = hasten(["launch", "--dry_run", "--config_file", cfg, "--num_processes", "2", "x.py"], env,
-                             cwd=tmp_path)
     (tmp_path / "x.py").write_text("")
     rc, out, err, _ = hasten(["launch", "--dry_run", "--config_file", cfg, "--cpu", "--num_processes", "2", "x.py"],
                              env, cwd=tmp_path)

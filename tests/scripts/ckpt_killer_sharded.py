@@ -8,9 +8,16 @@ and reports. With MODE "background" it saves with ``save_state(blocking=False)``
 for the previous one; the first of the round is waited for before ``saved``), so most kills land
 while a background thread writes the shards and the next step changes the live weights.
 
-Usage (torchrun-style environment): python ckpt_killer_sharded.py PROJECT_DIR SAVES [MODE]
+The process is a fork server for its rank (torch and hasten imported once, not once per job): it
+reads one job a line from stdin, JSON ``[PROJECT_DIR, SAVES, MODE, MASTER_PORT]``, forks a child that runs it
+(its output on this process's stdout), prints ``pid <child>`` first and ``exit <status>`` once the
+child is gone (the test SIGKILLs the child, never this process). Ends at end of input.
+
+Usage (RANK, WORLD_SIZE, MASTER_ADDR... in the environment): python ckpt_killer_sharded.py
 """
 
+import json
+import os
 import sys
 
 import torch
@@ -22,10 +29,13 @@ from hasten.utils import ProjectConfiguration  # noqa: E402
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin  # noqa: E402
 from ckpt_step import Step  # noqa: E402 - beside this script
 
+# What every job imports, imported once here (before any fork, so the children start with it).
+import hasten.checkpointing.sharded  # noqa: E402, F401
+import hasten.strategies.fsdp2  # noqa: E402, F401
+import torch.distributed.checkpoint  # noqa: E402, F401
 
-def main() -> None:
-    project, saves = sys.argv[1], int(sys.argv[2])
-    blocking = (sys.argv[3] if len(sys.argv) > 3 else "blocking") != "background"
+
+def job(project: str, saves: int, blocking: bool) -> None:
     acc = Accelerator(project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=2),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), resume="auto")
     torch.manual_seed(0)
@@ -55,6 +65,34 @@ def main() -> None:
         if acc.is_main_process:
             print(f"saved {step.value}", flush=True)
     acc.wait_for_everyone()
+    acc.end_training()
+
+
+def main() -> None:
+    # Warm up what the jobs use (the first optimizer step imports a lot), so that a forked job starts at once.
+    warm = torch.nn.Linear(2, 2)
+    torch.optim.Adam(warm.parameters()).step()
+    for line in sys.stdin:
+        project, saves, mode, port = json.loads(line)
+        go_read, go_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child never returns
+            status = 1
+            try:
+                os.close(go_write)
+                os.read(go_read, 1)  # its pid is printed before anything it prints
+                os.environ["MASTER_PORT"] = str(port)
+                job(project, int(saves), mode != "background")
+                status = 0
+            finally:
+                sys.stdout.flush()
+                os._exit(status)
+        os.close(go_read)
+        print(f"pid {pid}", flush=True)
+        os.write(go_write, b"1")
+        os.close(go_write)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {status}", flush=True)
 
 
 if __name__ == "__main__":
