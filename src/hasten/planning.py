@@ -11,6 +11,7 @@ state applies too when a user builds ``AcceleratorState`` directly.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -38,7 +39,7 @@ from .utils.dataclasses import (
     TorchDynamoPlugin,
 )
 from .utils.environment import parse_flag
-from .utils.parallel_configs import parallelism_from_tp_plugin
+from .utils.parallelism_config import ParallelismConfig
 
 
 @dataclass
@@ -221,3 +222,16 @@ def _agree_with_deepspeed(plugin: Any, gradient_state: GradientState, steps: int
 
 
 __all__ = ["Plan", "make_plan"]
+
+
+def parallelism_from_tp_plugin(torch_tp_plugin: Any, parallelism_config: Any) -> Any:
+    """The ``parallelism_config`` an ``Accelerator`` given ``torch_tp_plugin`` runs with (Accelerate's translation)."""
+    if torch_tp_plugin is None:
+        return parallelism_config
+    if not isinstance(getattr(torch_tp_plugin, "tp_size", None), int):
+        raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got {type(torch_tp_plugin).__name__}")
+    warnings.warn("TorchTensorParallelPlugin is deprecated (as in Accelerate); pass "
+                  "parallelism_config=ParallelismConfig(tp_size=...) instead", FutureWarning, stacklevel=3)
+    if parallelism_config is not None:
+        raise ValueError("pass torch_tp_plugin or parallelism_config, not both (set tp_size in the ParallelismConfig)")
+    return ParallelismConfig(tp_size=torch_tp_plugin.tp_size)

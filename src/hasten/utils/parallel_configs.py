@@ -8,7 +8,6 @@ the ``tp_handler``/``cp_handler`` of a ``ParallelismConfig``.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -63,18 +62,3 @@ class TorchContextParallelConfig:
             # Accelerate's words first ("Invalid cp_comm_strategy: X"), which scripts and tests match.
             raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy} (TorchContextParallelConfig); use one "
                              f"of {list(_CP_COMM_STRATEGIES)}")
-
-
-def parallelism_from_tp_plugin(torch_tp_plugin: Any, parallelism_config: Any) -> Any:
-    """The ``parallelism_config`` an ``Accelerator`` given ``torch_tp_plugin`` runs with (Accelerate's translation)."""
-    if torch_tp_plugin is None:
-        return parallelism_config
-    if not isinstance(getattr(torch_tp_plugin, "tp_size", None), int):
-        raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got {type(torch_tp_plugin).__name__}")
-    warnings.warn("TorchTensorParallelPlugin is deprecated (as in Accelerate); pass "
-                  "parallelism_config=ParallelismConfig(tp_size=...) instead", FutureWarning, stacklevel=3)
-    if parallelism_config is not None:
-        raise ValueError("pass torch_tp_plugin or parallelism_config, not both (set tp_size in the ParallelismConfig)")
-    from .parallelism_config import ParallelismConfig
-
-    return ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
