@@ -31,6 +31,26 @@ def test_checkpoints_are_found_step_first_in_numeric_order(tmp_path):
     assert harness.first_checkpoint(str(tmp_path)) == str(tmp_path / "step_3")
 
 
+def test_a_resumed_run_that_writes_no_later_checkpoint_fails(tmp_path):
+    """The whole run left step_2 and step_4; resumed from step_2, a run that exits 0 with its final model
+    but never reaches step 4 (it writes no step folder at all) took fewer steps: it fails. (The check
+    compared the whole run's last folder with itself when the resumed run wrote none, and passed.)"""
+    whole = tmp_path / "out" / "hasten" / "fake-1p"
+    for step in ("step_2", "step_4"):
+        (whole / step).mkdir(parents=True)
+    script = tmp_path / "fake.py"
+    script.write_text("import os, sys\n"
+                      "out = sys.argv[sys.argv.index('--output_dir') + 1]\n"
+                      "os.makedirs(out, exist_ok=True)\n"
+                      "open(os.path.join(out, 'config.json'), 'w').write('{}')\n")
+    result = harness.run_one("fake", str(script), "1p-resume", [], str(tmp_path), timeout=60)
+    assert result.status == "FAIL" and "ended at its start" in result.note, (result.status, result.note)
+    # The same run writing step_4 passes.
+    script.write_text(script.read_text() + "os.makedirs(os.path.join(out, 'step_4'), exist_ok=True)\n")
+    result = harness.run_one("fake", str(script), "1p-resume", [], str(tmp_path), timeout=60)
+    assert result.status == "pass", result.note
+
+
 def test_the_clm_stand_in_trains_checkpoints_and_resumes_on_two_processes(tmp_path):
     """Covers two fixes. ``wait_for_everyone()`` after ``end_training()`` (the real scripts do it with
     ``--with_tracking``) failed inside torch on every multi-process run. A resume from ``step_2``

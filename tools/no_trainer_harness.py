@@ -389,10 +389,11 @@ def run_one(name: str, script: str, mode: str, base_args: list[str], work: str, 
     if code == 0 and not mode.endswith("resume") and first_checkpoint(output_dir) is None:
         problems.append("no checkpoint written")
     if code == 0 and mode.endswith("resume"):
-        # A resumed run must take as many steps as the run it resumes: its last step folder is the same.
+        # A resumed run must take as many steps as the run it resumes: its last step folder is the same
+        # (a run resumed from the whole run's last step folder writes none).
         whole = [d for d in checkpoints(whole_dir) if d[0] == "s"]
         ours = [d for d in checkpoints(output_dir) if d[0] == "s"]
-        if whole and (ours or whole)[-1] != whole[-1]:
+        if whole and whole[-1] != os.path.basename(checkpoint) and (ours or ["its start"])[-1] != whole[-1]:
             problems.append(f"resumed run ended at {(ours or ['its start'])[-1]}, the whole run at {whole[-1]}")
     remarks = []
     if code == 0 and mode.endswith("resume"):
