@@ -73,7 +73,9 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from no_trainer_harness import RunResult, format_row, hastenize, last_error, launcher  # noqa: E402
+from no_trainer_harness import (  # noqa: E402
+    RunResult, add_run_arguments, chosen_runs, format_row, hastenize, last_error, launcher,
+)
 
 MODES = ("1p", "2p", "1p-resume", "2p-resume")
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "diffusers_standin")
@@ -405,23 +407,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", help="a diffusers checkout's examples folder (the scripts are read from there)")
     parser.add_argument("--peft_examples", help="a peft checkout's examples folder")
-    parser.add_argument("--scripts", default=",".join(SPECS), help=f"comma-separated, from {', '.join(SPECS)}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
-    parser.add_argument("--work", default="/tmp/hasten-diffusers", help="scratch folder (models, data, outputs, logs)")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    add_run_arguments(parser, SPECS, MODES, "/tmp/hasten-diffusers")
     parser.add_argument("--compare_only", action="store_true",
                         help="run nothing; compare the final weights earlier runs left in --work")
-    parser.add_argument("--frameworks", default="hasten",
-                        help="comma-separated, from hasten, accelerate (accelerate runs the unchanged script)")
     args = parser.parse_args(argv)
-    names = [n for n in args.scripts.split(",") if n]
-    modes = [m for m in args.modes.split(",") if m]
-    frameworks = tuple(f for f in args.frameworks.split(",") if f)
-    unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES] + \
-        [f for f in frameworks if f not in ("hasten", "accelerate")]
-    if unknown:
-        parser.error(f"unknown script, mode or framework {unknown}; scripts: {', '.join(SPECS)}; "
-                     f"modes: {', '.join(MODES)}; frameworks: hasten, accelerate")
+    names, modes, frameworks = chosen_runs(parser, args, SPECS, MODES)
     for flag, folder in (("--examples", args.examples), ("--peft_examples", args.peft_examples)):
         if folder and not os.path.isdir(folder):
             parser.error(f"{flag} {folder!r} is not a folder; give a checkout's examples folder")

@@ -77,7 +77,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from no_trainer_metrics import METRICS
 
@@ -509,28 +509,41 @@ def compare_frameworks(results: list[RunResult], work: str) -> list[str]:
     return lines
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, specs: Any, modes: Any, work: str) -> None:
+    """The options every script harness takes: which scripts, modes and frameworks, where, how long."""
+    parser.add_argument("--scripts", default=",".join(specs), help=f"comma-separated, from {', '.join(specs)}")
+    parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated, from {', '.join(modes)}")
+    parser.add_argument("--work", default=work, help="scratch folder (models, data, outputs, logs)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    parser.add_argument("--frameworks", default="hasten",
+                        help="comma-separated, from hasten, accelerate (accelerate runs the unchanged script)")
+
+
+def chosen_runs(parser: argparse.ArgumentParser, args: argparse.Namespace, specs: Any,
+                modes: Any) -> tuple[list[str], list[str], tuple[str, ...]]:
+    """(scripts, modes, frameworks) named by ``add_run_arguments``' options; an unknown one is a usage error."""
+    names = [n for n in args.scripts.split(",") if n]
+    picked = [m for m in args.modes.split(",") if m]
+    frameworks = tuple(f for f in args.frameworks.split(",") if f)
+    unknown = [n for n in names if n not in specs] + [m for m in picked if m not in modes] + \
+        [f for f in frameworks if f not in ("hasten", "accelerate")]
+    if unknown:
+        parser.error(f"unknown script, mode or framework {unknown}; scripts: {', '.join(specs)}; "
+                     f"modes: {', '.join(modes)}; frameworks: hasten, accelerate")
+    return names, picked, frameworks
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", required=True,
                         help="a transformers checkout's examples/pytorch folder (the scripts are read from there)")
-    parser.add_argument("--scripts", default=",".join(SPECS), help=f"comma-separated, from {', '.join(SPECS)}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
-    parser.add_argument("--work", default="/tmp/hasten-no-trainer", help="scratch folder (models, data, outputs, logs)")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    add_run_arguments(parser, SPECS, MODES, "/tmp/hasten-no-trainer")
     parser.add_argument("--no_tracking", action="store_true",
                         help="leave out --with_tracking (Accelerate's multi-process runs fail with it, see the result)")
-    parser.add_argument("--frameworks", default="hasten",
-                        help="comma-separated, from hasten, accelerate (accelerate runs the unchanged script)")
     args = parser.parse_args(argv)
-    names = [n for n in args.scripts.split(",") if n]
-    modes = [m for m in args.modes.split(",") if m]
-    frameworks = tuple(f for f in args.frameworks.split(",") if f)
-    unknown = [n for n in names if n not in SPECS] + [m for m in modes if m not in MODES] + \
-        [f for f in frameworks if f not in ("hasten", "accelerate")]
     if not os.path.isdir(args.examples):
         parser.error(f"--examples {args.examples!r} is not a folder; give a transformers checkout's examples/pytorch")
-    if unknown:
-        parser.error(f"unknown script or mode {unknown}; scripts: {', '.join(SPECS)}; modes: {', '.join(MODES)}")
+    names, modes, frameworks = chosen_runs(parser, args, SPECS, MODES)
     print("| script | framework | mode | result | secs | final metrics | note |\n|---|---|---|---|---|---|---|",
           flush=True)
     results = run_harness(os.path.abspath(args.examples), names, modes, os.path.abspath(args.work), args.timeout,
