@@ -306,10 +306,11 @@ def warn_skipped(skipped: list[str]) -> None:
                       "interrupted, or not hasten's):\n  - " + "\n  - ".join(skipped), HastenWarning, stacklevel=3)
 
 
-def write_manifest(folder: str, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` into ``folder`` (temp file, fsync, rename). The folder is fsynced once,
-    by the commit protocol, right after: each fsync costs a device cache flush, even with nothing to write."""
-    path = os.path.join(folder, MANIFEST)
+def write_manifest(folder: str, manifest: dict[str, Any], name: str = MANIFEST) -> None:
+    """Write ``manifest`` with its own checksum as ``name`` (``manifest.json``; an attachment record of
+    ``solo``) into ``folder`` (temp file, fsync, rename). The folder is fsynced once, by the caller,
+    right after: each fsync costs a device cache flush, even with nothing to write."""
+    path = os.path.join(folder, name)
     temp = path + ".tmp"
     manifest = dict(manifest)
     manifest.pop(CHECKSUM_KEY, None)

@@ -43,8 +43,9 @@ from typing import Any, Optional
 from .. import progress
 from ..contained import why_outside
 from ..saving import fsync_path
-from . import layout, saver
+from . import commit, layout, rng, saver
 from .fileio import CheckpointCorruptError
+from .filereading import file_checksum
 
 ATTACHMENT_FORMAT = "hasten-attachment"
 TOKEN_KEY = "attach_token"
@@ -183,8 +184,6 @@ def post(kv: Any, key: Optional[str], **record: Any) -> None:
 
 def save_as_main(acc: Any, output_dir: Any, background: Any) -> str:
     """Process 0's part (or the only process's): the whole save, committed without waiting for anyone."""
-    from . import commit, rng
-
     kv = store()
     key = CLOCK.key("solo") if kv is not None else None
     folder = None
@@ -233,8 +232,6 @@ def save_as_main(acc: Any, output_dir: Any, background: Any) -> str:
 # -- the other processes ----------------------------------------------------------------------------------
 def save_as_other(acc: Any, output_dir: Any, background: Any) -> str:
     """Another process's part: its own state now, added to process 0's checkpoint once committed."""
-    from . import rng
-
     kv = store()
     key = CLOCK.key("solo")
     rank = acc.process_index
@@ -318,8 +315,6 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
                     continue  # process 0's copy of the file is the checkpoint's; the record's names are taken
                 source = os.path.join(hook_folder, name)
                 fsync_path(source)
-                from .filereading import file_checksum
-
                 files[name] = {"size": os.path.getsize(source), "checksum": file_checksum(source), "rank": "hook"}
                 moves.append((source, name))
         folders = set()
@@ -332,16 +327,9 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
         for folder in folders:
             fsync_path(folder)
         record = {"format": ATTACHMENT_FORMAT, "format_version": 1, "rank": rank, TOKEN_KEY: token, "files": files}
-        record[layout.CHECKSUM_KEY] = layout.manifest_checksum(record)
-        path = os.path.join(target, attachment_name(rank))
-        temp = os.path.join(staging, attachment_name(rank))
-        from ..saving import fsync_fd
-
-        with open(temp, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            fsync_fd(f.fileno(), temp)
-        os.replace(temp, path)  # last: the files it lists are in place
+        name = attachment_name(rank)
+        layout.write_manifest(staging, record, name)  # with its own checksum, fsynced
+        os.replace(os.path.join(staging, name), os.path.join(target, name))  # last: the files it lists are in place
         fsync_path(target)
     finally:
         layout.remove_tree(staging)
@@ -351,8 +339,7 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
 
 def _manifest_of(target: str) -> dict[str, Any]:
     try:
-        with open(os.path.join(target, layout.MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(layout._read_text(os.path.join(target, layout.MANIFEST)))  # never through a link
     except (OSError, ValueError) as e:
         raise RuntimeError(f"save_state: the checkpoint {target!r} that process 0 committed cannot be read "
                            f"({type(e).__name__}: {e})") from None
