@@ -216,12 +216,11 @@ def restore_position(dataloader: Any, state: dict, continue_loaders: bool) -> No
     ``skip_first_batches``, lands on the batches not trained yet), unless the loader is stateful
     (``use_stateful_dataloader=True``) or ``continue_loaders`` (``load_state(continue_dataloaders=True)``,
     ``resume=``) asks for hasten's positioning: then it continues at the saved batch."""
-    if continue_loaders or getattr(dataloader, "use_stateful_dataloader", False) \
-            or not hasattr(dataloader, "restart_epoch"):
-        if hasattr(dataloader, "load_state_dict"):
-            dataloader.load_state_dict(state)
-        return
-    dataloader.restart_epoch(state)
+    restarts = not (continue_loaders or getattr(dataloader, "use_stateful_dataloader", False))
+    if restarts and hasattr(dataloader, "restart_epoch"):
+        dataloader.restart_epoch(state)
+    elif hasattr(dataloader, "load_state_dict"):
+        dataloader.load_state_dict(state)
 
 
 def _own_files(folder: str, manifest: dict[str, Any], source: int) -> Optional[list[str]]:
