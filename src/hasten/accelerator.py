@@ -288,6 +288,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         next epoch. When ``n`` is where the saved run stood, the returned loader continues exactly as
         that run did (no batch is read twice, no new draw from the restored generators), so the
         resumed run equals the uninterrupted one; Accelerate shuffles that pass anew."""
+        from .data.position import STREAM_POSITION_KEYS
         from .data_loader import skip_first_batches
 
         skipped = skip_first_batches(dataloader, num_batches=num_batches)
@@ -295,8 +296,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         if pending is not None and hasattr(skipped, "load_state_dict"):  # restored by load_state, not iterated since
             dataloader.load_state_dict({"epoch": dataloader.iteration + 1, "batches_yielded": 0})
             if pending["batches_yielded"] != num_batches:  # the epoch's order from another batch
-                pending = {k: v for k, v in pending.items()
-                           if k not in ("dataset_state", "stream_head", "stream_pending")}
+                pending = {k: v for k, v in pending.items() if k not in STREAM_POSITION_KEYS}
                 pending["batches_yielded"] = num_batches
             skipped.load_state_dict(pending)  # after the line above: both share the sampler
         return skipped

@@ -137,9 +137,10 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         self._epoch = iteration
         self._position = 0  # batches of the current epoch behind us (skipped on resume included)
         self._resume_skip = 0
-        self._replay = 0  # batches at the start of the next pass that a checkpoint already trained
         self._replay_now = 0  # ... of the current pass
-        self._restarted: Optional[dict] = None  # the saved position behind _replay (for skip_first_batches)
+        # The saved position ``restart_epoch`` replays from the epoch's start (its batches_yielded were
+        # trained already), until the next pass begins; also handed to skip_first_batches.
+        self._restarted: Optional[dict] = None
         self._resume_states: Optional[dict] = None  # generator states of an interrupted pass (load_state_dict)
         self._resume_now: Optional[dict] = None  # ... while the resumed pass starts
         self._pass_states: dict = {}  # generator states at the start of the current pass
@@ -178,7 +179,8 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         """Start a pass: sync RNGs, pick the epoch, register; returns (epoch, batches to skip)."""
         epoch, skip = self.iteration, self._resume_skip
         resume, self._resume_states = (self._resume_states or None), None
-        replay, self._replay, self._restarted = self._replay, 0, None
+        replay = int(self._restarted["batches_yielded"]) if self._restarted is not None else 0
+        self._restarted = None
         if resume is None and not replay:  # a resumed pass keeps the restored states (synced before the save)
             _sync_rng(self.rng_types, self.synchronized_generator)
         self._resume_now = resume
@@ -330,9 +332,8 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         self.iteration = int(state_dict.get("epoch", 0))
         self._left_at = None
         self._resume_skip = int(state_dict.get("batches_yielded", 0))
-        self._replay, self._restarted = 0, None
-        keys = ("seed_generator_state", "sampler_generator_state", "dataset_state", "stream_head",
-                "stream_pending")
+        self._restarted = None
+        keys = ("seed_generator_state", "sampler_generator_state", *position.STREAM_POSITION_KEYS)
         self._resume_states = {k: state_dict[k] for k in keys if state_dict.get(k) is not None}
         position.set_sampler_seed(self, state_dict.get("sampler_seed"), state_dict.get("sampler_epoch_seed"))
 
@@ -351,10 +352,9 @@ class PreparedLoaderMixin(DataLoaderStateMixin):
         if not done:
             return
         self._resume_skip = 0
-        self._replay = done
         self._restarted = dict(state_dict)
         # Where the saved pass stood inside an iterable dataset: not wanted when the epoch starts again.
-        for key in ("dataset_state", "stream_head", "stream_pending"):
+        for key in position.STREAM_POSITION_KEYS:
             self._resume_states.pop(key, None)
 
     @property

@@ -28,6 +28,8 @@ from torch.utils.data import IterableDataset
 from .samplers import IterableDatasetShard
 
 _NOTHING = object()
+# Where a saved pass stood inside an iterable dataset: dropped when the epoch is played from another batch.
+STREAM_POSITION_KEYS = ("dataset_state", "stream_head", "stream_pending")
 
 
 class Peekable:
