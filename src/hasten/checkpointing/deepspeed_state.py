@@ -219,6 +219,7 @@ class DeepSpeedCheckpoint:
             if self.native:
                 # Raises (on this process; load_state makes every process raise it): this process's files, read
                 # once and checked, kept for DeepSpeed's load_checkpoint, which then reads none of them again.
+                check_engine_api(self._engine(module))  # before anything is read: one clear error on every process
                 elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
                 names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
                 self.checked[i] = refuse_foreign_pickles(path, names)
@@ -294,6 +295,7 @@ class DeepSpeedCheckpoint:
                 continue
             # DeepSpeed reads every file through its engine's checkpoint engine; for this load it is one that
             # hands out what hasten read and checked (DeepSpeed's own one is put back after).
+            check_engine_api(engine)
             own = engine.checkpoint_engine
             engine.checkpoint_engine = checked_engine(checked.get(i, {}))
             try:
@@ -384,13 +386,37 @@ def refuse_foreign_pickles(path: str, names: Optional[list[str]] = None) -> dict
     return {os.path.normpath(os.path.abspath(n)): _read(n) for n in (_files(path) if names is None else names)}
 
 
+def check_engine_api(engine: Any) -> None:
+    """Raise ``DeepSpeedVersionError`` unless ``engine`` has what a checked load swaps and calls: its
+    ``checkpoint_engine`` attribute, ``load_checkpoint(path, tag=)``, and DeepSpeed's ``CheckpointEngine``
+    with ``load(path, map_location)`` (``checked_engine`` checks the class)."""
+    if not hasattr(engine, "checkpoint_engine"):
+        raise version_error("DeepSpeedEngine.checkpoint_engine (the object its load_checkpoint reads files through)",
+                            f"engines ({type(engine).__name__}) without it")
+    _bindable(type(engine), "load_checkpoint", (engine, "path"), "DeepSpeedEngine.load_checkpoint", {"tag": "t"})
+    checked_engine({})
+
+
 def checked_engine(files: dict[str, Any]) -> Any:
     """A DeepSpeed checkpoint engine (``deepspeed.runtime.checkpoint_engine.CheckpointEngine``, the object
     DeepSpeed's engine reads every checkpoint file through) that hands out ``files`` (from
     ``refuse_foreign_pickles``: bytes hasten read once and checked) and reads any other file the same checked
     way, once: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load, and what
     it gets for a file is what was checked, however often it asks. Lives for one ``load_checkpoint``."""
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    try:
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    except ImportError as e:
+        raise version_error("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine",
+                            f"no such class ({e})") from None
+    import inspect
+
+    for name, args in (("save", ({}, "path")), ("commit", (None,))):
+        _bindable(CheckpointEngine, name, (None, *args), f"CheckpointEngine.{name}")
+    load = _bindable(CheckpointEngine, "load", (None, "path"), "CheckpointEngine.load", {"map_location": None})
+    if list(inspect.signature(load).parameters) != ["self", "path", "map_location"]:
+        # DeepSpeed may pass what the new parameters mean; a reader that ignored them could load wrongly
+        raise version_error("CheckpointEngine.load(path, map_location) (what hasten's checked reader implements)",
+                            f"CheckpointEngine.load{inspect.signature(load)}")
 
     class CheckedFiles(CheckpointEngine):
         def load(self, path: str, map_location: Any = None) -> Any:
@@ -425,7 +451,7 @@ def _model_state(zero_to_fp32: Any, state: Any, name: str) -> Any:
     names = state["buffer_names"]
     buffers = {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()
                if k in names and isinstance(v, torch.Tensor)}
-    return zero_to_fp32.zero_model_state(
+    return _zero_call(zero_to_fp32, "zero_model_state",
         buffers=buffers, param_shapes=state["param_shapes"],
         shared_params=[[k, v] for k, v in (state.get("shared_params") or {}).items()],
         ds_version=state.get("ds_version"), frozen_param_shapes=state.get("frozen_param_shapes"),
@@ -445,8 +471,8 @@ def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict
     Raises ``ForbiddenPickle``/``CheckpointCorruptError`` naming a refused file, ``ValueError`` otherwise."""
     from deepspeed.utils import zero_to_fp32
 
-    model_files = zero_to_fp32.get_model_state_files(path)
-    optim_files = zero_to_fp32.get_optim_files(path) if glob.glob(os.path.join(glob.escape(path),
+    model_files = _zero_call(zero_to_fp32, "get_model_state_files", path)
+    optim_files = _zero_call(zero_to_fp32, "get_optim_files", path) if glob.glob(os.path.join(glob.escape(path),
                                                                               "*optim_states.pt")) else []
     models = [(name, _read(name)) for name in model_files]
     if not optim_files:  # no ZeRO (stage 0): the model states file holds the whole module and the optimizer
@@ -474,10 +500,12 @@ def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict
                          f"{len(optim_files)} optimizer states files but was written by {world} processes; it is "
                          "incomplete or damaged (files are missing or come from another checkpoint)")
     if stage <= 2:
-        state = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zero_models, False, paddings)
+        state = _zero_call(zero_to_fp32, "_get_fp32_state_dict_from_zero2_checkpoint", world, flat, zero_models,
+                           False, paddings)
     else:
-        state = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zero_models, False)
-    return {k: v.detach() for k, v in zero_to_fp32.to_torch_tensor(state).items()}, groups
+        state = _zero_call(zero_to_fp32, "_get_fp32_state_dict_from_zero3_checkpoint", world, flat, zero_models,
+                           False)
+    return {k: v.detach() for k, v in _zero_call(zero_to_fp32, "to_torch_tensor", state).items()}, groups
 
 
 def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
@@ -494,13 +522,56 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
                          "with DS_BUILD_OPS=0)") from None
     try:
         return _quiet(_consolidate, path)[0]
-    except ValueError:
+    except (ValueError, DeepSpeedVersionError):  # a version mismatch is not a damaged checkpoint
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - refused or damaged files (named), foreign contents
         if _names_a_file(e):
             raise ValueError(str(e)) from None
         raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
                          f"{_first_line(e)}); it is incomplete or damaged") from None
+
+
+class DeepSpeedVersionError(RuntimeError):
+    """The installed DeepSpeed lacks (or changed) a private function or attribute hasten uses: nothing is
+    loaded, rather than a load through an interface hasten was not written for."""
+
+
+def version_error(needed: str, found: str) -> DeepSpeedVersionError:
+    """One error naming what hasten needs from DeepSpeed, what the installed version has, and that version."""
+    try:
+        from importlib.metadata import version
+
+        installed = version("deepspeed")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        installed = "(unknown version)"
+    return DeepSpeedVersionError(
+        f"hasten's checked DeepSpeed loading needs deepspeed's {needed}; deepspeed {installed} has {found}. This "
+        "DeepSpeed version changed a private interface hasten relies on (nothing was loaded and the checkpoint "
+        "is not judged damaged): install a DeepSpeed version hasten supports (tested: 0.19) or report it")
+
+
+def _bindable(owner: Any, name: str, args: tuple, shown: str, kwargs: Optional[dict] = None) -> Any:
+    """``owner.name``, after checking that it exists and accepts ``args``/``kwargs`` (``inspect.signature``);
+    else ``DeepSpeedVersionError``."""
+    import inspect
+
+    function = getattr(owner, name, None)
+    if not callable(function):
+        raise version_error(f"{shown}", "no such function")
+    try:
+        inspect.signature(function).bind(*args, **(kwargs or {}))
+    except TypeError as e:
+        raise version_error(f"{shown} to accept the arguments hasten passes ({e})",
+                            f"{shown}{inspect.signature(function)}") from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
+    return function
+
+
+def _zero_call(zero_to_fp32: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``zero_to_fp32.<name>(*args, **kwargs)``: a private DeepSpeed function, bound before it is called so a
+    changed signature is a ``DeepSpeedVersionError``, never "incomplete or damaged"."""
+    return _bindable(zero_to_fp32, name, args, f"deepspeed.utils.zero_to_fp32.{name}", kwargs)(*args, **kwargs)
 
 
 def _names_a_file(error: BaseException) -> bool:

@@ -386,6 +386,12 @@ def _set_clipping(engine: Any, max_norm: float) -> None:
     """Make the engine's next step clip at ``max_norm`` (0: off). The engine reads its config's
     value (stage 0, fp32) and each DeepSpeed optimizer (ZeRO 1-3, fp16, bf16) its ``clip_grad``,
     both taken from the config when the engine was built."""
+    from ..checkpointing.deepspeed_state import version_error
+
+    config = getattr(engine, "_config", None)
+    if not callable(getattr(engine, "gradient_clipping", None)) or not hasattr(config, "gradient_clipping"):
+        raise version_error("DeepSpeedEngine.gradient_clipping() and its _config.gradient_clipping (set to clip at "
+                            "clip_grad_norm_'s max_norm)", "engines without them")
     if float(engine.gradient_clipping() or 0.0) == max_norm:
         return
     zero_config = getattr(engine._config, "zero_config", None)
@@ -393,7 +399,13 @@ def _set_clipping(engine: Any, max_norm: float) -> None:
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) under DeepSpeed needs the gradient norm, but the "
                          "config sets zero_optimization.compute_grad_norm=false: remove that setting, or the "
                          "clip_grad_norm_ call")
+    previous = config.gradient_clipping
     engine._config.gradient_clipping = max_norm
+    if float(engine.gradient_clipping() or 0.0) != max_norm:  # the engine no longer reads the field we set
+        engine._config.gradient_clipping = previous
+        raise version_error("DeepSpeedEngine.gradient_clipping() to return its _config.gradient_clipping",
+                            f"an engine whose gradient_clipping() stayed {engine.gradient_clipping()} after setting "
+                            f"it to {max_norm} (clipping would silently not happen)")
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = max_norm
 
