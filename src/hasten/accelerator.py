@@ -76,7 +76,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
         torch_tp_plugin: Accelerate's older tensor-parallel switch, turned into ``ParallelismConfig(tp_size=...)``.
         megatron_lm_plugin: not supported (an error if given).
-        resume: ``None``, ``"auto"`` or a checkpoint folder to resume from (see ``hasten.checkpointing``).
+        resume: ``None``, ``"auto"``, ``"auto-skip-damaged"`` (passes over checkpoints that no longer load,
+            down to a fresh start) or a checkpoint folder to resume from (see docs/checkpoints.md).
     """
 
     def __init__(
