@@ -155,20 +155,18 @@ class _Restricted(pickle.Unpickler):
         super().__init__(file, *args, **kwargs)
         self.guarded: dict[int, tuple[Any, tuple]] = {}  # id -> (class or enum member, snapshot)
 
-    # torch.load sets ``unpickler.persistent_load``: its storages are allocated from the size the pickle
-    # claims (torch's legacy format reads the bytes afterwards), so the claim is checked first.
-    @property
-    def persistent_load(self) -> Any:
-        raise AttributeError("persistent_load")
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch.load sets ``unpickler.persistent_load``: its storages are allocated from the size the pickle
+        # claims (torch's legacy format reads the bytes afterwards), so the claim is checked first.
+        if name == "persistent_load" and callable(value):
+            function = value
 
-    @persistent_load.setter
-    def persistent_load(self, function: Callable[[Any], Any]) -> None:
-        def bounded(saved_id: Any) -> Any:
-            if isinstance(saved_id, tuple) and len(saved_id) >= 5 and isinstance(saved_id[4], int):
-                self._bound(saved_id[4] * _element_size(saved_id[1]), f"a storage of {saved_id[4]} elements")
-            return function(saved_id)
+            def value(saved_id: Any) -> Any:
+                if isinstance(saved_id, tuple) and len(saved_id) >= 5 and isinstance(saved_id[4], int):
+                    self._bound(saved_id[4] * _element_size(saved_id[1]), f"a storage of {saved_id[4]} elements")
+                return function(saved_id)
 
-        pickle.Unpickler.persistent_load.__set__(self, bounded)  # type: ignore[attr-defined]
+        super().__setattr__(name, value)
 
     def _bound(self, nbytes: int, what: str) -> None:
         if not 0 <= nbytes <= self.limit:
