@@ -151,20 +151,23 @@ def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, s
     _plain_file(path)
     import torch
 
-    try:
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # saved without the zip format: cannot be memory-mapped
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    from .checkpointing import unpickling, weights_only
+
+    try:  # hasten's allow-list unpickler, every size bounded by the file (a checked copy, mapped)
+        data = weights_only.load(path)
+    except unpickling.ForbiddenGlobal as e:
         raise pickle.UnpicklingError(
             f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
             f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
             f"and call model.load_state_dict. Details: {e}"
         ) from e
+    except unpickling.ForbiddenPickle:
+        raise  # a crafted size or a TorchScript archive, named with the file
     except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
         from .checkpointing.fileio import CheckpointCorruptError
 
+        if isinstance(e, CheckpointCorruptError):
+            raise
         raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
                                      "torch state dict") from None
     if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):

@@ -27,6 +27,7 @@ replaced file could slip into. Any failure is one error naming the file:
 
 from __future__ import annotations
 
+import collections
 import enum
 import errno
 import io
@@ -68,6 +69,10 @@ _PLAIN = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("built
 
 class ForbiddenPickle(pickle.UnpicklingError):
     """A checkpoint file names a global (or rebuilds an object) that files of its kind never hold."""
+
+
+class ForbiddenGlobal(ForbiddenPickle):
+    """The refusal of a global outside the reader's allow-list (the case where trusting the file is the fix)."""
 
 
 def _is_torch_constant(module: str, name: str) -> bool:
@@ -154,6 +159,7 @@ class _Restricted(pickle.Unpickler):
         self.limit = max(_scan_pickle(file, self.refuse), type(self).file_size)
         super().__init__(file, *args, **kwargs)
         self.guarded: dict[int, tuple[Any, tuple]] = {}  # id -> (class or enum member, snapshot)
+        self.allocated = 0  # bytes the pickle's calls allocated so far: together bounded by ``limit`` too
 
     def __setattr__(self, name: str, value: Any) -> None:
         # torch.load sets ``unpickler.persistent_load``: its storages are allocated from the size the pickle
@@ -176,11 +182,23 @@ class _Restricted(pickle.Unpickler):
         """Check the sizes a call's arguments claim against ``limit``; returns the arguments to call with."""
         name = getattr(function, "__qualname__", "")
         if function is bytearray and args and isinstance(args[0], int):
-            self._bound(args[0], f"bytearray({args[0]})")
+            self._allocate(args[0], f"bytearray({args[0]})")
+        elif function in _COPYING and args and hasattr(args[0], "__len__"):
+            # a copy of a value the pickle may reference many times (its memo): each copy is counted
+            self._allocate(len(args[0]), f"{function.__name__} of {len(args[0])} items")
         elif function in _TENSOR_TYPES():
             dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
             if all(isinstance(d, int) for d in dims):
-                self._bound(8 * math.prod(dims), f"an uninitialized tensor of shape {tuple(dims)}")
+                self._allocate(8 * math.prod(dims), f"an uninitialized tensor of shape {tuple(dims)}")
+        elif getattr(function, "__module__", "") == "_codecs" and name == "encode":
+            # pickle's protocol 2 writes bytes as encode(text, "latin1"); other codecs grow their input
+            # (hex doubles it), so chained calls would turn a few bytes into gigabytes.
+            text, encoding = (tuple(args) + ("utf-8",))[:2] if args else (None, None)
+            if not (isinstance(text, str) and isinstance(encoding, str) and not kwargs
+                    and encoding.lower().replace("-", "_") in ("latin1", "latin_1", "iso8859_1")):
+                raise self.refuse(f"calls _codecs.encode with {type(text).__name__} and {encoding!r}, which pickle "
+                                  "never writes (only text encoded as latin1)")
+            self._allocate(len(text), f"bytes of {len(text)} characters")
         elif name.startswith("_rebuild_tensor") and len(args) >= 4:
             self._bound_view(*args[:4], dtype=args[6] if name == "_rebuild_tensor_v3" and len(args) > 6 else None)
         elif name == "_rebuild_from_type_v2" and len(args) >= 2 and isinstance(args[1], _Call):
@@ -204,17 +222,32 @@ class _Restricted(pickle.Unpickler):
             raise self.refuse(f"rebuilds a tensor of shape {tuple(size)} needing {needed} bytes from a storage of "
                               f"{nbytes} bytes")
 
-    def refuse(self, what: str) -> ForbiddenPickle:
-        return ForbiddenPickle(
+    def _allocate(self, nbytes: int, what: str) -> None:
+        """A call's allocation, bounded alone and with every earlier one (many small claims add up)."""
+        self._bound(nbytes, what)
+        self.allocated += nbytes
+        if self.allocated > self.limit:
+            raise self.refuse(f"allocates {self.allocated} bytes in its calls ({what} the last), more than the "
+                              f"{self.limit} bytes it holds")
+
+    def refuse(self, what: str, error: type = ForbiddenPickle) -> ForbiddenPickle:
+        return error(
             f"{self.source!r} is not a {self.kind} file as a checkpoint save writes it, or it was tampered with: "
             f"it {what}; hasten refused to unpickle it and nothing in it ran (load checkpoints only from "
             "sources you trust)")
 
     def find_class(self, module: str, name: str) -> Any:
+        import _compat_pickle  # Python 2 names, which pickle's protocol 2 (torch.save's) writes for builtins
+
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if not ((module, name) in self.allowed or (module, name) in _PLAIN or _is_torch_constant(module, name)):
-            raise self.refuse(f"refers to the global {module}.{name}, which {self.kind} files never hold")
+            raise self.refuse(f"refers to the global {module}.{name}, which {self.kind} files never hold",
+                              ForbiddenGlobal)
         found = super().find_class(module, name)
-        if found is bytearray or found in _TENSOR_TYPES():  # classes whose call takes a size
+        if found in _COPYING or found in _TENSOR_TYPES():  # classes whose call takes a size or copies
             return _Call(found, self)
         if isinstance(found, type):
             members = list(found.__members__.values()) if issubclass(found, enum.Enum) else []
@@ -245,6 +278,9 @@ class _Restricted(pickle.Unpickler):
                 _restore(obj, before)
                 changed = changed or f"the class or value {obj!r}"
         return changed
+
+
+_COPYING = (bytearray, set, frozenset, collections.OrderedDict, collections.Counter)
 
 
 def _TENSOR_TYPES() -> tuple:
