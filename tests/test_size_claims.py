@@ -31,6 +31,16 @@ def read(reader, path):
         deepspeed_state._read(path)
     elif reader == "safetensors":
         SafetensorsView(MappedFile(path))
+    elif reader == "dcp value":  # a DCP checkpoint folder whose byte item is the crafted pickle
+        import io
+        from hasten.checkpointing import dcp_reader
+        dcp_reader.load_folder({"extra": io.BytesIO()}, path)
+    elif reader == "accelerate bin":
+        from hasten.checkpointing import accelerate_folder
+        accelerate_folder._torch_load(path)
+    elif reader == "model bin":
+        from hasten.utils.modeling import load_state_dict
+        load_state_dict(path)
     elif reader == "offload":
         folder, name = os.path.split(path)
         index = json.load(open(os.path.join(folder, "index.json")))
@@ -135,6 +145,22 @@ def _cases(tmp) -> dict:
     }
 
 
+def _replace_value(folder, fqn: str, data: bytes) -> None:
+    """Point the DCP checkpoint's byte item ``fqn`` at ``data``, appended to its shard file."""
+    import dataclasses
+    import pickle
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    info = metadata.storage_data[index]
+    shard = folder / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(data)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 def _run(cases: dict, tmp) -> dict:
     files = []
     for i, (name, (reader, data, _)) in enumerate(cases.items()):
@@ -142,6 +168,18 @@ def _run(cases: dict, tmp) -> dict:
         path.parent.mkdir()
         path.write_bytes(data)
         files.append([reader, str(path)])
+    # torch's own weights-only unpickler calls bytearray(2**30) as a 30-byte pickle asks
+    bomb = b"\x80\x02" + _global("builtins", "bytearray") + _int(1 << 30) + b"\x85R."
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp / "dcp_value"
+    dcp.save({"extra": 7}, checkpoint_id=str(folder), no_dist=True)
+    _replace_value(folder, "extra", bomb)
+    files.append(["dcp value", str(tmp / "dcp_value")])
+    (tmp / "optimizer.bin").write_bytes(bomb)
+    files.append(["accelerate bin", str(tmp / "optimizer.bin")])
+    (tmp / "pytorch_model.bin").write_bytes(bomb)
+    files.append(["model bin", str(tmp / "pytorch_model.bin")])
     offload_dir = tmp / "offload"
     offload_dir.mkdir()
     (offload_dir / "w.dat").write_bytes(bytes(16))
@@ -152,7 +190,7 @@ def _run(cases: dict, tmp) -> dict:
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    names = [*cases, "offload shape"]
+    names = [*cases, "dcp value bytearray", "accelerate bin bytearray", "model bin bytearray", "offload shape"]
     return {name: (files[i][1], results[i]) for i, name in enumerate(names)}
 
 
@@ -163,14 +201,22 @@ def outcomes(tmp_path_factory):
     return cases, _run(cases, tmp)
 
 
+_WORDS = {"offload shape": ["needs", "bytes"],
+          # the value's shard file is named, and the claim with the bytes the value holds
+          "dcp value bytearray": ["__0_0.distcp", "'extra'", "bytearray(1073741824)", "30 bytes"],
+          "accelerate bin bytearray": ["bytearray(1073741824)", "30 bytes"],
+          "model bin bytearray": ["bytearray(1073741824)", "30 bytes"]}
+
+
 @pytest.mark.parametrize("name", ["dcp bytearray", "dcp memo index", "deepspeed tensor constructor",
                                   "deepspeed legacy storage", "deepspeed tensor view",
                                   "deepspeed zip record size", "safetensors header length",
-                                  "safetensors shape", "offload shape"])
+                                  "safetensors shape", "dcp value bytearray", "accelerate bin bytearray",
+                                  "model bin bytearray", "offload shape"])
 def test_a_claimed_size_is_bounded_by_the_file(outcomes, name):
     cases, results = outcomes
     path, result = results[name]
-    words = cases[name][2] if name in cases else ["needs", "bytes"]
+    words = cases[name][2] if name in cases else _WORDS[name]
     message = result["message"]
     assert result["grew_mib"] < 64, f"{name}: peak memory grew by {result['grew_mib']:.0f} MiB ({message})"
     assert result["error"] is not None, f"{name}: the crafted file was read without an error"

@@ -99,7 +99,7 @@ def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) ->
     try:  # hasten's allow-list unpickler: every size the file states bounded by the file
         return weights_only.load(path)
     except unpickling.ForbiddenGlobal as e:
-        found = re.search(r"refers to the global \S+", str(e))
+        found = re.search(r"refers to the global [^\s,]+", str(e))
         reason = found.group(0) if found else _first_line(e)
         raise unpickling.ForbiddenPickle(f"{path}: refused by the weights-only unpickler ({reason}); nothing in it "
                                          f"ran; {advice}") from None
