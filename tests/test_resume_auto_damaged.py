@@ -122,3 +122,33 @@ def test_an_unknown_resume_value_names_the_choices():
         _run("unused", 0.0, resume=3)
     reset_state()
     assert layout.MANIFEST == "manifest.json"
+
+
+def _load_latest(project):
+    """load_state() without a folder into a fresh run: (error message or None, weight, warnings)."""
+    acc, model = _run(project, -1.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            acc.load_state()
+        except Exception as e:  # noqa: BLE001 - the test judges the message
+            return f"{type(e).__name__}: {e}", None, [str(w.message) for w in seen]
+    return None, _weight(acc, model), [str(w.message) for w in seen]
+
+
+def test_load_state_without_a_folder_follows_the_same_rule(tmp_path):
+    """load_state() picks its checkpoint as resume='auto' does: a newer committed checkpoint that is damaged is
+    an error naming it (it used to fall back to the older one with only a warning)."""
+    old, new = _saved(tmp_path, [1.0, 2.0])
+    _damage_manifest(new)
+    error, weight, _ = _load_latest(tmp_path)
+    assert error is not None, f"load_state() fell back to an older checkpoint (weight {weight})"
+    assert error.startswith("IncompleteCheckpointError") and new in error and old in error, error
+    assert "committed but cannot be loaded" in error and "load_state(folder)" in error, error
+
+
+def test_load_state_without_a_folder_passes_over_a_save_that_never_committed(tmp_path):
+    old, new = _saved(tmp_path, [1.0, 2.0])
+    os.remove(os.path.join(new, "manifest.json"))
+    error, weight, seen = _load_latest(tmp_path)
+    assert error is None and weight == 1.0 and any(new in w for w in seen), (error, weight, seen)

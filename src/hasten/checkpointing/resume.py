@@ -124,44 +124,11 @@ class AutoResume:
         return broadcast_from_main(found)[0]
 
     def _newest_loadable(self) -> Optional[str]:
-        """The newest numbered checkpoint whose manifest reads, on process 0. Newer folders without a
-        manifest (a save that never committed, another library's) are passed over with a warning. Under
-        ``resume="auto"`` a newer committed checkpoint that is damaged, or folders of which none loads,
-        raise naming each folder and why: training must not silently start over or lose steps."""
-        from .fileio import CheckpointCorruptError
-
+        """The newest numbered checkpoint whose manifest reads, on process 0 (``newest_checkpoint``): no
+        checkpoint means a fresh start, so folders of which none loads are an error too under "auto"."""
         root = layout.auto_root(self.accelerator.project_configuration.project_dir)
-        layout.recover_all(root)  # complete checkpoints a crash left under temporary names
-        passed: list[tuple[str, str, bool]] = []  # (folder, why, committed)
-        folder = None
-        for _, path in reversed(layout.numbered(root)):
-            if path in self.passed_over:
-                passed.append((path, self.passed_over[path], True))
-                continue
-            try:
-                layout.read_manifest(path)
-            except (layout.IncompleteCheckpointError, layout.CheckpointNotFoundError, CheckpointCorruptError,
-                    OSError) as e:
-                passed.append((path, str(e), os.path.lexists(os.path.join(path, layout.MANIFEST))))
-                continue
-            folder = path
-            break
-        committed = [p for p in passed if p[2]]
-        if self.source == "auto" and passed and (committed or folder is None):
-            lines = "\n  - ".join(f"{path}: {why}" for path, why, _ in (committed or passed))
-            if committed:
-                what = (f"{len(committed)} checkpoint(s) newer than {folder!r} were" if folder else
-                        "the checkpoints there were")
-                what += " committed but cannot be loaded now (damaged after the save)"
-            else:
-                what = "it holds checkpoint folders but none of them can be loaded"
-            raise layout.IncompleteCheckpointError(
-                f"resume='auto' in {root!r}: {what}; nothing was loaded, so the run would lose their steps or "
-                f"start over:\n  - {lines}\nRestore or remove the folders named, load one yourself with "
-                "load_state(folder), or pass resume='auto-skip-damaged' to continue from the newest checkpoint "
-                "that loads (or from scratch when none does)")
-        layout.warn_skipped([f"{path}: {why}" for path, why, _ in passed])
-        return folder
+        return newest_checkpoint(root, f"resume={self.source!r}", skip_damaged=self.source == SKIP_DAMAGED,
+                                 passed_over=self.passed_over, fresh_start=True)
 
     def maybe_resume(self) -> None:
         if self.done:
@@ -222,3 +189,48 @@ class AutoResume:
         return (f"resume: checkpoint {self.folder!r} holds registered objects {missing} that were never given to "
                 "register_for_checkpointing in this run")
 
+
+def newest_checkpoint(root: str, caller: str, skip_damaged: bool = False, passed_over: Optional[dict] = None,
+                      fresh_start: bool = False) -> Optional[str]:
+    """The newest numbered checkpoint in ``root`` whose manifest reads (None: none does): the one rule of
+    ``resume="auto"`` and of ``load_state()`` without a folder, run on process 0.
+
+    Newer folders without a manifest (a save that never committed, another library's) are passed over
+    with a warning. A newer checkpoint that was committed but is damaged now raises naming each folder
+    and why (training must not silently lose steps), unless ``skip_damaged`` (``resume="auto-skip-damaged"``).
+    ``fresh_start``: the caller starts over when None is returned, so folders of which none loads raise too.
+    ``passed_over``: folders a load already failed on (folder -> why), counted as committed but damaged."""
+    from .fileio import CheckpointCorruptError
+
+    layout.recover_all(root)  # complete checkpoints a crash left under temporary names
+    passed: list[tuple[str, str, bool]] = []  # (folder, why, committed)
+    folder = None
+    for _, path in reversed(layout.numbered(root)):
+        if passed_over and path in passed_over:
+            passed.append((path, passed_over[path], True))
+            continue
+        try:
+            layout.read_manifest(path)
+        except (layout.IncompleteCheckpointError, layout.CheckpointNotFoundError, CheckpointCorruptError,
+                OSError) as e:
+            passed.append((path, str(e), os.path.lexists(os.path.join(path, layout.MANIFEST))))
+            continue
+        folder = path
+        break
+    committed = [p for p in passed if p[2]]
+    if not skip_damaged and (committed or (fresh_start and passed and folder is None)):
+        lines = "\n  - ".join(f"{path}: {why}" for path, why, _ in (committed or passed))
+        if committed:
+            what = (f"{len(committed)} checkpoint(s) newer than {folder!r} were" if folder else
+                    "the checkpoints there were")
+            what += " committed but cannot be loaded now (damaged after the save)"
+        else:
+            what = "it holds checkpoint folders but none of them can be loaded"
+        lose = "lose their steps or start over" if fresh_start else "lose their steps"
+        skip = ("pass resume='auto-skip-damaged' to continue from the newest checkpoint that loads (or from "
+                "scratch when none does)" if fresh_start else "pass the folder of an older checkpoint to load it")
+        raise layout.IncompleteCheckpointError(
+            f"{caller} in {root!r}: {what}; nothing was loaded, so the run would {lose}:\n  - {lines}\n"
+            f"Restore or remove the folders named, load one yourself with load_state(folder), or {skip}")
+    layout.warn_skipped([f"{path}: {why}" for path, why, _ in passed])
+    return folder
