@@ -178,30 +178,30 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.folder = folder  # to name the file a value came from
 
-    def _source(self, read_item: Any) -> str:
+    def _file(self, read_item: Any) -> str:
+        """The shard file holding the value (the folder when the metadata does not say)."""
         info = getattr(self.metadata, "storage_data", None) or {}
         stored = info.get(read_item.storage_index)
-        file = os.path.join(self.folder, stored.relative_path) if stored is not None and self.folder else self.folder
-        return f"the checkpoint value {read_item.dest_index.fqn!r} in {file!r}" if file else \
-            f"the checkpoint value {read_item.dest_index.fqn!r}"
+        return os.path.join(self.folder, stored.relative_path) if stored is not None else self.folder
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from . import weights_only
 
-        source = self._source(read_item)
+        fqn = read_item.dest_index.fqn
+        where = f" (in {self._file(read_item)!r})" if self.folder else ""
         try:
-            loaded = weights_only.load_bytes(value.getbuffer(), source, "torch.save value")
+            loaded = weights_only.load_bytes(value.getbuffer(), f"checkpoint value {fqn}{where}", "torch.save value")
         except unpickling.ForbiddenGlobal as e:
             raise unpickling.ForbiddenPickle(
-                f"{source} holds more than tensors and plain Python values, which a checkpoint save never stores, "
-                f"so it was tampered with; hasten refused to unpickle it and nothing in it ran "
-                f"({_why(e)})") from None
+                f"the checkpoint value {fqn!r}{where} holds more than tensors and plain Python values, which a "
+                f"checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and nothing "
+                f"in it ran ({_why(e)})") from None
         except unpickling.ForbiddenPickle as e:
             raise unpickling.ForbiddenPickle(
-                f"{source} is not what a checkpoint save stores, so it was tampered with; hasten refused it and "
-                f"nothing in it ran ({_why(e)})") from None
+                f"the checkpoint value {fqn!r} is not what a checkpoint save stores, so it was tampered with{where}; "
+                f"hasten refused it and nothing in it ran ({_why(e)})") from None
         except CheckpointCorruptError as e:
-            raise CheckpointCorruptError(f"{source} is damaged ({_why(e)})") from None
+            raise CheckpointCorruptError(f"the checkpoint value {fqn!r}{where} is damaged ({_why(e)})") from None
         # The parent stores the value where it belongs; it is given a pickle of what was just read safely.
         safe = io.BytesIO()
         torch.save(loaded, safe)

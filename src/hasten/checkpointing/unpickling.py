@@ -442,6 +442,8 @@ def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> No
     except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, ...
         raise unreadable(e) from None
     for info in infos:  # readers allocate a record's claimed size to read it: a stored record holds its bytes
+        if info.compress_type != zipfile.ZIP_STORED:
+            continue  # refused below before any record is read (as torch.save never writes, or TorchScript)
         if info.file_size != info.compress_size or info.header_offset + 30 + info.compress_size > len(data):
             raise _corrupt(path, kind, f"its zip record {info.filename!r} claims {info.file_size} bytes, more than "
                            f"the file's {len(data)} bytes hold (truncated, or a crafted size)")
