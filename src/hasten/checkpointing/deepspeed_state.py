@@ -38,6 +38,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+# The private DeepSpeed interfaces this module uses, checked before use (re-exported: callers of old import them here)
+from .deepspeed_api import DeepSpeedVersionError, check_engine_api, checkpoint_engine_class, version_error  # noqa: F401
+from .deepspeed_api import zero_call as _zero_call
+
 SUBDIR = "deepspeed"
 KEY = "deepspeed"
 
@@ -386,37 +390,13 @@ def refuse_foreign_pickles(path: str, names: Optional[list[str]] = None) -> dict
     return {os.path.normpath(os.path.abspath(n)): _read(n) for n in (_files(path) if names is None else names)}
 
 
-def check_engine_api(engine: Any) -> None:
-    """Raise ``DeepSpeedVersionError`` unless ``engine`` has what a checked load swaps and calls: its
-    ``checkpoint_engine`` attribute, ``load_checkpoint(path, tag=)``, and DeepSpeed's ``CheckpointEngine``
-    with ``load(path, map_location)`` (``checked_engine`` checks the class)."""
-    if not hasattr(engine, "checkpoint_engine"):
-        raise version_error("DeepSpeedEngine.checkpoint_engine (the object its load_checkpoint reads files through)",
-                            f"engines ({type(engine).__name__}) without it")
-    _bindable(type(engine), "load_checkpoint", (engine, "path"), "DeepSpeedEngine.load_checkpoint", {"tag": "t"})
-    checked_engine({})
-
-
 def checked_engine(files: dict[str, Any]) -> Any:
     """A DeepSpeed checkpoint engine (``deepspeed.runtime.checkpoint_engine.CheckpointEngine``, the object
     DeepSpeed's engine reads every checkpoint file through) that hands out ``files`` (from
     ``refuse_foreign_pickles``: bytes hasten read once and checked) and reads any other file the same checked
     way, once: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load, and what
     it gets for a file is what was checked, however often it asks. Lives for one ``load_checkpoint``."""
-    try:
-        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-    except ImportError as e:
-        raise version_error("deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine",
-                            f"no such class ({e})") from None
-    import inspect
-
-    for name, args in (("save", ({}, "path")), ("commit", (None,))):
-        _bindable(CheckpointEngine, name, (None, *args), f"CheckpointEngine.{name}")
-    load = _bindable(CheckpointEngine, "load", (None, "path"), "CheckpointEngine.load", {"map_location": None})
-    if list(inspect.signature(load).parameters) != ["self", "path", "map_location"]:
-        # DeepSpeed may pass what the new parameters mean; a reader that ignored them could load wrongly
-        raise version_error("CheckpointEngine.load(path, map_location) (what hasten's checked reader implements)",
-                            f"CheckpointEngine.load{inspect.signature(load)}")
+    CheckpointEngine = checkpoint_engine_class()
 
     class CheckedFiles(CheckpointEngine):
         def load(self, path: str, map_location: Any = None) -> Any:
@@ -529,49 +509,6 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
             raise ValueError(str(e)) from None
         raise ValueError(f"cannot rebuild the weights of the DeepSpeed checkpoint {path!r} ({type(e).__name__}: "
                          f"{_first_line(e)}); it is incomplete or damaged") from None
-
-
-class DeepSpeedVersionError(RuntimeError):
-    """The installed DeepSpeed lacks (or changed) a private function or attribute hasten uses: nothing is
-    loaded, rather than a load through an interface hasten was not written for."""
-
-
-def version_error(needed: str, found: str) -> DeepSpeedVersionError:
-    """One error naming what hasten needs from DeepSpeed, what the installed version has, and that version."""
-    try:
-        from importlib.metadata import version
-
-        installed = version("deepspeed")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        installed = "(unknown version)"
-    return DeepSpeedVersionError(
-        f"hasten's checked DeepSpeed loading needs deepspeed's {needed}; deepspeed {installed} has {found}. This "
-        "DeepSpeed version changed a private interface hasten relies on (nothing was loaded and the checkpoint "
-        "is not judged damaged): install a DeepSpeed version hasten supports (tested: 0.19) or report it")
-
-
-def _bindable(owner: Any, name: str, args: tuple, shown: str, kwargs: Optional[dict] = None) -> Any:
-    """``owner.name``, after checking that it exists and accepts ``args``/``kwargs`` (``inspect.signature``);
-    else ``DeepSpeedVersionError``."""
-    import inspect
-
-    function = getattr(owner, name, None)
-    if not callable(function):
-        raise version_error(f"{shown}", "no such function")
-    try:
-        inspect.signature(function).bind(*args, **(kwargs or {}))
-    except TypeError as e:
-        raise version_error(f"{shown} to accept the arguments hasten passes ({e})",
-                            f"{shown}{inspect.signature(function)}") from None
-    except ValueError:  # no signature to read (a builtin): called as it is
-        pass
-    return function
-
-
-def _zero_call(zero_to_fp32: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-    """``zero_to_fp32.<name>(*args, **kwargs)``: a private DeepSpeed function, bound before it is called so a
-    changed signature is a ``DeepSpeedVersionError``, never "incomplete or damaged"."""
-    return _bindable(zero_to_fp32, name, args, f"deepspeed.utils.zero_to_fp32.{name}", kwargs)(*args, **kwargs)
 
 
 def _names_a_file(error: BaseException) -> bool:

@@ -386,7 +386,7 @@ def _set_clipping(engine: Any, max_norm: float) -> None:
     """Make the engine's next step clip at ``max_norm`` (0: off). The engine reads its config's
     value (stage 0, fp32) and each DeepSpeed optimizer (ZeRO 1-3, fp16, bf16) its ``clip_grad``,
     both taken from the config when the engine was built."""
-    from ..checkpointing.deepspeed_state import version_error
+    from ..checkpointing.deepspeed_api import version_error
 
     config = getattr(engine, "_config", None)
     if not callable(getattr(engine, "gradient_clipping", None)) or not hasattr(config, "gradient_clipping"):
