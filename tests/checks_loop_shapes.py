@@ -242,3 +242,104 @@ def check_matrix_zero2():
 
 def check_matrix_zero3():
     return _matrix("zero3")
+
+
+# -- one check per DeepSpeed fix (each failed before it) ------------------------------------------
+def _zero2(clipping: Any = 0.0, json: bool = True, **config: Any) -> tuple[Accelerator, Any, Any, Any]:
+    """ZeRO-2 with a torch SGD and LambdaLR; ``clipping`` None leaves the plugin's default; ``json``
+    False builds the plugin from its fields (no JSON)."""
+    from hasten.utils.deepspeed_plugin import DeepSpeedPlugin
+
+    reset_state()
+    if json:
+        plugin = DeepSpeedPlugin(hf_ds_config=dict({"train_micro_batch_size_per_gpu": PER_RANK,
+                                                    "zero_optimization": {"stage": 2}}, **config),
+                                 gradient_clipping=clipping)
+    else:
+        plugin = DeepSpeedPlugin(zero_stage=2, gradient_clipping=clipping)
+    acc = Accelerator(deepspeed_plugin=plugin)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    loader = torch.utils.data.DataLoader(torch.zeros(8, 1), batch_size=PER_RANK)  # fills the micro-batch size
+    model, opt, sched, _ = acc.prepare(model, opt, sched, loader)
+    return acc, model, opt, sched
+
+
+def _local(acc: Accelerator, x: torch.Tensor) -> torch.Tensor:
+    r = acc.process_index
+    return x[r * PER_RANK:(r + 1) * PER_RANK].to(acc.device)
+
+
+def check_scheduler_step_without_optimizer_step():
+    """Accelerate's DeepSpeed loop ``backward(loss); scheduler.step()``: the schedule advances after the
+    update of its iteration, as plain PyTorch's ``step(); scheduler.step()`` (it used to run first)."""
+    acc, model, opt, sched = _zero2(0.0)
+    ref = reference(dict(step=True, sched=True, accum=1, clip=False, between="none"), "ddp", acc.num_processes,
+                    acc.device)
+    for x, y in _batches(STEPS, acc.num_processes):
+        acc.backward(nn.functional.mse_loss(model(_local(acc, x)), _local(acc, y)))
+        sched.step()
+    return _close(acc.get_state_dict(model), ref["weights"][-1], 1e-6)
+
+
+def check_clip_after_an_eval_forward_still_clips():
+    """``backward``, a metric under ``no_grad``, ``clip_grad_norm_``, ``step``: the clip clips (it used to
+    find the step already run by the forward and return the norm without clipping)."""
+    acc, model, opt, sched = _zero2(0.0)
+    shape = dict(step=True, sched=True, accum=1, clip=True, between="eval")
+    ref = reference(shape, "ddp", acc.num_processes, acc.device)
+    norms = []
+    for k, (x, y) in enumerate(_batches(STEPS, acc.num_processes)):
+        acc.backward(nn.functional.mse_loss(model(_local(acc, x)), _local(acc, y)))
+        with torch.no_grad():
+            seen = model(x[:PER_RANK].to(acc.device)).sum().item()
+        assert abs(seen - ref["eval"][k]) <= 1e-5, (k, seen, ref["eval"][k])
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref["norms"])), (norms, ref["norms"])
+    return _close(acc.get_state_dict(model), ref["weights"][-1], 1e-6)
+
+
+def check_clip_after_the_step_ran_is_an_error():
+    """A training forward between ``backward`` and ``clip_grad_norm_`` runs the held step (a loop
+    without optimizer.step() needs it there); the clip after it is an error naming the order."""
+    acc, model, opt, sched = _zero2(0.0)
+    x, y = _batches(1, acc.num_processes)[0]
+    acc.backward(nn.functional.mse_loss(model(_local(acc, x)), _local(acc, y)))
+    model(_local(acc, x))  # gradients enabled: the step runs
+    try:
+        acc.clip_grad_norm_(model.parameters(), CLIP)
+    except ValueError as e:
+        assert "clip_grad_norm_ after a forward with gradients enabled ran the DeepSpeed step" in str(e), str(e)
+        return str(e)
+    raise AssertionError("clip_grad_norm_ after the step ran returned instead of raising")
+
+
+def check_auto_gradient_clipping_is_accelerates():
+    """``gradient_clipping: "auto"`` (and the default plugin) clips at 1.0, or at the plugin's value, as
+    Accelerate fills it; a clip_grad_norm_ call of a step still clips that step at its max_norm."""
+    seen = {}
+    cases = (("plugin default", None, False, {}), ("plugin 0 (no clipping)", 0.0, False, {}),
+             ("json auto", None, True, {"gradient_clipping": "auto"}),
+             ("json auto + plugin 0.3", 0.3, True, {"gradient_clipping": "auto"}),
+             ("json without the key (DeepSpeed's 0)", None, True, {}))
+    for label, clipping, json, config in cases:
+        acc, model, opt, sched = _zero2(clipping, json, **config)
+        seen[label] = float(model.gradient_clipping())
+    assert seen == {"plugin default": 1.0, "plugin 0 (no clipping)": 0.0, "json auto": 1.0,
+                    "json auto + plugin 0.3": 0.3, "json without the key (DeepSpeed's 0)": 0.0}, seen
+    # Without clip_grad_norm_, the auto-filled 1.0 clips; with the call, its max_norm does.
+    for shape in (dict(step=True, sched=False, accum=1, clip=False, between="none"),
+                  dict(step=True, sched=False, accum=1, clip=True, between="none")):
+        acc, model, opt, sched = _zero2(None, json=False)
+        ref = reference(shape, "zero2", acc.num_processes, acc.device)
+        for x, y in _batches(STEPS, acc.num_processes):
+            acc.backward(nn.functional.mse_loss(model(_local(acc, x)), _local(acc, y)))
+            if shape["clip"]:
+                acc.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        _close(acc.get_state_dict(model), ref["weights"][-1], 1e-6)
+    return seen

@@ -45,3 +45,12 @@ def test_loop_shapes_equal_plain_pytorch_in_one_process(fresh_state, tmp_path):
         name = shapes_module.name_of(shape)
         results[name] = shapes_module.run_shape(shape, "ddp", str(tmp_path / name))
     _judge("ddp", [results])
+
+
+@pytest.mark.parametrize("name", ["check_scheduler_step_without_optimizer_step",
+                                  "check_clip_after_an_eval_forward_still_clips",
+                                  "check_clip_after_the_step_ran_is_an_error",
+                                  "check_auto_gradient_clipping_is_accelerates"])
+def test_deepspeed_held_step(two, name):
+    pytest.importorskip("deepspeed")
+    two.assert_passed(name)
