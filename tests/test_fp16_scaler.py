@@ -312,3 +312,52 @@ def test_fused_adamw_fp16_step_has_no_host_sync_on_cuda(fresh_state):
         clean = _sync_free(opt.step)
     assert clean
     assert not opt.step_was_skipped  # the verdict is still there when read
+
+
+def test_unscaling_every_optimizer_before_the_other_has_gradients(fresh_state):
+    """``accelerator.unscale_gradients()`` (every optimizer) before D's clip, while G holds no gradients
+    yet: G's later step unscales its own gradients once, and the run equals the hand-written loop."""
+    gen, disc = _models()
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    batches = _batches()
+
+    def run(m, x):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
+            return m(x).float()
+
+    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
+    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **_SCALER)
+    for x in batches:
+        _, loss_d = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_d).backward()
+        scaler.unscale_(ref_d)
+        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
+        scaler.step(ref_d)
+        ref_d.zero_grad()
+        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_g).backward()
+        scaler.step(ref_g)
+        scaler.update()
+        ref_g.zero_grad()
+        ref_d.zero_grad()
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**_SCALER)])
+    gen, disc, opt_g, opt_d = acc.prepare(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
+                                          torch.optim.SGD(disc.parameters(), lr=0.1))
+    for x in batches:
+        _, loss_d = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_d)
+        acc.unscale_gradients()
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), 1.0)
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g, _ = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+    assert acc.precision.state_dict() == scaler.state_dict()
+    for mine, ref in ((gen, ref_gen), (disc, ref_disc)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)

@@ -178,6 +178,11 @@ class Precision:
             self._late_update()
         if optimizer in self._unscaled:
             return
+        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            # Nothing to unscale yet (every optimizer unscaled before one's clip, say a GAN's G before
+            # its backward): its step unscales what it gets then; torch's scaler would record no
+            # check now and refuse that step.
+            return
         self.scaler.unscale_(optimizer)
         self._unscaled.add(optimizer)
 
