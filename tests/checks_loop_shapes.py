@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
