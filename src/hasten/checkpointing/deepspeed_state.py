@@ -73,7 +73,8 @@ class DeepSpeedCheckpoint:
 
     def __init__(self, state: Any, load_weights: Callable[..., Any], engine_of: Optional[Callable[[nn.Module], Any]] = None,
                  zero_stage: Optional[int] = None, run: str = "DeepSpeed",
-                 weights_of: Optional[Callable[[nn.Module], dict]] = None) -> None:
+                 weights_of: Optional[Callable[[nn.Module], dict]] = None,
+                 settle: Optional[Callable[[str], None]] = None) -> None:
         self.state = state
         self.load_weights = load_weights
         self.engine_of = engine_of
@@ -81,6 +82,8 @@ class DeepSpeedCheckpoint:
         self.run = run
         # The full weights of a model prepared without optimizer (every process calls it: ZeRO-3 gathers).
         self.weights_of = weights_of
+        # The strategy's settling of a step held since the last backward (see DeepSpeedStrategy.settle).
+        self.settle = settle
 
     @classmethod
     def for_reading(cls, strategy: Any) -> "DeepSpeedCheckpoint":
@@ -99,6 +102,8 @@ class DeepSpeedCheckpoint:
             raise ValueError("save_state inside a gradient-accumulation window: DeepSpeed keeps the partial "
                              "gradients in its own buffers, which a checkpoint cannot hold; save where "
                              "accelerator.sync_gradients is True")
+        if self.settle is not None:
+            self.settle("save_state")  # refused between backward and the loop's own optimizer.step()
 
     def _engines(self, inner: list[nn.Module]) -> list[Any]:
         """The training engine of each model; None for a model prepared without optimizer (frozen)."""
@@ -267,6 +272,8 @@ class DeepSpeedCheckpoint:
         return problems
 
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
+        if self.settle is not None:
+            self.settle("load_state")  # a step held since the last backward runs before the state is replaced
         frozen = [i for i, e in enumerate(contents["models"]) if e.get("frozen")]
         for i in frozen:  # their full weights, whatever the run (every process loads them)
             self.load_weights(inner[i], self.weights.pop(i), strict=True)
