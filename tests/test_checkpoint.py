@@ -214,7 +214,7 @@ def test_automatic_naming_retention_and_numbering_after_load(fresh_state, tmp_pa
     assert os.path.basename(acc.save_state()) == "checkpoint_4"  # never collides with an existing one
 
 
-def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh_state, tmp_path):
+def test_damaged_newer_checkpoints_are_named_and_incomplete_ones_refused(fresh_state, tmp_path):
     acc, model, opt, sched = setup(tmp_path)
     train_step(model, opt, sched)
     good = acc.save_state()
@@ -240,7 +240,11 @@ def test_newest_complete_checkpoint_is_used_and_incomplete_ones_refused(fresh_st
         broken[damage] = path
     (root / ".checkpoint_9.tmp-0123456789abcdef0123456789abcdef").mkdir()
     assert layout.newest_complete(str(root))[1] == good
-    assert acc.load_state() == good and same(snapshot(model, opt), expected)
+    # committed-but-damaged newer checkpoints are not passed over in silence: the error names each one
+    with pytest.raises(layout.IncompleteCheckpointError, match="(?s)checkpoint_8.*checkpoint_7.*checkpoint_6") as caught:
+        acc.load_state()
+    assert "checkpoint_5" not in str(caught.value)  # never committed (no manifest): passed over with a warning
+    assert acc.load_state(good) == good and same(snapshot(model, opt), expected)
     train_step(model, opt, sched)
     before = snapshot(model, opt)
     for damage, words in (("no manifest", "no manifest.json"), ("truncated", "wrong size"),

@@ -20,7 +20,7 @@ from .accelerator_checks import refuse_offloaded_quantized_model
 from .checkpointing import CheckpointMixin
 from .checkpointing.prehooks import CheckpointSession
 from .compilation import compile_regions, has_repeated_blocks
-from .optimizer import AcceleratedOptimizer
+from .optimizer import AcceleratedOptimizer, lomo_backward, optimizers_owning
 from .options import UNSET
 from .parallelism import ParallelLayoutMixin
 from .planning import make_plan
@@ -305,8 +305,6 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
     # -- the training step ----------------------------------------------------------------------
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Backward and update with the prepared LOMO optimizers (``hasten.optimizer.lomo_backward``)."""
-        from .optimizer import lomo_backward
-
         lomo_backward(self._optimizers, loss, learning_rate)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -421,24 +419,14 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             norm = self.strategy.grad_norm(parameters, norm_type=norm_type)
             scale = self.precision.gradient_scale()
             return norm / scale if scale != 1.0 else norm
-        self.unscale_gradients(self._owners_of(parameters))
+        self.unscale_gradients(optimizers_owning(self._optimizers, parameters))
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
-    def _owners_of(self, parameters: list) -> list[AcceleratedOptimizer]:
-        """The prepared optimizers updating any of ``parameters`` (all of them when none does): the
-        ones a clip unscales, as torch's ``scaler.unscale_(optimizer)`` before a clip names its
-        optimizer. Another optimizer's gradients (a GAN's generator while its discriminator is
-        clipped) keep the loss scale of their iteration until their own step."""
-        ids = {id(p) for p in parameters}
-        owners = [opt for opt in self._optimizers
-                  if any(id(p) in ids for g in opt.param_groups for p in g["params"])]
-        return owners or list(self._optimizers)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Unscale (once) and clamp every gradient to ``[-clip_value, clip_value]``."""
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._clip_allowed("clip_grad_value_"):
-            self.unscale_gradients(self._owners_of(parameters))
+            self.unscale_gradients(optimizers_owning(self._optimizers, parameters))
             self.strategy.clip_grad_value_(parameters, clip_value)
 
     # -- collectives ----------------------------------------------------------------------------

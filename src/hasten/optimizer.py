@@ -138,6 +138,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
 
 
+def optimizers_owning(optimizers: list[AcceleratedOptimizer], parameters: list) -> list[AcceleratedOptimizer]:
+    """The optimizers updating any of ``parameters`` (all of them when none does): the ones a clip
+    unscales, as torch's ``scaler.unscale_(optimizer)`` before a clip names its optimizer. Another
+    optimizer's gradients (a GAN's generator while its discriminator is clipped) keep the loss scale
+    of their iteration until their own step."""
+    wanted = set(parameters)  # tensors hash by identity
+    owners = [opt for opt in optimizers if any(p in wanted for g in opt.param_groups for p in g["params"])]
+    return owners or list(optimizers)
+
+
 def lomo_backward(optimizers: list[AcceleratedOptimizer], loss: torch.Tensor, learning_rate: Optional[float]) -> None:
     """Backward and update in one pass with LOMO optimizers (``lomo_optim.Lomo``/``AdaLomo``), as
     ``Accelerator.lomo_backward``: each prepared LOMO optimizer runs its ``fused_backward``.
