@@ -14,7 +14,7 @@ import json
 import os
 import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 from .saving import (
     ALIASES_KEY,
@@ -36,29 +36,45 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-class _Source(NamedTuple):
-    path: str
-    safe: bool
-    shapes: dict[str, Optional[tuple]]  # name -> shape (None: not a tensor)
-    data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
-    view: Any = None  # safetensors: filereading.SafetensorsView of the mapping whose checksum was verified
+class _Source:
+    """One weights file, checked: its names and shapes; a ``.bin``'s contents (``data``); a
+    safetensors file's ``view`` of its verified bytes (``files.reading``), kept from the check or,
+    when dropped to bound memory, read again at use and required to be the same bytes."""
+
+    def __init__(self, path: str, safe: bool, shapes: dict[str, Optional[tuple]], data: Optional[dict] = None,
+                 view: Any = None, found: Optional[str] = None) -> None:
+        self.path, self.safe, self.shapes, self.data = path, safe, shapes, data
+        self._view, self.found = view, found  # found: the checksum of the bytes that were checked
+
+    @property
+    def view(self) -> Any:
+        if self._view is None:
+            view = _SelfChecked.read(self.path).view
+            if view.file.found != self.found or view.shapes() != self.shapes:
+                from .files.errors import CheckpointCorruptError
+
+                raise CheckpointCorruptError(f"{self.path!r} changed after it was checked (replaced or rewritten while "
+                                             "the weights were loaded); load it again")
+            self._view = view
+        return self._view
+
+    def release(self) -> None:
+        """Let go of the bytes (tensors already taken from them keep their part)."""
+        self._view = None
 
 
-def _plain_file(path: str) -> None:
-    """Refuse a symbolic link (it could lead anywhere) or anything but a regular file."""
-    import stat
+def _open_weights(path: str) -> int:
+    """A descriptor of the weights file ``path``: a plain file (``files.paths.open_inside``), or a link
+    of a Hugging Face cache snapshot to its blob (``_hub_blob``), opened as a plain file of ``blobs/``."""
+    from .files.paths import open_inside, split
 
-    from .checkpointing.fileio import CheckpointCorruptError
-
+    folder, name = split(path)
+    if os.path.islink(path) and _hub_blob(path):
+        folder, name = split(os.path.realpath(path))
     try:
-        mode = os.lstat(path).st_mode
-    except OSError:
+        return open_inside(folder, name, "checkpoint file", nested=False)
+    except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
-    if stat.S_ISLNK(mode) and _hub_blob(path):
-        return
-    if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
-        raise CheckpointCorruptError(f"{path!r} is a symbolic link or not a regular file; hasten loads only plain files "
-                                     "(copy the real file in instead of linking it)")
 
 
 def _hub_blob(path: str) -> bool:
@@ -81,92 +97,106 @@ def _hub_blob(path: str) -> bool:
     return plain and os.path.dirname(real) == blobs
 
 
+class _SelfChecked:
+    """The checksum a ``save_model`` file records about itself, for ``files.reading.ReadFile``: found in
+    the header (patched to its unset value in the private bytes while they are summed, put back
+    after), then compared with the sum of every byte read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.span: Any = None
+        self.value: Any = None
+
+    def head(self, first: bytes) -> int:
+        from .files.safetensors_format import header_length
+
+        self.header = 8 + header_length(first, os.fstat(self.fd).st_size, self.path)
+        return self.header
+
+    def __call__(self, raw: Any) -> Any:
+        import torch
+
+        from .saving import UNSET_CHECKSUM, checksum_field
+
+        if raw is None:  # summed: put the recorded bytes back
+            if self.span is not None:
+                self.span.copy_(self.value)
+            return None
+        field = checksum_field(bytes(raw[:self.header].numpy().tobytes()), self.path)
+        if field is None:
+            return True  # nothing recorded: summed only, so that a second read can be compared
+        position, recorded = field
+        self.span = raw[position:position + len(UNSET_CHECKSUM)]
+        self.value = self.span.clone()
+        self.span.copy_(torch.frombuffer(bytearray(UNSET_CHECKSUM.encode("ascii")), dtype=torch.uint8))
+        return recorded
+
+    @classmethod
+    def read(cls, path: str) -> Any:
+        """``ReadFile`` of the weights file ``path``, verified while read; ``.view`` its ``SafetensorsView``."""
+        from .files.reading import ReadFile
+        from .files.safetensors_format import SafetensorsView
+
+        check = cls(path)
+        check.fd = _open_weights(path)
+        file = ReadFile(check.fd, path, None, check, head=check.head)
+        file.view = SafetensorsView(file)
+        return file
+
+
 def verify_weights_file(path: str) -> Optional[str]:
     """Check a safetensors weights file before it is read: a plain file, a whole header, and the
     checksum ``save_model`` recorded in it.
     Returns the recorded checksum; None for a file written without one (it cannot be verified)."""
-    mapped, recorded = _verified_map(path)
-    mapped.close()
-    return recorded
+    return _SelfChecked.read(path).recorded
 
 
-def _verified_map(path: str) -> tuple[Any, Optional[str]]:
-    """``verify_weights_file``, returning the mapping that was summed too: reading the tensors from
-    it costs no second round of page faults, so the check adds only the summing (a memory pass)."""
-    from .checkpointing.fileio import CheckpointCorruptError
-    from .checkpointing.filereading import MappedFile
-    from .saving import self_checksum
-
-    _plain_file(path)
-    mapped = MappedFile(path)
-    raw = mapped.raw
-    try:
-        if raw.numel() < 8:
-            raise CheckpointCorruptError(f"{path!r} is not a safetensors file: it has {raw.numel()} bytes (truncated or "
-                                         "emptied); save the weights again")
-        head = int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little")
-        if head > raw.numel() - 8:
-            raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {head} bytes and the file "
-                                         f"has {raw.numel()}; save the weights again")
-        recorded = self_checksum(raw, 8 + head, path)
-    except BaseException:
-        mapped.close()
-        raise
-    return mapped, recorded
-
-
-def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
+def _read_source(path: str, keep: bool = True) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
     """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
-    ``release``: drop the pages the checksum read (the caller reads parts of the file later)."""
+    ``keep``: keep the verified bytes for loading (else they are read again then, and compared)."""
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
+        from .files.errors import CheckpointCorruptError
 
-        from .checkpointing.fileio import CheckpointCorruptError
-        from .checkpointing.filereading import SafetensorsView
-
-        mapped, recorded = _verified_map(path)
-        mapped.close()  # the map stays; only its spare descriptor goes
-        if release:
-            mapped.release_pages()
+        file = _SelfChecked.read(path)
+        view = file.view
+        metadata = view.metadata
         try:
-            with safe_open(path, framework="pt") as f:
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-                metadata = f.metadata() or {}
             aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
-        except Exception as e:  # noqa: BLE001 - SafetensorError, bad JSON: none names the file
-            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
+        except (ValueError, RecursionError) as e:
+            raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}: {e}); the file is "
                                          "damaged") from None
         if not isinstance(aliases, dict):
             raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
-        try:
-            view = SafetensorsView(mapped)
-        except CheckpointCorruptError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
-                                         "damaged") from None
-        if view.shapes() != shapes:
-            raise CheckpointCorruptError(f"{path!r} changed while it was read; load it again")
-        return _Source(path, True, shapes, None, view), aliases, metadata.get(SAVE_ID_KEY), recorded
-    _plain_file(path)
+        source = _Source(path, True, view.shapes(), None, view if keep else None, file.found)
+        return source, aliases, metadata.get(SAVE_ID_KEY), file.recorded
     import torch
 
+    fd = _open_weights(path)
     try:
+        # torch maps the file it is given by name: the name of the descriptor just checked, not the path again
+        name = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else None
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # saved without the zip format: cannot be memory-mapped
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(
-            f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
-            f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
-            f"and call model.load_state_dict. Details: {e}"
-        ) from e
-    except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-        from .checkpointing.fileio import CheckpointCorruptError
+            if name is None:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    data = torch.load(f, map_location="cpu", weights_only=True)
+            else:
+                try:
+                    data = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # saved without the zip format: cannot be memory-mapped
+                    data = torch.load(name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(
+                f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
+                f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
+                f"and call model.load_state_dict. Details: {e}"
+            ) from e
+        except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
+            from .files.errors import CheckpointCorruptError
 
-        raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
-                                     "torch state dict") from None
+            raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
+                                         "torch state dict") from None
+    finally:
+        os.close(fd)
     if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):
         inner = [k for k, v in data.items() if isinstance(v, Mapping)] if isinstance(data, Mapping) else []
         raise ValueError(
@@ -185,12 +215,14 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     against it)."""
     import torch
 
-    from .checkpointing.fileio import CheckpointCorruptError
+    from .files.errors import CheckpointCorruptError
+    from .files.paths import read_inside, split
     from .saving import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
 
-    _plain_file(path)
-    with open(path, "rb") as f:
-        data = f.read()
+    folder, name = split(path)
+    if os.path.islink(path) and _hub_blob(path):
+        folder, name = split(os.path.realpath(path))
+    data = read_inside(folder, name, "checkpoint index", nested=False)
     try:
         index = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
@@ -218,10 +250,19 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     return index, checksums
 
 
+def _memory_budget() -> int:
+    """Bytes of checked weights files kept in memory for loading: half the memory available now. Files
+    beyond it are read again when loaded (and must be the same bytes), one at a time."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
 def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[_Source], dict[str, str]]:
-    """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: see
-    ``_read_source`` (one file's pages at a time in memory while checksums are verified)."""
-    from .checkpointing.fileio import CheckpointCorruptError
+    """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: keep none of
+    their bytes (each is read again, verified, when loaded: a sharded load takes slices of each)."""
+    from .files.errors import CheckpointCorruptError
 
     path = os.fspath(checkpoint)
     if os.path.isdir(path):
@@ -239,8 +280,17 @@ def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[li
         path = found
     if not os.path.lexists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
+    budget = [0 if release else _memory_budget()]
+
+    def keep(file: str) -> bool:
+        try:
+            budget[0] -= os.stat(file).st_size  # an estimate for the budget only; the read is checked
+        except OSError:
+            pass
+        return budget[0] >= 0
+
     if not path.endswith(".index.json"):
-        source, aliases, _, _ = _read_source(path, release)
+        source, aliases, _, _ = _read_source(path, keep(path))
         return [source], aliases
     index, checksums = read_weights_index(path)
     metadata = index.get("metadata") or {}
@@ -255,7 +305,7 @@ def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[li
         if checksums is not None and filename not in checksums:
             raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
                                          "index is damaged")
-        source, shard_aliases, shard_id, recorded = _read_source(shard, release)
+        source, shard_aliases, shard_id, recorded = _read_source(shard, keep(shard))
         if save_id is not None and shard_id is not None and shard_id != save_id:
             raise RuntimeError(
                 f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
@@ -430,25 +480,16 @@ class _Placer:
             module._buffers[attr] = new
 
 
-def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of one weights file, read one tensor at a time (only names ``wanted`` accepts).
-
-    safetensors hands out tensors backed by a memory map of the file, and a map stays (with every
-    page read through it) while any of its tensors lives. Tensors that are only passing through
-    (``transient``: written to the offload folder) are read through a second map, so that the pages
-    they touched go away with them instead of staying next to the weights kept in RAM.
-    """
+def _tensors(source: _Source, wanted: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of one weights file, in file order (only names ``wanted`` accepts): views of
+    the verified bytes of a safetensors file, the contents of a ``.bin``."""
     if not source.safe:
         yield from ((n, v) for n, v in (source.data or {}).items() if wanted(n))
         return
-    from safetensors import safe_open
-
-    # Kept tensors come from the verified mapping (its pages are mapped already); passing ones
-    # through a map of their own that goes with them.
-    with safe_open(source.path, framework="pt", device="cpu") as passing:
-        for name in sorted(source.view.entries, key=lambda n: source.view.entries[n]["data_offsets"][0]):
-            if wanted(name):
-                yield name, passing.get_tensor(name) if transient(name) else source.view.tensor(name)
+    view = source.view
+    for name in sorted(view.entries, key=lambda n: view.entries[n]["data_offsets"][0]):
+        if wanted(name):
+            yield name, view.tensor(name)
 
 
 def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
@@ -599,10 +640,11 @@ def load_checkpoint_in_model(
                     aliases_of[name].append(twin)
                 shapes[twin] = shapes[name]  # loaded once: later twins of the group are not loaded again
     for source in sources:
-        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of, placer.parks):
+        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of):
             if name in expected:
                 placer.put(name, value)
             for alias in aliases_of.get(name, ()):
                 placer.put(alias, value)
         placer.flush()  # this shard's disk-bound weights go out before the next shard comes in
+        source.release()
     return LoadResult(missing, unexpected)

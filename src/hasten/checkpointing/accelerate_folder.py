@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import layout, restorer, rng, unpickling
-from .fileio import CheckpointCorruptError
+from ..files import unpickling
+from . import layout, restorer, rng
+from ..files.errors import CheckpointCorruptError
 from ..warning_kinds import HastenWarning
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")

@@ -126,8 +126,8 @@ class DeepSpeedCheckpoint:
     def save(self, folder: str, inner: list[nn.Module]) -> dict[str, str]:
         """Every process writes its partitions, then makes the files it can see durable; returns the
         checksums of its own files (``{manifest name: checksum}``) for the manifest."""
-        from .filereading import file_checksum
-        from ..saving import fsync_path
+        from ..files.reading import file_checksum
+        from ..files.durable import fsync_path
 
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)
@@ -314,8 +314,8 @@ _KIND = "DeepSpeed checkpoint"
 def _read(name: str) -> Any:
     """One engine file, read once, checked (no TorchScript, torch.save's records only) and unpickled with the
     allow-list from those very bytes. Raises ``ForbiddenPickle`` or ``CheckpointCorruptError`` naming it."""
-    from . import unpickling
-    from .fileio import CheckpointCorruptError
+    from ..files import unpickling
+    from ..files.errors import CheckpointCorruptError
 
     state = unpickling.torch_file(name, _KIND, _RECORDS)
     if not isinstance(state, dict):  # every DeepSpeed checkpoint file holds a dict
@@ -504,8 +504,8 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _names_a_file(error: BaseException) -> bool:
-    from .fileio import CheckpointCorruptError
-    from .unpickling import ForbiddenPickle
+    from ..files.errors import CheckpointCorruptError
+    from ..files.unpickling import ForbiddenPickle
 
     return isinstance(error, (ForbiddenPickle, CheckpointCorruptError))
 

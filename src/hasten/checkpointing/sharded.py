@@ -85,7 +85,7 @@ def write(folder: str, state: dict[str, Any], group: Any = None) -> dict[str, st
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from .filereading import file_checksum
+    from ..files.reading import file_checksum
 
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)
@@ -133,7 +133,7 @@ def files(folder: str) -> dict[str, dict[str, Any]]:
 def read_metadata(folder: str) -> Any:
     """DCP's ``.metadata`` of ``folder``, read with the allow-list of ``unpickling`` (never
     ``pickle.load``: a replaced file could run code)."""
-    from . import unpickling
+    from ..files import unpickling
     from .dcp_reader import check_folder, validate
 
     path = os.path.join(folder, SUBDIR)

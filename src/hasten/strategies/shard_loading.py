@@ -210,28 +210,14 @@ def _index(tensor: torch.Tensor) -> tuple:
 
 
 def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None:
-    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins)."""
+    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins), from the
+    file's verified bytes (``model_loading._Source.view``)."""
     if dest.numel() == 0:
         return
     if not source.safe:  # a torch state dict, already loaded (memory-mapped) by _checkpoint_sources
         dest.copy_(source.data[key][index])
         return
-    mapped = source.view.mapped
-    whole = source.view.tensor(key)  # a view of the mapping: nothing read yet
-    block = whole[index]
-    if block.is_contiguous():  # one byte range of the file (the first dimension split, or none)
-        if dest.is_contiguous() and dest.dtype == block.dtype:
-            mapped.copy_into(dest, block)  # pread straight into the shard
-            return
-        staged = torch.empty(block.shape, dtype=block.dtype)
-        mapped.copy_into(staged, block)
-        dest.copy_(staged)
-        return
-    # An inner dimension split: read the rows that hold the block (at most the tensor), then cut.
-    covering = whole[index[0]]  # rows of a contiguous tensor: one byte range
-    staged = torch.empty(covering.shape, dtype=covering.dtype)
-    mapped.copy_into(staged, covering)
-    dest.copy_(staged[(slice(None),) + tuple(index[1:])])
+    dest.copy_(source.view.tensor(key)[index])
 
 
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
@@ -252,9 +238,12 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
         _materialise(model)
         slots = _slots(model)
         with torch.no_grad():
-            for name, (source, key) in plan.where.items():
-                tensor = slots[name].tensor
-                _read_block(source, key, _index(tensor), _local(tensor))
+            for source in plan.sources:  # one file's bytes in memory at a time
+                for name, (owner, key) in plan.where.items():
+                    if owner is source:
+                        tensor = slots[name].tensor
+                        _read_block(source, key, _index(tensor), _local(tensor))
+                source.release()
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
     _agree(failure)

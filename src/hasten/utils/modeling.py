@@ -455,7 +455,7 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
         except (pickle.UnpicklingError, OSError):
             raise  # they name what was refused, or the file
         except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-            from ..checkpointing.fileio import CheckpointCorruptError
+            from ..files.errors import CheckpointCorruptError
 
             raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} ({type(e).__name__}: {e}); the file is "
                                          "damaged or not a torch state dict") from None
@@ -464,7 +464,7 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from ..checkpointing.fileio import CheckpointCorruptError
+    from ..files.errors import CheckpointCorruptError
     from ..model_loading import verify_weights_file
 
     verify_weights_file(checkpoint_file)  # a plain file, and the checksum save_model recorded in it

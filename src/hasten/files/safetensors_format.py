@@ -1,18 +1,13 @@
-"""Checkpoint files: safetensors written without extra copies, fsynced, with a fast checksum.
+"""The safetensors format, read and written in one place.
 
-Every file of a checkpoint is a safetensors file (tensors plus a JSON "skeleton" in the header
-metadata, see ``codec.py``), so nothing in a checkpoint is unpickled by default. We write the
-format ourselves instead of calling ``safetensors.torch.save_file`` because that function first
-copies every tensor into a ``bytes`` object, and because big files are written past the page
-cache (O_DIRECT), which makes a durable save about as fast as the disk. The files are plain
-safetensors (tests read them with the safetensors library) with tensors ordered by decreasing item
-size, so every tensor is aligned for its dtype.
+Reading: ``parse_header`` is the one parser of a safetensors header (length, JSON, metadata, every
+tensor entry checked before any view is made); ``SafetensorsView`` gives tensor views of a file's
+bytes already read into memory (``reading.ReadFile``), never of the file itself.
 
-Checksum ("bsum64"): the file is read as little-endian 64-bit words (the last one zero-padded), the
-words are summed modulo 2**64 per 4 KiB block, and the digest is the CRC-32 of those block sums
-(8-byte little-endian each). It runs at memory speed (torch reductions), detects torn or zeroed
-blocks, bit flips and misplaced 4 KiB sectors; it is an integrity check, not a defence against
-tampering.
+Writing: every checkpoint file is written here without extra copies (``safetensors.torch.save_file``
+first copies every tensor into a ``bytes`` object), big files past the page cache (O_DIRECT), which
+makes a durable save about as fast as the disk, summed (bsum64) while written. The files are plain
+safetensors with tensors ordered by decreasing item size, so every tensor is aligned for its dtype.
 """
 
 from __future__ import annotations
@@ -24,20 +19,16 @@ import mmap
 import os
 import sys
 import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
 
-
-BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
-# Threads that checksum a big file's parts beside the caller (the pool ``load_state`` passes has this many).
-HASH_THREADS = max(1, min(7, (os.cpu_count() or 2) - 1))
-_MASK = (1 << 64) - 1
+from .checksum import BlockSummer, as_bytes_tensor
+from .durable import fsync_fd
+from .errors import CheckpointCorruptError
 
 # safetensors dtype codes
-_DTYPES = {
+DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.complex64: "C64",
@@ -45,139 +36,100 @@ _DTYPES = {
 for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
                      ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _code
-_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+        DTYPES[getattr(torch, _name)] = _code
+CODES = {code: dtype for dtype, code in DTYPES.items()}
 
 
-from .layout import CheckpointCorruptError  # noqa: E402,F401 - defined torch-free, raised here
+
+def header_length(head: bytes, size: int, path: str) -> int:
+    """The JSON header's length from a file's first 8 bytes; raises unless the file can hold it."""
+    if size < 8 or len(head) < 8:
+        raise CheckpointCorruptError(f"{path!r} is not a safetensors file: it has {size} bytes (truncated or emptied)")
+    n = int.from_bytes(head[:8], "little")
+    if n > size - 8:
+        raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {n} bytes and the file "
+                                     f"has {size}")
+    return n
 
 
-# -- checksum -----------------------------------------------------------------------------------------
-class BlockSummer:
-    """Incremental bsum64 over a stream of byte pieces written one after the other."""
-
-    def __init__(self) -> None:
-        self.sums: list[torch.Tensor] = []  # int64 sums of finished blocks (wrapping = modulo 2**64)
-        self.current = 0  # sum of the words of the open block
-        self.words_in_block = 0
-        self.carry = b""  # bytes of a word not yet complete
-
-    def update(self, data: Any) -> None:
-        """Add ``data``: bytes, or a CPU tensor (its memory is read in place)."""
-        if isinstance(data, torch.Tensor):
-            raw = _as_bytes_tensor(data)
-        else:
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-        if self.carry:
-            need = 8 - len(self.carry)
-            self.carry += bytes(raw[:need].numpy().tobytes())
-            raw = raw[need:]
-            if len(self.carry) < 8:
-                return
-            self._add_words(torch.frombuffer(bytearray(self.carry), dtype=torch.int64))
-            self.carry = b""
-        full = raw.numel() // 8 * 8
-        if full:
-            body = raw[:full]
-            if body.data_ptr() % 8:  # unaligned memory: an int64 view needs aligned storage
-                body = body.clone()
-            self._add_words(body.view(torch.int64))
-        if full < raw.numel():
-            self.carry = bytes(raw[full:].numpy().tobytes())
-
-    def _close_block(self) -> None:
-        self.sums.append(torch.tensor([_signed(self.current)], dtype=torch.int64))
-        self.current, self.words_in_block = 0, 0
-
-    def _add_words(self, words: torch.Tensor) -> None:
-        n = words.numel()
-        pos = 0
-        if self.words_in_block:
-            take = min(n, BLOCK_WORDS - self.words_in_block)
-            self.current += int(words[:take].sum())
-            self.words_in_block += take
-            pos = take
-            if self.words_in_block == BLOCK_WORDS:
-                self._close_block()
-        blocks = (n - pos) // BLOCK_WORDS
-        if blocks:
-            end = pos + blocks * BLOCK_WORDS
-            self.sums.append(words[pos:end].view(blocks, BLOCK_WORDS).sum(1))
-            pos = end
-        if pos < n:
-            self.current += int(words[pos:].sum())
-            self.words_in_block += n - pos
-
-    def digest(self) -> str:
-        sums = list(self.sums)
-        current, in_block = self.current, self.words_in_block
-        if self.carry:
-            current += int.from_bytes(self.carry.ljust(8, b"\0"), "little", signed=True)
-            in_block += 1
-        if in_block:
-            sums.append(torch.tensor([_signed(current)], dtype=torch.int64))
-        return _digest(sums)
+def parse_header(text: bytes, data_size: int, path: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """(metadata, tensor entries) of a safetensors header's JSON ``text``, every entry checked
+    against the ``data_size`` bytes that follow the header; ``CheckpointCorruptError`` naming
+    ``path`` otherwise."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{path!r} has an unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path!r} has a damaged safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointCorruptError(f"{path!r} has a damaged safetensors header (metadata)")
+    for name, entry in header.items():
+        problem = entry_problem(entry, data_size)
+        if problem:
+            raise CheckpointCorruptError(f"{path!r} has a damaged safetensors header: tensor {name!r} {problem}")
+    return metadata, header
 
 
-def _signed(value: int) -> int:
-    value &= _MASK
-    return value - (1 << 64) if value >= 1 << 63 else value
+def entry_problem(entry: Any, data_size: int) -> Optional[str]:
+    """What is wrong with one tensor entry of a safetensors header (None: nothing), checked before
+    any view is made: dtype known, shape of non-negative ints, offsets inside the data and matching
+    the shape's byte count."""
+    if not isinstance(entry, dict):
+        return "is not described by an object"
+    dtype = CODES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        return f"has unknown dtype {entry.get('dtype')!r}"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"has an invalid shape {shape!r}"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        return f"has data offsets {offsets!r} outside the file's {data_size} data bytes"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if (offsets[1] - offsets[0]) != numel * torch.empty((), dtype=dtype).element_size():
+        return f"has {offsets[1] - offsets[0]} data bytes for shape {shape} of {entry['dtype']}"
+    return None
 
 
-def _digest(sums: list) -> str:
-    """CRC-32 of the block sums as 8-byte little-endian words."""
-    data = torch.cat(sums) if sums else torch.empty(0, dtype=torch.int64)
-    crc = zlib.crc32(data.numpy().astype("<i8", copy=False).tobytes())
-    return f"bsum64:{crc:08x}"
+class SafetensorsView:
+    """Header and zero-copy tensor views of a safetensors file's bytes held in memory (``file.raw``,
+    a uint8 tensor: ``reading.ReadFile`` reads a file into private memory once)."""
 
+    def __init__(self, file: Any) -> None:
+        self.path = file.path
+        self.file = file
+        raw = file.raw
+        n = header_length(bytes(raw[:8].numpy().tobytes()), raw.numel(), file.path)
+        self.metadata, self.entries = parse_header(bytes(raw[8:8 + n].numpy().tobytes()), raw.numel() - 8 - n,
+                                                   file.path)
+        self._data = raw[8 + n:]
 
-def _block_sums(words: torch.Tensor) -> list:
-    n = words.numel()
-    blocks = n // BLOCK_WORDS
-    out = [words[:blocks * BLOCK_WORDS].view(blocks, BLOCK_WORDS).sum(1)]
-    if blocks * BLOCK_WORDS < n:
-        out.append(words[blocks * BLOCK_WORDS:].sum().view(1))
-    return out
+    def shapes(self) -> dict[str, tuple]:
+        return {k: tuple(v["shape"]) for k, v in self.entries.items()}
 
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = CODES[entry["dtype"]]  # checked by parse_header
+        start, end = entry["data_offsets"]
+        piece = self._data[start:end]
+        shape = entry["shape"]
+        if piece.numel() == 0:
+            return torch.empty(shape, dtype=dtype)
+        if dtype == torch.complex64:
+            if piece.data_ptr() % 4:
+                piece = piece.clone()
+            return torch.view_as_complex(piece.view(torch.float32).view(*shape, 2))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if piece.data_ptr() % itemsize:  # a file from another writer may leave tensors unaligned
+            piece = piece.clone()
+        return piece.view(dtype).view(shape)
 
-def checksum_buffer(raw: torch.Tensor, pool: Optional[ThreadPoolExecutor] = None) -> str:
-    """bsum64 of a uint8 tensor (e.g. a memory-mapped file), split over ``pool``'s threads."""
-    size = raw.numel()
-    full = size // 8 * 8
-    words = raw[:full].view(torch.int64) if full else torch.empty(0, dtype=torch.int64)
-    tail = bytes(raw[full:].numpy().tobytes())
-    nblocks = -(-words.numel() // BLOCK_WORDS)
-    # >= 8 MiB a part: worth another thread (the sums are memory-bound and release the GIL)
-    parts = min(HASH_THREADS + 1, nblocks // 2048) if pool is not None else 1
-    if parts >= 2:
-        step = (nblocks // parts) * BLOCK_WORDS
-        cuts = [i * step for i in range(parts)] + [words.numel()]
-        futures = [pool.submit(_block_sums, words[cuts[i]:cuts[i + 1]]) for i in range(1, parts)]
-        sums = _block_sums(words[:cuts[1]])
-        for future in futures:
-            sums += future.result()
-    else:
-        sums = _block_sums(words)
-    if tail:
-        value = int.from_bytes(tail.ljust(8, b"\0"), "little", signed=True)
-        if words.numel() % BLOCK_WORDS:
-            last = sums[-1]
-            sums[-1] = torch.cat([last[:-1], torch.tensor([_signed(int(last[-1]) + value)], dtype=torch.int64)])
-        else:
-            sums.append(torch.tensor([value], dtype=torch.int64))
-    return _digest(sums)
-
-
-def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous CPU tensor as a flat uint8 tensor (no copy)."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if flat.dtype in (torch.complex64,):
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(torch.uint8)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: self.tensor(name) for name in self.entries}
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -212,13 +164,6 @@ def _kick_writeback(fd: int, offset: int, nbytes: int) -> None:
         function(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait
 
 
-def _fsync(fd: int, path: str) -> None:
-    """fsync a file just written; an I/O error fails the save (see ``saving.fsync_fd``)."""
-    from ..saving import fsync_fd
-
-    fsync_fd(fd, path)
-
-
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
                       metadata: Optional[dict[str, str]] = None) -> tuple[int, str]:
     """Write ``tensors`` as a safetensors file at ``path``, fsync it; returns (size, checksum).
@@ -235,15 +180,15 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor],
     offset = 0
     for name in order:
         t = prepared[name]
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise TypeError(f"cannot store tensor {name!r} of dtype {t.dtype} in a checkpoint; convert it first")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % 8)  # data starts 8-aligned
     head = len(text).to_bytes(8, "little") + text
-    pieces = [head] + [raw for raw in (_as_bytes_tensor(prepared[name]) for name in order) if raw.numel()]
+    pieces = [head] + [raw for raw in (as_bytes_tensor(prepared[name]) for name in order) if raw.numel()]
     size = len(head) + offset
     if size >= _DIRECT_MIN:
         summer = BlockSummer()
@@ -271,7 +216,7 @@ def _write_buffered(path: str, pieces: list, summer: BlockSummer) -> None:
                 _kick_writeback(f.fileno(), position, written)
                 position += written
                 view = view[written:]
-        _fsync(f.fileno(), path)
+        fsync_fd(f.fileno(), path)
 
 
 # Big files bypass the page cache (O_DIRECT, Linux): the data goes from an aligned buffer to the
@@ -349,7 +294,7 @@ def _write_direct(path: str, pieces: list, size: int, summer: BlockSummer) -> bo
             flush(index, filled, position)
         wait()
         os.ftruncate(fd, size)
-        _fsync(fd, path)
+        fsync_fd(fd, path)
         return True
     except OSError as e:
         if e.errno != errno.EINVAL:  # a real failure (disk full, I/O error): report it
@@ -378,7 +323,7 @@ def write_bytes(path: str, data: bytes) -> tuple[int, str]:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        _fsync(f.fileno(), path)
+        fsync_fd(f.fileno(), path)
     summer = BlockSummer()
     summer.update(data)
     return len(data), summer.digest()
