@@ -333,7 +333,7 @@ def test_hasten_pt_state_refuses_torchscript_even_with_allow_pickle(tmp_path, ca
     reader = restorer.Reader.__new__(restorer.Reader)
     reader.folder = str(tmp_path)
     data = open(path, "rb").read()
-    reader.mapped = lambda name: _Mapped(data)
+    reader.file = lambda name: _Mapped(data)
     judge(capfd, lambda: restorer._unpickle(reader, "custom_0.pt", True), "code", path, marker)
 
 

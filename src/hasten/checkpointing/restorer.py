@@ -235,6 +235,8 @@ def _materialize(value: torch.Tensor, live: Any, device: torch.device) -> torch.
     One copy either way: a state read into host memory first and moved by the optimizer's
     ``load_state_dict`` would cross memory twice (a resume into an optimizer without state yet).
     """
+    if value.device == device:  # the verified bytes are this process's own memory: they become the state
+        return value
     fits = (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
             and not live.requires_grad)
     dest = live if fits else torch.empty(value.shape, dtype=value.dtype, device=device)
