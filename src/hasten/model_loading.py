@@ -65,36 +65,14 @@ class _Source:
 
 def _open_weights(path: str) -> int:
     """A descriptor of the weights file ``path``: a plain file (``files.paths.open_inside``), or a link
-    of a Hugging Face cache snapshot to its blob (``_hub_blob``), opened as a plain file of ``blobs/``."""
-    from .files.paths import open_inside, split
+    of a Hugging Face cache snapshot to its blob (``files.paths.hub_blob``), opened as a plain file of ``blobs/``."""
+    from .files.paths import hub_blob, open_inside, split
 
-    folder, name = split(path)
-    if os.path.islink(path) and _hub_blob(path):
-        folder, name = split(os.path.realpath(path))
+    folder, name = hub_blob(path) or split(path)
     try:
         return open_inside(folder, name, "checkpoint file", nested=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
-
-
-def _hub_blob(path: str) -> bool:
-    """Whether the link ``path`` is a file of a Hugging Face cache snapshot
-    (``<repo>/snapshots/<revision>/<file>``) pointing at a plain file of that repository's
-    ``<repo>/blobs/``: the one layout of links a checkpoint folder legitimately has, and it
-    stays inside the repository's cache folder."""
-    import stat
-
-    snapshot = os.path.dirname(os.path.abspath(path))
-    snapshots = os.path.dirname(snapshot)
-    if os.path.basename(snapshots) != "snapshots":
-        return False
-    blobs = os.path.join(os.path.realpath(os.path.dirname(snapshots)), "blobs")
-    real = os.path.realpath(path)
-    try:
-        plain = stat.S_ISREG(os.lstat(real).st_mode)
-    except OSError:
-        return False
-    return plain and os.path.dirname(real) == blobs
 
 
 class _SelfChecked:
@@ -142,6 +120,12 @@ class _SelfChecked:
         file = ReadFile(check.fd, path, None, check, head=check.head)
         file.view = SafetensorsView(file)
         return file
+
+
+def read_verified_weights(path: str) -> Any:
+    """The ``SafetensorsView`` of the weights file ``path``: a plain file read once into private memory,
+    verified against the checksum ``save_model`` recorded in it (when it records one)."""
+    return _SelfChecked.read(path).view
 
 
 def verify_weights_file(path: str) -> Optional[str]:
@@ -216,12 +200,10 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     import torch
 
     from .files.errors import CheckpointCorruptError
-    from .files.paths import read_inside, split
+    from .files.paths import hub_blob, read_inside, split
     from .saving import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
 
-    folder, name = split(path)
-    if os.path.islink(path) and _hub_blob(path):
-        folder, name = split(os.path.realpath(path))
+    folder, name = hub_blob(path) or split(path)
     data = read_inside(folder, name, "checkpoint index", nested=False)
     try:
         index = json.loads(data.decode("utf-8"))

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..files import unpickling
 from ..files.errors import CheckpointCorruptError
-from ..files.paths import open_inside, why_outside
+from ..files.paths import is_link, open_inside, why_outside
 
 
 def _file_size(folder: str, name: Any, what: str) -> int:
@@ -50,7 +50,7 @@ def _file_size(folder: str, name: Any, what: str) -> int:
 def check_folder(folder: str) -> None:
     """Refuse a DCP folder that is a symbolic link, or whose ``.metadata`` is one."""
     for path in (folder, os.path.join(folder, ".metadata")):
-        if os.path.islink(path):
+        if is_link(path):
             raise CheckpointCorruptError(
                 f"{path!r} is a symbolic link; hasten reads only plain files and folders inside a checkpoint "
                 "(copy the real one in instead of linking it)")

@@ -328,15 +328,15 @@ def _read_frozen(path: str) -> dict[str, torch.Tensor]:
     """The full weights of a frozen model (safetensors: no pickle), tied names restored."""
     import json
 
-    from safetensors import safe_open
-
+    from ..files.reading import read_path
+    from ..files.safetensors_format import SafetensorsView
     from ..saving import ALIASES_KEY
 
     if not os.path.isfile(path):
         raise ValueError(f"the weights file {os.path.relpath(path, os.path.dirname(os.path.dirname(path)))} is missing")
-    with safe_open(path, framework="pt") as f:
-        weights = {name: f.get_tensor(name) for name in f.keys()}
-        aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+    view = SafetensorsView(read_path(path, what="weights file"))  # a plain file, read once
+    weights = view.tensors()
+    aliases = json.loads(view.metadata.get(ALIASES_KEY, "{}"))
     for name, twin in aliases.items():
         weights[name] = weights[twin]
     return weights

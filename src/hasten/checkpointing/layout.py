@@ -40,7 +40,7 @@ from ..files.errors import (  # noqa: F401 - the public names of checkpoint erro
     IncompleteCheckpointError,
     UnsafeFileError,
 )
-from ..files.paths import read_inside, why_outside
+from ..files.paths import is_link, read_inside, why_outside
 from ..warning_kinds import HastenWarning
 
 MANIFEST = "manifest.json"
@@ -131,14 +131,14 @@ def read_manifest(folder: str) -> dict[str, Any]:
     manifest's own checksum; every listed file is present with its recorded size.
     """
     path = os.path.join(folder, MANIFEST)
-    if os.path.islink(folder):
+    if is_link(folder):
         raise IncompleteCheckpointError(
             f"{folder!r} is a symbolic link; hasten reads checkpoints only from real folders (a link may lead "
             f"anywhere); pass the folder it points to ({os.path.realpath(folder)!r}) if you trust it"
         )
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(f"checkpoint folder {folder!r} does not exist")
-    if os.path.islink(path):
+    if is_link(path):
         raise IncompleteCheckpointError(f"{path!r} is a symbolic link; the checkpoint is damaged or crafted "
                                         "(nothing was read)")
     if not os.path.isfile(path):
@@ -474,11 +474,8 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
 
 def _ours(folder: str) -> bool:
     """Whether ``folder`` was written by hasten's save_state: its manifest (a real file) says our format."""
-    path = os.path.join(folder, MANIFEST)
     try:
-        if os.path.islink(path):
-            return False
-        return json.loads(_read_text(folder)).get("format") == FORMAT
+        return json.loads(_read_text(folder)).get("format") == FORMAT  # never through a link
     except (OSError, ValueError, RecursionError, AttributeError):
         return False
 

@@ -122,6 +122,32 @@ def read_inside(folder: str, name: Any, what: str = "file", nested: bool = True)
         return f.read()
 
 
+def is_link(path: str) -> bool:
+    """Whether ``path`` itself is a symbolic link (for folders a caller is about to read from; files are
+    opened with ``open_inside``, which refuses links on the way)."""
+    return os.path.islink(path)
+
+
+def hub_blob(path: str) -> Optional[tuple[str, str]]:
+    """``(blobs folder, blob name)`` when ``path`` is a link of a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>/<file>``) to a plain file of that repository's ``<repo>/blobs/``: the
+    one layout of links a weights folder legitimately has, and it stays inside the repository's cache
+    folder. None for anything else."""
+    if not os.path.islink(path):
+        return None
+    snapshot = os.path.dirname(os.path.abspath(path))
+    snapshots = os.path.dirname(snapshot)
+    if os.path.basename(snapshots) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.realpath(os.path.dirname(snapshots)), "blobs")
+    real = os.path.realpath(path)
+    try:
+        plain = stat.S_ISREG(os.lstat(real).st_mode)
+    except OSError:
+        return None
+    return (blobs, os.path.basename(real)) if plain and os.path.dirname(real) == blobs else None
+
+
 def split(path: str) -> tuple[str, str]:
     """``(folder, name)`` of a path given by a caller, for ``open_inside``."""
     path = os.fspath(path)

@@ -197,7 +197,7 @@ def dcp_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     reader = _unpickler(path, "DCP metadata", DCP_GLOBALS)
-    with open(path, "rb") as f:
+    with os.fdopen(open_no_link(path), "rb") as f:  # a plain file, never through a link
         try:
             metadata = reader(f).load()
         except ForbiddenPickle:
