@@ -30,6 +30,9 @@ from .saving import (
     find_aliases,
 )
 from .accelerate_channels import log_warning
+from .files.errors import CheckpointCorruptError
+from .files.paths import hub_blob, read_inside, split
+from .files.weights import open_weights, read_weights
 from .warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,10 +52,8 @@ class _Source:
     @property
     def view(self) -> Any:
         if self._view is None:
-            view = _SelfChecked.read(self.path).view
+            view = read_weights(self.path, found=True).view
             if view.file.found != self.found or view.shapes() != self.shapes:
-                from .files.errors import CheckpointCorruptError
-
                 raise CheckpointCorruptError(f"{self.path!r} changed after it was checked (replaced or rewritten while "
                                              "the weights were loaded); load it again")
             self._view = view
@@ -63,85 +64,18 @@ class _Source:
         self._view = None
 
 
-def _open_weights(path: str) -> int:
-    """A descriptor of the weights file ``path``: a plain file (``files.paths.open_inside``), or a link
-    of a Hugging Face cache snapshot to its blob (``files.paths.hub_blob``), opened as a plain file of ``blobs/``."""
-    from .files.paths import hub_blob, open_inside, split
-
-    folder, name = hub_blob(path) or split(path)
-    try:
-        return open_inside(folder, name, "checkpoint file", nested=False)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
-
-
-class _SelfChecked:
-    """The checksum a ``save_model`` file records about itself, for ``files.reading.ReadFile``: found in
-    the header (patched to its unset value in the private bytes while they are summed, put back
-    after), then compared with the sum of every byte read."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.span: Any = None
-        self.value: Any = None
-
-    def head(self, first: bytes) -> int:
-        from .files.safetensors_format import header_length
-
-        self.header = 8 + header_length(first, os.fstat(self.fd).st_size, self.path)
-        return self.header
-
-    def __call__(self, raw: Any) -> Any:
-        import torch
-
-        from .saving import UNSET_CHECKSUM, checksum_field
-
-        if raw is None:  # summed: put the recorded bytes back
-            if self.span is not None:
-                self.span.copy_(self.value)
-            return None
-        field = checksum_field(bytes(raw[:self.header].numpy().tobytes()), self.path)
-        if field is None:
-            return True  # nothing recorded: summed only, so that a second read can be compared
-        position, recorded = field
-        self.span = raw[position:position + len(UNSET_CHECKSUM)]
-        self.value = self.span.clone()
-        self.span.copy_(torch.frombuffer(bytearray(UNSET_CHECKSUM.encode("ascii")), dtype=torch.uint8))
-        return recorded
-
-    @classmethod
-    def read(cls, path: str) -> Any:
-        """``ReadFile`` of the weights file ``path``, verified while read; ``.view`` its ``SafetensorsView``."""
-        from .files.reading import ReadFile
-        from .files.safetensors_format import SafetensorsView
-
-        check = cls(path)
-        check.fd = _open_weights(path)
-        file = ReadFile(check.fd, path, None, check, head=check.head)
-        file.view = SafetensorsView(file)
-        return file
-
-
-def read_verified_weights(path: str) -> Any:
-    """The ``SafetensorsView`` of the weights file ``path``: a plain file read once into private memory,
-    verified against the checksum ``save_model`` recorded in it (when it records one)."""
-    return _SelfChecked.read(path).view
-
-
 def verify_weights_file(path: str) -> Optional[str]:
     """Check a safetensors weights file before it is read: a plain file, a whole header, and the
     checksum ``save_model`` recorded in it.
     Returns the recorded checksum; None for a file written without one (it cannot be verified)."""
-    return _SelfChecked.read(path).recorded
+    return read_weights(path).recorded
 
 
 def _read_source(path: str, keep: bool = True) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
     """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
     ``keep``: keep the verified bytes for loading (else they are read again then, and compared)."""
     if path.endswith(".safetensors"):
-        from .files.errors import CheckpointCorruptError
-
-        file = _SelfChecked.read(path)
+        file = read_weights(path, found=not keep)
         view = file.view
         metadata = view.metadata
         try:
@@ -155,7 +89,7 @@ def _read_source(path: str, keep: bool = True) -> tuple[_Source, dict[str, str],
         return source, aliases, metadata.get(SAVE_ID_KEY), file.recorded
     import torch
 
-    fd = _open_weights(path)
+    fd = open_weights(path)
     try:
         # torch maps the file it is given by name: the name of the descriptor just checked, not the path again
         name = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else None
@@ -175,8 +109,6 @@ def _read_source(path: str, keep: bool = True) -> tuple[_Source, dict[str, str],
                 f"and call model.load_state_dict. Details: {e}"
             ) from e
         except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-            from .files.errors import CheckpointCorruptError
-
             raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
                                          "torch state dict") from None
     finally:
@@ -199,9 +131,7 @@ def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, st
     against it)."""
     import torch
 
-    from .files.errors import CheckpointCorruptError
-    from .files.paths import hub_blob, read_inside, split
-    from .saving import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
+    from .files.weights import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
 
     folder, name = hub_blob(path) or split(path)
     data = read_inside(folder, name, "checkpoint index", nested=False)
@@ -244,8 +174,6 @@ def _memory_budget() -> int:
 def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[_Source], dict[str, str]]:
     """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: keep none of
     their bytes (each is read again, verified, when loaded: a sharded load takes slices of each)."""
-    from .files.errors import CheckpointCorruptError
-
     path = os.fspath(checkpoint)
     if os.path.isdir(path):
         candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)

@@ -19,7 +19,14 @@ from collections import OrderedDict
 from typing import IO, TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Union
 
 from .files.durable import atomic_path, atomic_write, fsync_fd, fsync_path, write_atomically  # noqa: F401 - public here
-from .files.errors import CheckpointCorruptError
+from .files.errors import CheckpointCorruptError  # noqa: F401 - raised by loaders importing it from here
+from .files.weights import (  # noqa: F401 - save_model's checksum fields, public here
+    CHECKSUM_KEY,
+    CHECKSUMS_KEY,
+    UNSET_CHECKSUM,
+    checksum_field,
+    self_checksum,
+)
 
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,16 +42,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # an id shared by the shards and the index of one save, to detect a mix left by an interrupted save.
 ALIASES_KEY = "hasten_aliases"
 SAVE_ID_KEY = "hasten_save_id"
-# Integrity of save_model outputs: every safetensors file records the bsum64 (see
-# files/checksum.py) of its own bytes under CHECKSUM_KEY in its header metadata, computed
-# with that value replaced by UNSET_CHECKSUM (same length), so every byte of the file is covered,
-# the header included; the index records each file's value under CHECKSUMS_KEY and its own under
-# CHECKSUM_KEY the same way. The files stay plain safetensors / JSON for other readers.
-CHECKSUM_KEY = "hasten_checksum"
-CHECKSUMS_KEY = "hasten_checksums"
-UNSET_CHECKSUM = "bsum64:????????"
-_CHECKSUM_FIELD = re.compile(rb'"hasten_checksum"\s*:\s*"([^"]*)"')
-_CHECKSUM_VALUE = re.compile(rb'"(bsum64:[0-9a-f?]{8})"')  # the field again, should its name be damaged
 # Files a save_model call owns in its directory; anything else there (configs, ...) is left alone.
 _WEIGHT_FILE = re.compile(
     r"model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin"
@@ -329,48 +326,6 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
 
     write_atomically(target, write)
     return digest[0]
-
-
-def checksum_field(head: bytes, path: str) -> Optional[tuple[int, str]]:
-    """(byte offset, value) of the ``hasten_checksum`` field in the header bytes ``head`` of
-    ``path``; None when it has none (a file written by another library or an older hasten)."""
-    found = list(_CHECKSUM_FIELD.finditer(head))
-    if not found:
-        # A flipped bit in the field's name must not make the file look like one without checksum:
-        # a value of the checksum's form is still there, and it is checked (and fails, as the name differs).
-        found = list(_CHECKSUM_VALUE.finditer(head))
-        if not found:
-            return None
-    value = found[0].group(1).decode("ascii", "replace")
-    if len(found) > 1 or not re.fullmatch(r"bsum64:[0-9a-f?]{8}", value):
-        raise CheckpointCorruptError(f"{path!r} has a damaged checksum field in its header ({CHECKSUM_KEY}="
-                                     f"{value!r}); the file was damaged or edited: save it again")
-    return found[0].start(1), value
-
-
-def self_checksum(raw: "torch.Tensor", head: int, path: str, pool: Any = None) -> Optional[str]:
-    """Check the checksum a file records about itself; ``raw``: its bytes as a writable uint8 tensor
-    (a private mapping), whose first ``head`` bytes hold the field. Returns the recorded value, None
-    when the file records none; raises ``CheckpointCorruptError`` when the bytes differ."""
-    import torch
-
-    from .files.checksum import checksum_buffer
-
-    field = checksum_field(bytes(raw[:head].numpy().tobytes()), path)
-    if field is None:
-        return None
-    position, value = field
-    span = raw[position:position + len(UNSET_CHECKSUM)]
-    recorded = span.clone()
-    span.copy_(torch.frombuffer(bytearray(UNSET_CHECKSUM.encode("ascii")), dtype=torch.uint8))
-    try:
-        found = checksum_buffer(raw, pool)
-    finally:
-        span.copy_(recorded)  # a private mapping: the file itself is never written
-    if found != value:
-        raise CheckpointCorruptError(f"{path!r} is corrupted: its bytes have checksum {found}, not the {value} recorded "
-                                     "when it was saved (a flipped bit or an edited file); save the weights again")
-    return value
 
 
 def _index_text(index: dict[str, Any]) -> str:

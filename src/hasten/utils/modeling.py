@@ -461,9 +461,9 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
                                          "damaged or not a torch state dict") from None
     import warnings
 
-    from ..model_loading import read_verified_weights
+    from ..files.weights import read_weights
 
-    view = read_verified_weights(checkpoint_file)  # a plain file, read once, verified: the tensors come from it
+    view = read_weights(checkpoint_file).view  # a plain file, read once, verified: the tensors come from it
     metadata = view.metadata or None
     names = list(view.entries)
     if metadata is None:
