@@ -433,7 +433,7 @@ def test_accelerate_folder_damaged_safetensors_is_named(accelerate_folder, tmp_p
     folder = shutil.copytree(accelerate_folder, tmp_path / "c")
     (folder / "pytorch_model.bin").unlink()
     (folder / "model.safetensors").write_bytes(b"\x05\x00")
-    with pytest.raises(Exception, match="model.safetensors.*not a readable safetensors file"):
+    with pytest.raises(Exception, match="model.safetensors.*not a (readable )?safetensors file"):
         _load_accelerate(folder)
 
 

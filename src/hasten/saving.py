@@ -20,10 +20,14 @@ from typing import IO, TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Union
 
 from .files.durable import atomic_path, atomic_write, fsync_fd, fsync_path, write_atomically  # noqa: F401 - public here
 from .files.errors import CheckpointCorruptError  # noqa: F401 - raised by loaders importing it from here
-from .files.weights import (  # noqa: F401 - save_model's checksum fields, public here
+from .files.weights import (  # noqa: F401 - save_model's file names and checksum fields, public here
     CHECKSUM_KEY,
     CHECKSUMS_KEY,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
     UNSET_CHECKSUM,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
     checksum_field,
     self_checksum,
 )
@@ -34,10 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-WEIGHTS_NAME = "pytorch_model.bin"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Metadata keys (safetensors header and index "metadata"): dropped tied names -> the kept name, and
 # an id shared by the shards and the index of one save, to detect a mix left by an interrupted save.
 ALIASES_KEY = "hasten_aliases"

@@ -27,6 +27,8 @@ from ..files import unpickling
 from . import layout, restorer, rng
 from ..files.errors import CheckpointCorruptError
 from ..files.paths import is_link
+from ..files.reading import read_path
+from ..files.safetensors_format import SafetensorsView
 from ..warning_kinds import HastenWarning
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
@@ -154,9 +156,6 @@ def _refuse_links(folder: str, names: set[str]) -> None:
 
 def _read_model(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
-        from ..files.reading import read_path
-        from ..files.safetensors_format import SafetensorsView
-
         try:  # read once, a plain file: the tensors are views of those bytes
             return SafetensorsView(read_path(path, what="checkpoint file")).tensors()
         except CheckpointCorruptError:

@@ -38,6 +38,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..files import unpickling
+from ..files.durable import fsync_path
+from ..files.errors import CheckpointCorruptError
+from ..files.reading import file_checksum, read_path
+from ..files.safetensors_format import SafetensorsView
+from ..files.unpickling import ForbiddenPickle
 SUBDIR = "deepspeed"
 KEY = "deepspeed"
 
@@ -126,9 +132,6 @@ class DeepSpeedCheckpoint:
     def save(self, folder: str, inner: list[nn.Module]) -> dict[str, str]:
         """Every process writes its partitions, then makes the files it can see durable; returns the
         checksums of its own files (``{manifest name: checksum}``) for the manifest."""
-        from ..files.reading import file_checksum
-        from ..files.durable import fsync_path
-
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)
         for i, (module, engine) in enumerate(zip(inner, self._engines(inner))):
@@ -314,9 +317,6 @@ _KIND = "DeepSpeed checkpoint"
 def _read(name: str) -> Any:
     """One engine file, read once, checked (no TorchScript, torch.save's records only) and unpickled with the
     allow-list from those very bytes. Raises ``ForbiddenPickle`` or ``CheckpointCorruptError`` naming it."""
-    from ..files import unpickling
-    from ..files.errors import CheckpointCorruptError
-
     state = unpickling.torch_file(name, _KIND, _RECORDS)
     if not isinstance(state, dict):  # every DeepSpeed checkpoint file holds a dict
         raise CheckpointCorruptError(f"{name!r} holds a {type(state).__name__}, not the dict DeepSpeed saves; the "
@@ -328,8 +328,6 @@ def _read_frozen(path: str) -> dict[str, torch.Tensor]:
     """The full weights of a frozen model (safetensors: no pickle), tied names restored."""
     import json
 
-    from ..files.reading import read_path
-    from ..files.safetensors_format import SafetensorsView
     from ..saving import ALIASES_KEY
 
     if not os.path.isfile(path):
@@ -504,9 +502,6 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _names_a_file(error: BaseException) -> bool:
-    from ..files.errors import CheckpointCorruptError
-    from ..files.unpickling import ForbiddenPickle
-
     return isinstance(error, (ForbiddenPickle, CheckpointCorruptError))
 
 

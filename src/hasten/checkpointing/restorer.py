@@ -18,6 +18,7 @@ import torch
 from ..files.errors import CheckpointCorruptError, IncompleteCheckpointError
 from ..files.reading import ReadFile, read_inside
 from ..files.safetensors_format import SafetensorsView
+from ..files.unpickling import ForbiddenPickle, check_torch_bytes
 from ..saving import ALIASES_KEY
 from . import codec
 from .saver import CLASS_KEY, SKELETON_KEY
@@ -101,8 +102,6 @@ class Reader:
 
 def _unpickle(reader: Reader, name: str, allow_pickle: bool) -> Any:
     import io
-
-    from ..files.unpickling import ForbiddenPickle, check_torch_bytes
 
     path = os.path.join(reader.folder, name)
     raw = reader.file(name).bytes()

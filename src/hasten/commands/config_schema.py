@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..utils import constants
+from ..files.durable import atomic_write
 from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, MissingFileError, did_you_mean
 
@@ -439,8 +440,6 @@ def dump_yaml_atomically(path: str, data: Mapping[str, Any], flag: str = "--conf
 
     path = os.path.abspath(os.path.expanduser(path))
     folder = os.path.dirname(path)
-    from ..files.durable import atomic_write
-
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:

@@ -22,6 +22,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from .reading import ReadFile
 
 # Torch-free at import (``saving`` takes the names from here): the reading side imports torch when used.
+# transformers' names, which save_model writes and load_checkpoint_in_model looks for in a folder
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CHECKSUM_KEY = "hasten_checksum"
 CHECKSUMS_KEY = "hasten_checksums"
 UNSET_CHECKSUM = "bsum64:????????"

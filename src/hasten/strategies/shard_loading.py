@@ -22,6 +22,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from ..weights_sources import checkpoint_sources, fit_problems, log_partial_load
+from ..saving import CheckpointMismatchError, LoadResult, _listing
 from .dtensor import _move_buffers, strip_checkpoint_prefix
 
 
@@ -68,7 +70,7 @@ def _tie_groups(slots: dict[str, _Slot]) -> dict[str, list[str]]:
 
 
 class _Plan(NamedTuple):
-    sources: list  # model_loading._Source, one per file
+    sources: list  # weights_sources.Source, one per file
     where: dict[str, tuple[Any, str]]  # first name of each tensor to read -> (source, key in the file)
     missing: list[str]
     unexpected: list[str]
@@ -77,10 +79,7 @@ class _Plan(NamedTuple):
 def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
     """Match the checkpoint's tensors to the model's, or raise ``CheckpointMismatchError`` naming
     every problem (key, shapes, file). The same on every process: all read the same headers."""
-    from ..model_loading import _checkpoint_sources, fit_problems
-    from ..saving import CheckpointMismatchError, _listing
-
-    sources, aliases = _checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
+    sources, aliases = checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
     found: dict[str, tuple[Any, str]] = {}
     for source in sources:
         for key in source.shapes:
@@ -211,10 +210,10 @@ def _index(tensor: torch.Tensor) -> tuple:
 
 def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None:
     """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins), from the
-    file's verified bytes (``model_loading._Source.view``)."""
+    file's verified bytes (``weights_sources.Source.view``)."""
     if dest.numel() == 0:
         return
-    if not source.safe:  # a torch state dict, already loaded (memory-mapped) by _checkpoint_sources
+    if not source.safe:  # a torch state dict, already loaded (memory-mapped) by checkpoint_sources
         dest.copy_(source.data[key][index])
         return
     dest.copy_(source.view.tensor(key)[index])
@@ -223,9 +222,6 @@ def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     """Fill ``model`` (DTensor parameters, possibly on ``meta``) from ``checkpoint``; see the module's
     docstring. Every process must call it. Returns ``LoadResult(missing, unexpected)``."""
-    from ..model_loading import log_partial_load
-    from ..saving import LoadResult
-
     plan: Optional[_Plan] = None
     failure: Optional[BaseException] = None
     try:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .._lazy import lazy_module
 from ..accelerate_channels import add_note, log_warning
+from ..files.errors import CheckpointCorruptError
+from ..files.weights import read_weights
 from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -455,13 +457,9 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
         except (pickle.UnpicklingError, OSError):
             raise  # they name what was refused, or the file
         except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-            from ..files.errors import CheckpointCorruptError
-
             raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} ({type(e).__name__}: {e}); the file is "
                                          "damaged or not a torch state dict") from None
     import warnings
-
-    from ..files.weights import read_weights
 
     view = read_weights(checkpoint_file).view  # a plain file, read once, verified: the tensors come from it
     metadata = view.metadata or None
