@@ -4,7 +4,6 @@
     python bench/checkpoint.py --rounds 9 --mb 200 --dir /path/on/the/disk/to/test
     python bench/checkpoint.py --compare --mb 300   # hasten vs torch.save + fsync vs Accelerate
     python bench/checkpoint.py --verify --rounds 7  # cost of load_state's default checksums
-    python bench/checkpoint.py --model-verify --rounds 5  # cost of load_checkpoint_in_model's checksums
 
 Throughput: one process trains a ~200 MB model (fp32 Linear layers) one step with Adam, so the
 optimizer holds two more copies (~600 MB in all). Each round runs the saves, then the loads, each
@@ -344,52 +343,6 @@ def verify_cost(rounds: int, mb: int, base: str) -> dict:
                       "cold": med["verified (cold)"] / med["sizes only (cold)"]}}
 
 
-def model_verify_cost(rounds: int, mb: int, base: str) -> dict:
-    """``load_checkpoint_in_model`` of a ``save_model`` output (verifies the checksum each file
-    records about itself) against the same weights written by safetensors' ``save_file`` (no checksum
-    recorded, so nothing to verify), alternating in every round, from the page cache and cold."""
-    import torch
-    from safetensors.torch import save_file
-
-    from hasten import load_checkpoint_in_model
-    from hasten.saving import save_model
-
-    torch.manual_seed(0)
-    width = 2048
-    layers = max(1, round(mb * 2**20 / (width * width * 4)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    verified = os.path.join(base, "verified")
-    plain = os.path.join(base, "plain")
-    os.makedirs(verified)
-    os.makedirs(plain)
-    save_model(model.state_dict(), verified, max_shard_size="100GB")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(plain, "model.safetensors"),
-              metadata={"format": "pt"})
-    total = os.path.getsize(os.path.join(verified, "model.safetensors"))
-    runs = {"verified": lambda: load_checkpoint_in_model(model, verified),
-            "unverified": lambda: load_checkpoint_in_model(model, plain)}
-    folders = {"verified": verified, "unverified": plain}
-    times: dict = {f"{k}{c}": [] for k in runs for c in ("", " (cold)")}
-    for name in runs:  # warm-up
-        runs[name]()
-    for r in range(rounds):
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for cold in ("", " (cold)"):
-            for name in order:
-                _quiesce()
-                if cold:
-                    _evict(folders[name])
-                else:
-                    _read_all(folders[name])
-                start = time.perf_counter()
-                runs[name]()
-                times[name + cold].append(time.perf_counter() - start)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"bytes": total, "rounds": rounds, "median_s": med, "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
-            "ratio": {"page cache": med["verified"] / med["unverified"],
-                      "cold": med["verified (cold)"] / med["unverified (cold)"]}}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="each group of operations rotates its order every round")
@@ -401,8 +354,6 @@ def main() -> None:
                         help="hasten vs torch.save + fsync vs Accelerate save/load instead of the default runs")
     parser.add_argument("--verify", action="store_true",
                         help="only the cost of load_state's default verification (checksums) vs verify='size'")
-    parser.add_argument("--model-verify", action="store_true",
-                        help="only the cost of load_checkpoint_in_model's checksum check of save_model files")
     args = parser.parse_args()
     global SETTLE
     SETTLE = args.settle
@@ -417,18 +368,6 @@ def main() -> None:
             print(f"  load_state, {name:22s} {seconds:7.3f} s")
         for name, ratio in result["ratio"].items():
             print(f"  verified / sizes only, {name:12s} {ratio:5.2f}x")
-        print(json.dumps(result))
-        return
-    if args.model_verify:
-        try:
-            result = model_verify_cost(args.rounds, args.mb, base)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        print(f"weights: {result['bytes'] / 2**20:.0f} MiB (one save_model file), {result['rounds']} interleaved rounds")
-        for name, seconds in result["median_s"].items():
-            print(f"  load_checkpoint_in_model, {name:18s} {seconds:7.3f} s")
-        for name, ratio in result["ratio"].items():
-            print(f"  verified / unverified, {name:12s} {ratio:5.2f}x")
         print(json.dumps(result))
         return
     if args.compare:

@@ -181,6 +181,8 @@ class _Placer:
                 with torch.no_grad():
                     old.copy_(value)
                 return
+            if self.offload_folder is not None and value.untyped_storage().nbytes() > value.nbytes:
+                value = value.clone()  # a view of the shard's bytes would keep its disk-bound tensors in RAM too
             new = torch.nn.Parameter(value, requires_grad=old.requires_grad) if is_param else value
             self.replaced[id(old)] = new
         if is_param:
@@ -261,7 +263,10 @@ def load_checkpoint_in_model(
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
-    sources, aliases = checkpoint_sources(checkpoint)
+    # With weights going to disk, memory holds one file's bytes at a time (each is read twice: checked
+    # first, then read again at its turn and required to be the same bytes); else every file is read once.
+    disk = any(str(d) == "disk" for d in (device_map or {}).values()) if isinstance(device_map, Mapping) else False
+    sources, aliases = checkpoint_sources(checkpoint, release=disk)
     shapes: dict[str, Optional[tuple]] = {}
     for source in sources:
         for name, shape in source.shapes.items():
