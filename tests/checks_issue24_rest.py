@@ -76,9 +76,10 @@ def check_zero3_clip_grad_norm_without_gradient_clipping():
 
 
 def check_zero2_clip_follows_each_call():
-    """Clipping applies on the steps that call clip_grad_norm_, at that call's max_norm, as torch's does."""
+    """Clipping applies on the steps that call clip_grad_norm_, at that call's max_norm, as torch's does.
+    gradient_clipping=0: a step without the call is not clipped (left "auto", Accelerate's 1.0 clips it)."""
     clips = [0.05, None, 0.02, 0.5]
-    got, norms = _clipped_run(_deepspeed(2), clips)
+    got, norms = _clipped_run(_deepspeed(2, gradient_clipping=0.0), clips)
     ref, ref_norms = _reference_with(clips, torch.device("cpu"))  # cpu-on-purpose: the reference's weights
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst < 1e-5, worst

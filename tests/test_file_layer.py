@@ -326,6 +326,8 @@ def test_open_inside_follows_no_link_on_the_way(tmp_path):
 ALLOWED = {
     ("checkpointing/layout.py", "os.rename("): "moving whole checkpoint folders into place, recovering, trashing",
     ("checkpointing/solo.py", "os.replace("): "moving a process's finished files into the committed checkpoint",
+    ("checkpointing/commit.py", "os.replace("): "copy_links: a save hook's link replaced by a copy of its file",
+    ("checkpointing/commit.py", "S_ISLNK"): "copy_links: finding the links a save hook left in the folder",
     ("commands/_bootstrap.py", "os.replace("): "the failure record the launcher reads (stdlib only)",
     ("commands/_heartbeat.py", "os.replace("): "the heartbeat file, rewritten every second (stdlib only)",
     ("commands/hangs.py", "os.replace("): "the dump request the watchdog hands the processes",

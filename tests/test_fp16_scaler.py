@@ -156,8 +156,9 @@ def test_skipped_step_is_still_reported_when_read(fresh_state):
 
 
 def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
-    """D's backward and step, then G's (the usual GAN loop): the scale each loss was scaled with is
-    the one its gradients are unscaled with, as in a hand-written loop updating before each new loss."""
+    """D's backward and step, then G's (the usual GAN loop): one ``update()`` per iteration after both
+    stepped, torch's rule (it used to update after D's step as well: the scale grew twice as fast),
+    and the scale each loss was scaled with is the one its gradients are unscaled with."""
     gen, disc = _models()
     ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
     batches = _batches()
@@ -176,7 +177,6 @@ def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
         scaler.unscale_(ref_d)
         torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
         scaler.step(ref_d)
-        scaler.update()
         ref_d.zero_grad()
         loss_g, _ = _losses(ref_gen, ref_disc, x, run)
         scaler.scale(loss_g).backward()
@@ -210,8 +210,9 @@ def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
 
 
 def test_a_due_update_is_in_the_saved_scaler_state(fresh_state):
-    """Two prepared optimizers, one stepped: the update waits for the next loss, but a checkpoint
-    taken now holds the updated scale, as a hand-written loop's ``update()`` would."""
+    """Two prepared optimizers, one stepped: the update waits until the iteration is known to have
+    ended (that optimizer steps again), but a checkpoint taken now holds the updated scale, as a
+    hand-written loop's ``update()`` would."""
     torch.manual_seed(0)
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     ref = copy.deepcopy(model)
@@ -228,8 +229,47 @@ def test_a_due_update_is_in_the_saved_scaler_state(fresh_state):
     scaler.step(ref_opt)
     scaler.update()
     assert acc.precision.state_dict() == scaler.state_dict()
-    acc.backward(model(x).sum())  # the next loss: now the live scaler has updated too
-    assert acc.scaler.state_dict() == scaler.state_dict()
+    acc.backward(model(x).sum())  # the next loss (it may be another optimizer's, in the same iteration)
+    assert acc.precision.state_dict() == scaler.state_dict()
+
+
+def test_an_optimizer_stepping_every_other_iteration_matches_update_per_iteration(fresh_state):
+    """A steps every iteration, B every second one; the hand-written loop updates at the end of each
+    iteration. hasten learns that an iteration ended when A steps again: the weights and the scale a
+    checkpoint holds equal the hand-written loop's after every iteration."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    kw = dict(init_scale=1024.0, growth_interval=1)  # the scale changes at every update: a late one shows
+    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    scaler = torch.amp.GradScaler("cpu", **kw)
+    ref_oa, ref_ob = torch.optim.SGD(ref_a.parameters(), lr=0.1), torch.optim.SGD(ref_b.parameters(), lr=0.1)
+    ref_states = []
+    for i, x in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
+            loss = ref_b(ref_a(x)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(ref_oa)
+        if i % 2 == 0:
+            scaler.step(ref_ob)
+        scaler.update()
+        ref_oa.zero_grad()
+        ref_ob.zero_grad()
+        ref_states.append(scaler.state_dict())
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**kw)])
+    a, b, oa, ob = acc.prepare(a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1))
+    for i, x in enumerate(batches):
+        acc.backward(b(a(x)).pow(2).mean())
+        oa.step()
+        if i % 2 == 0:
+            ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+        assert acc.precision.state_dict() == ref_states[i], i
+    for mine, ref in ((a, ref_a), (b, ref_b)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
 def _sync_free(step) -> bool:
@@ -272,3 +312,52 @@ def test_fused_adamw_fp16_step_has_no_host_sync_on_cuda(fresh_state):
         clean = _sync_free(opt.step)
     assert clean
     assert not opt.step_was_skipped  # the verdict is still there when read
+
+
+def test_unscaling_every_optimizer_before_the_other_has_gradients(fresh_state):
+    """``accelerator.unscale_gradients()`` (every optimizer) before D's clip, while G holds no gradients
+    yet: G's later step unscales its own gradients once, and the run equals the hand-written loop."""
+    gen, disc = _models()
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    batches = _batches()
+
+    def run(m, x):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
+            return m(x).float()
+
+    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
+    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **_SCALER)
+    for x in batches:
+        _, loss_d = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_d).backward()
+        scaler.unscale_(ref_d)
+        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
+        scaler.step(ref_d)
+        ref_d.zero_grad()
+        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_g).backward()
+        scaler.step(ref_g)
+        scaler.update()
+        ref_g.zero_grad()
+        ref_d.zero_grad()
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**_SCALER)])
+    gen, disc, opt_g, opt_d = acc.prepare(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
+                                          torch.optim.SGD(disc.parameters(), lr=0.1))
+    for x in batches:
+        _, loss_d = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_d)
+        acc.unscale_gradients()
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), 1.0)
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g, _ = _losses(gen, disc, x, lambda m, t: m(t))
+        acc.backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+    assert acc.precision.state_dict() == scaler.state_dict()
+    for mine, ref in ((gen, ref_gen), (disc, ref_disc)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)

@@ -76,7 +76,8 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
             sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
         torch_tp_plugin: Accelerate's older tensor-parallel switch, turned into ``ParallelismConfig(tp_size=...)``.
         megatron_lm_plugin: not supported (an error if given).
-        resume: ``None``, ``"auto"`` or a checkpoint folder to resume from (see ``hasten.checkpointing``).
+        resume: ``None``, ``"auto"``, ``"auto-skip-damaged"`` (passes over checkpoints that no longer load,
+            down to a fresh start) or a checkpoint folder to resume from (see docs/checkpoints.md).
     """
 
     def __init__(
@@ -415,17 +416,29 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         gradients this process accumulated so far, not yet reduced across processes (divided by the
         fp16 loss scale; the same under DDP and FSDP2), so ``norm.item()`` can be logged on every step.
         """
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not self._clip_allowed("clip_grad_norm_"):
             norm = self.strategy.grad_norm(parameters, norm_type=norm_type)
             scale = self.precision.gradient_scale()
             return norm / scale if scale != 1.0 else norm
-        self.unscale_gradients()
+        self.unscale_gradients(self._owners_of(parameters))
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def _owners_of(self, parameters: list) -> list[AcceleratedOptimizer]:
+        """The prepared optimizers updating any of ``parameters`` (all of them when none does): the
+        ones a clip unscales, as torch's ``scaler.unscale_(optimizer)`` before a clip names its
+        optimizer. Another optimizer's gradients (a GAN's generator while its discriminator is
+        clipped) keep the loss scale of their iteration until their own step."""
+        ids = {id(p) for p in parameters}
+        owners = [opt for opt in self._optimizers
+                  if any(id(p) in ids for g in opt.param_groups for p in g["params"])]
+        return owners or list(self._optimizers)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Unscale (once) and clamp every gradient to ``[-clip_value, clip_value]``."""
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._clip_allowed("clip_grad_value_"):
-            self.unscale_gradients()
+            self.unscale_gradients(self._owners_of(parameters))
             self.strategy.clip_grad_value_(parameters, clip_value)
 
     # -- collectives ----------------------------------------------------------------------------

@@ -70,9 +70,12 @@ class Precision:
         # torch's rule for several optimizers: one ``scaler.update()`` per iteration, after every
         # optimizer stepped. ``_stepped`` holds those stepped since the last update, ``_round``
         # those stepped since every prepared one (``_tracked``) last did; the update runs when the
-        # round completes, or else before the next loss is scaled, so a loss is never scaled with
-        # one scale and unscaled with another (an optimizer stepped every few iterations, or
-        # backward and step interleaved per optimizer).
+        # round completes. Backward and step interleaved per optimizer (a GAN: D's backward and
+        # step, then G's) is one iteration, so a loss scaled after another optimizer's step keeps
+        # the iteration's scale. An optimizer stepping (or unscaling) again before the round
+        # completed shows that an iteration ended without the others (one stepped every few
+        # iterations): the update that iteration owed runs then, and the gradients in hand, scaled
+        # before it, are brought to the new scale (``_late_update``).
         self._stepped: weakref.WeakSet = weakref.WeakSet()
         self._round: weakref.WeakSet = weakref.WeakSet()
         self._tracked: weakref.WeakSet = weakref.WeakSet()
@@ -147,16 +150,38 @@ class Precision:
         self._stepped.clear()
         self._unscaled.clear()
 
+    def _late_update(self) -> None:
+        """The update of an iteration that ended before every optimizer stepped, found out when one
+        steps again: the gradients now held were scaled with the scale before this update, so they
+        are multiplied by new/old (a power of two with the default factors: exact), as if their
+        loss had been scaled after it, as in a loop calling ``update()`` at each iteration's end."""
+        old = self.scaler._scale.clone() if self.scaler._scale is not None else None
+        self._update()
+        if old is None or self.scaler._scale is None:
+            return
+        grads = [p.grad for opt in self._tracked for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        ratio = float(self.scaler._scale / old)  # a host read, on this rare path only (DTensor grads take a float)
+        if ratio != 1.0:
+            for grad in grads:
+                grad.mul_(ratio)
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
             return loss
-        if len(self._stepped):  # a new iteration's loss: the previous one's update is due
-            self._update()
         return self.scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizer`` once per step; later calls are no-ops."""
-        if self.scaler is None or optimizer in self._unscaled:
+        if self.scaler is None:
+            return
+        if optimizer in self._stepped:  # stepped since the last update: a new iteration's gradients
+            self._late_update()
+        if optimizer in self._unscaled:
+            return
+        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            # Nothing to unscale yet (every optimizer unscaled before one's clip, say a GAN's G before
+            # its backward): its step unscales what it gets then; torch's scaler would record no
+            # check now and refuse that step.
             return
         self.scaler.unscale_(optimizer)
         self._unscaled.add(optimizer)
@@ -177,14 +202,14 @@ class Precision:
         sync, which torch's scaler path for those optimizers does not have.
 
         ``scaler.update()`` runs once per iteration (torch's rule): when every prepared optimizer
-        has stepped, else before the next loss is scaled. Updating after each optimizer would
-        forget the others' unscale (a second unscale later) and grow the scale once per optimizer.
+        has stepped, else when one steps again (``_late_update``). Updating after each optimizer
+        would forget the others' unscale (a second unscale later) and grow the scale once per optimizer.
         """
         if self.scaler is None:
             optimizer.step(closure) if closure is not None else optimizer.step()
             return False
-        if optimizer in self._stepped:  # stepped again with no backward between: a new iteration
-            self._update()
+        if optimizer in self._stepped:  # stepped again before the others: a new iteration
+            self._late_update()
         self.scaler.step(optimizer, closure) if closure is not None else self.scaler.step(optimizer)
         checks = self.scaler._per_optimizer_states.get(id(optimizer), {}).get("found_inf_per_device")
         self._stepped.add(optimizer)

@@ -36,6 +36,10 @@ class AcceleratedScheduler:
         self.gradient_state = GradientState()
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        for opt in self.optimizers:  # a step still held (DeepSpeed's) runs before the schedule advances
+            before = getattr(opt, "before_schedule", None)
+            if before is not None:
+                before()
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 from .accelerate_channels import log_warning
 from .files.errors import CheckpointCorruptError
 from .files.paths import hub_blob, read_inside, split
-from .files.weights import CHECKSUM_KEY, CHECKSUMS_KEY, open_weights, read_weights, self_checksum
+from .files.weights import CHECKSUM_KEY, CHECKSUMS_KEY, read_weights, self_checksum
 from .saving import (
     ALIASES_KEY,
     SAFE_WEIGHTS_INDEX_NAME,
@@ -78,30 +78,22 @@ def read_source(path: str, keep: bool = True) -> tuple[Source, dict[str, str], O
         return source, aliases, metadata.get(SAVE_ID_KEY), file.recorded
     import torch
 
-    fd = open_weights(path)
-    try:
-        # torch maps the file it is given by name: the name of the descriptor just checked, not the path again
-        name = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else None
-        try:
-            if name is None:
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    data = torch.load(f, map_location="cpu", weights_only=True)
-            else:
-                try:
-                    data = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:  # saved without the zip format: cannot be memory-mapped
-                    data = torch.load(name, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise pickle.UnpicklingError(
-                f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
-                f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
-                f"and call model.load_state_dict. Details: {e}"
-            ) from e
-        except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-            raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
-                                         "torch state dict") from None
-    finally:
-        os.close(fd)
+    from .files import unpickling, weights_only
+
+    folder, name = hub_blob(path) or split(path)
+    try:  # hasten's allow-list unpickler, every size bounded by the file, from one checked copy of a plain file
+        data = weights_only.load(os.path.join(folder, name))
+    except unpickling.ForbiddenGlobal as e:
+        raise pickle.UnpicklingError(
+            f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
+            f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
+            f"and call model.load_state_dict. Details: {e}"
+        ) from e
+    except (unpickling.ForbiddenPickle, CheckpointCorruptError):
+        raise  # a crafted size, a TorchScript archive, a link or a damaged file, named with the file
+    except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
+        raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
+                                     "torch state dict") from None
     if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):
         inner = [k for k, v in data.items() if isinstance(v, Mapping)] if isinstance(data, Mapping) else []
         raise ValueError(

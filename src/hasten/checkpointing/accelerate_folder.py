@@ -96,16 +96,17 @@ def _dict(path: str, value: Any, keys: tuple = (), tensors: bool = False) -> Any
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
     """A torch file of the folder, copied once and checked (torch.save's zip records or a legacy pickle: never
     a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from that copy."""
-    try:
-        return unpickling.load_checked(path, "torch.save", (pickle.UnpicklingError,), weights_only=not allow_pickle)
-    except unpickling.ForbiddenPickle:
-        raise
-    except pickle.UnpicklingError as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        # torch's message is long; the line naming the refused global is the useful one
-        found = re.search(r"Unsupported global: GLOBAL \S+", str(e))
-        reason = found.group(0) if found else lines[0]
-        raise pickle.UnpicklingError(f"{path}: refused by the weights-only unpickler ({reason}); {advice}") from None
+    from ..files import weights_only
+
+    if allow_pickle:  # the caller trusts the file (load_kwargs={'weights_only': False})
+        return unpickling.load_checked(path, "torch.save", (pickle.UnpicklingError,), weights_only=False)
+    try:  # hasten's allow-list unpickler: every size the file states bounded by the file
+        return weights_only.load(path)
+    except unpickling.ForbiddenGlobal as e:
+        found = re.search(r"refers to the global [^\s,]+", str(e))
+        reason = found.group(0) if found else _first_line(e)
+        raise unpickling.ForbiddenPickle(f"{path}: refused by the weights-only unpickler ({reason}); nothing in it "
+                                         f"ran; {advice}") from None
 
 
 def _first_line(error: BaseException) -> str:

@@ -165,6 +165,7 @@ def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) ->
                 if name in files:
                     raise RuntimeError(f"two processes wrote {name!r}")
                 files[name] = info
+        copy_links(folder)  # a save hook may have linked a file in: the checkpoint stores its bytes
         here = layout.files_in(folder)
         absent = [n for n in files if n not in here]
         if absent:
@@ -202,6 +203,45 @@ def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) ->
         layout.remove_tree(folder)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def copy_links(folder: str) -> None:
+    """Replace every symbolic link under ``folder`` (a save hook's: hasten's writers make none) by a copy of
+    the regular file it points to, so the checkpoint stores what ``load_state`` can read (it refuses links);
+    raise ``RuntimeError`` naming the link for one that is dangling or points at a folder or at anything but
+    a regular file, before anything is committed. Other entries that are not regular files are refused too."""
+    import stat
+
+    for directory, folders, names in os.walk(folder):
+        for name in folders + names:
+            path = os.path.join(directory, name)
+            shown = os.path.relpath(path, folder)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode) or (stat.S_ISREG(mode) and name in names):
+                continue
+            if not stat.S_ISLNK(mode):
+                raise RuntimeError(f"{shown!r} in the checkpoint folder is not a regular file (a save hook made it); "
+                                   "a checkpoint holds regular files and folders only: write the file's bytes")
+            target = os.readlink(path)
+            try:  # O_NONBLOCK: a link to a FIFO must not block the save (it is refused below)
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            except OSError as e:
+                raise RuntimeError(f"{shown!r} in the checkpoint folder is a symbolic link to {target!r}, which cannot "
+                                   f"be read ({e.strerror or e}); save hooks must write files (or link existing "
+                                   "regular files, which the checkpoint stores as copies)") from None
+            kind = os.fstat(fd).st_mode
+            if not stat.S_ISREG(kind):
+                os.close(fd)
+                what = "a folder" if stat.S_ISDIR(kind) else "something that is not a regular file"
+                raise RuntimeError(f"{shown!r} in the checkpoint folder is a symbolic link to {target!r}, {what}; a "
+                                   "checkpoint stores regular files only: copy the files into the folder in the save "
+                                   "hook")
+            with os.fdopen(fd, "rb") as source:
+                copy = os.path.join(directory, f".{name}.copy-{layout.new_token()}")
+                with open(copy, "xb") as out:
+                    while chunk := source.read(8 << 20):
+                        out.write(chunk)
+            os.replace(copy, path)  # the link's name now holds the bytes it pointed at
 
 
 class Background:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
+import stat
 from typing import Any, Optional
 
 import torch
@@ -139,7 +139,7 @@ def wrapped(folder: str, error: BaseException) -> CheckpointCorruptError:
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
         marker = next((i for i, line in enumerate(lines) if "WeightsUnpickler error" in line), None)
         detail = lines[marker + 1] if marker is not None and marker + 1 < len(lines) else (lines[0] if lines else "")
-        why = f"process {rank}: {type(cause).__name__}: {detail[:300]}"
+        why = f"process {rank}: {type(cause).__name__}: {detail[:600]}"
     else:
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
         why = lines[-1] if lines else type(error).__name__
@@ -169,35 +169,48 @@ class MetadataReader(FileSystemReader):
 
 
 class WeightsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor values weights-only."""
+    """DCP's default load planner, reading non-tensor values weights-only (``weights_only.load_bytes``: the
+    allow-list unpickler, every size bounded by the value's bytes)."""
+
+    def __init__(self, folder: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.folder = folder  # to name the file a value came from
+
+    def _file(self, read_item: Any) -> str:
+        """The shard file holding the value (the folder when the metadata does not say)."""
+        info = getattr(self.metadata, "storage_data", None) or {}
+        stored = info.get(read_item.storage_index)
+        return os.path.join(self.folder, stored.relative_path) if stored is not None else self.folder
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from ..files import weights_only
+
         fqn = read_item.dest_index.fqn
-        try:  # the one archive check hasten uses for every file, before torch.load sees the bytes
-            unpickling.check_torch_bytes(value.getbuffer(), f"checkpoint value {fqn}", "torch.save value")
+        where = f" (in {self._file(read_item)!r})" if self.folder else ""
+        try:
+            loaded = weights_only.load_bytes(value.getbuffer(), f"checkpoint value {fqn}{where}", "torch.save value")
+        except unpickling.ForbiddenGlobal as e:
+            raise unpickling.ForbiddenPickle(
+                f"the checkpoint value {fqn!r}{where} holds more than tensors and plain Python values, which a "
+                f"checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and nothing "
+                f"in it ran ({_why(e)})") from None
         except unpickling.ForbiddenPickle as e:
             raise unpickling.ForbiddenPickle(
-                f"the checkpoint value {fqn!r} is not what a checkpoint save stores, so it was tampered with; hasten "
-                f"refused it and nothing in it ran ({str(e).split(': it ', 1)[-1].split(';')[0]})") from None
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            why = next((line for line in lines if "WeightsUnpickler error" in line), lines[-1] if lines else "")
-            why = why.split(". Please")[0]  # torch's advice (allow the global process-wide) does not apply here
-            raise unpickling.ForbiddenPickle(
-                f"the checkpoint value {fqn!r} holds more than tensors and plain Python values, "
-                f"which a checkpoint save never stores, so it was tampered with; hasten refused to unpickle it and "
-                f"nothing in it ran ({why})") from None
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign value
-            raise CheckpointCorruptError(
-                f"the checkpoint value {fqn!r} is damaged ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                f"the checkpoint value {fqn!r} is not what a checkpoint save stores, so it was tampered with{where}; "
+                f"hasten refused it and nothing in it ran ({_why(e)})") from None
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(f"the checkpoint value {fqn!r}{where} is damaged ({_why(e)})") from None
         # The parent stores the value where it belongs; it is given a pickle of what was just read safely.
         safe = io.BytesIO()
         torch.save(loaded, safe)
         safe.seek(0)
         super().load_bytes(read_item, safe)
+
+
+def _why(error: BaseException) -> str:
+    """The reason inside one of unpickling's messages ("... it <reason>; hasten refused ...")."""
+    text = str(error)
+    return text.split(": it ", 1)[-1].split("; hasten", 1)[0].split("; the checkpoint", 1)[0]
 
 
 def load_folder(state: dict[str, Any], folder: str, group: Any = None) -> None:
@@ -212,7 +225,7 @@ def load_folder(state: dict[str, Any], folder: str, group: Any = None) -> None:
     metadata = unpickling.dcp_metadata(os.path.join(folder, ".metadata"))
     validate(folder, metadata)
     try:
-        dcp.load(state, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(),
+        dcp.load(state, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(folder),
                  process_group=group)
     except CheckpointException as e:
         raise wrapped(folder, e) from None

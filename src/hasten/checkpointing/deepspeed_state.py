@@ -44,6 +44,10 @@ from ..files.errors import CheckpointCorruptError
 from ..files.reading import file_checksum, read_path
 from ..files.safetensors_format import SafetensorsView
 from ..files.unpickling import ForbiddenPickle
+# The private DeepSpeed interfaces this module uses, checked before use (re-exported: callers of old import them here)
+from .deepspeed_api import DeepSpeedVersionError, check_engine_api, checkpoint_engine_class, version_error  # noqa: F401
+from .deepspeed_api import zero_call as _zero_call
+
 SUBDIR = "deepspeed"
 KEY = "deepspeed"
 
@@ -75,7 +79,8 @@ class DeepSpeedCheckpoint:
 
     def __init__(self, state: Any, load_weights: Callable[..., Any], engine_of: Optional[Callable[[nn.Module], Any]] = None,
                  zero_stage: Optional[int] = None, run: str = "DeepSpeed",
-                 weights_of: Optional[Callable[[nn.Module], dict]] = None) -> None:
+                 weights_of: Optional[Callable[[nn.Module], dict]] = None,
+                 settle: Optional[Callable[[str], None]] = None) -> None:
         self.state = state
         self.load_weights = load_weights
         self.engine_of = engine_of
@@ -83,6 +88,8 @@ class DeepSpeedCheckpoint:
         self.run = run
         # The full weights of a model prepared without optimizer (every process calls it: ZeRO-3 gathers).
         self.weights_of = weights_of
+        # The strategy's settling of a step held since the last backward (see DeepSpeedStrategy.settle).
+        self.settle = settle
 
     @classmethod
     def for_reading(cls, strategy: Any) -> "DeepSpeedCheckpoint":
@@ -101,6 +108,8 @@ class DeepSpeedCheckpoint:
             raise ValueError("save_state inside a gradient-accumulation window: DeepSpeed keeps the partial "
                              "gradients in its own buffers, which a checkpoint cannot hold; save where "
                              "accelerator.sync_gradients is True")
+        if self.settle is not None:
+            self.settle("save_state")  # refused between backward and the loop's own optimizer.step()
 
     def _engines(self, inner: list[nn.Module]) -> list[Any]:
         """The training engine of each model; None for a model prepared without optimizer (frozen)."""
@@ -222,6 +231,7 @@ class DeepSpeedCheckpoint:
             if self.native:
                 # Raises (on this process; load_state makes every process raise it): this process's files, read
                 # once and checked, kept for DeepSpeed's load_checkpoint, which then reads none of them again.
+                check_engine_api(self._engine(module))  # before anything is read: one clear error on every process
                 elastic = getattr(self._engine(module), "zero_elastic_checkpoint", lambda: False)()
                 names = None if elastic else own_files(path, self.state.process_index)  # elastic: every partition
                 self.checked[i] = refuse_foreign_pickles(path, names)
@@ -265,6 +275,8 @@ class DeepSpeedCheckpoint:
         return problems
 
     def load(self, folder: str, contents: dict[str, Any], inner: list[nn.Module], optimizers: list[Any]) -> None:
+        if self.settle is not None:
+            self.settle("load_state")  # a step held since the last backward runs before the state is replaced
         frozen = [i for i, e in enumerate(contents["models"]) if e.get("frozen")]
         for i in frozen:  # their full weights, whatever the run (every process loads them)
             self.load_weights(inner[i], self.weights.pop(i), strict=True)
@@ -297,6 +309,7 @@ class DeepSpeedCheckpoint:
                 continue
             # DeepSpeed reads every file through its engine's checkpoint engine; for this load it is one that
             # hands out what hasten read and checked (DeepSpeed's own one is put back after).
+            check_engine_api(engine)
             own = engine.checkpoint_engine
             engine.checkpoint_engine = checked_engine(checked.get(i, {}))
             try:
@@ -388,7 +401,7 @@ def checked_engine(files: dict[str, Any]) -> Any:
     ``refuse_foreign_pickles``: bytes hasten read once and checked) and reads any other file the same checked
     way, once: DeepSpeed never calls ``torch.load(weights_only=False)`` on a file of a hasten load, and what
     it gets for a file is what was checked, however often it asks. Lives for one ``load_checkpoint``."""
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    CheckpointEngine = checkpoint_engine_class()
 
     class CheckedFiles(CheckpointEngine):
         def load(self, path: str, map_location: Any = None) -> Any:
@@ -423,7 +436,7 @@ def _model_state(zero_to_fp32: Any, state: Any, name: str) -> Any:
     names = state["buffer_names"]
     buffers = {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()
                if k in names and isinstance(v, torch.Tensor)}
-    return zero_to_fp32.zero_model_state(
+    return _zero_call(zero_to_fp32, "zero_model_state",
         buffers=buffers, param_shapes=state["param_shapes"],
         shared_params=[[k, v] for k, v in (state.get("shared_params") or {}).items()],
         ds_version=state.get("ds_version"), frozen_param_shapes=state.get("frozen_param_shapes"),
@@ -443,8 +456,8 @@ def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict
     Raises ``ForbiddenPickle``/``CheckpointCorruptError`` naming a refused file, ``ValueError`` otherwise."""
     from deepspeed.utils import zero_to_fp32
 
-    model_files = zero_to_fp32.get_model_state_files(path)
-    optim_files = zero_to_fp32.get_optim_files(path) if glob.glob(os.path.join(glob.escape(path),
+    model_files = _zero_call(zero_to_fp32, "get_model_state_files", path)
+    optim_files = _zero_call(zero_to_fp32, "get_optim_files", path) if glob.glob(os.path.join(glob.escape(path),
                                                                               "*optim_states.pt")) else []
     models = [(name, _read(name)) for name in model_files]
     if not optim_files:  # no ZeRO (stage 0): the model states file holds the whole module and the optimizer
@@ -472,10 +485,12 @@ def _consolidate(path: str) -> tuple[dict[str, torch.Tensor], Optional[list[dict
                          f"{len(optim_files)} optimizer states files but was written by {world} processes; it is "
                          "incomplete or damaged (files are missing or come from another checkpoint)")
     if stage <= 2:
-        state = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(world, flat, zero_models, False, paddings)
+        state = _zero_call(zero_to_fp32, "_get_fp32_state_dict_from_zero2_checkpoint", world, flat, zero_models,
+                           False, paddings)
     else:
-        state = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world, flat, zero_models, False)
-    return {k: v.detach() for k, v in zero_to_fp32.to_torch_tensor(state).items()}, groups
+        state = _zero_call(zero_to_fp32, "_get_fp32_state_dict_from_zero3_checkpoint", world, flat, zero_models,
+                           False)
+    return {k: v.detach() for k, v in _zero_call(zero_to_fp32, "to_torch_tensor", state).items()}, groups
 
 
 def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
@@ -492,7 +507,7 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
                          "with DS_BUILD_OPS=0)") from None
     try:
         return _quiet(_consolidate, path)[0]
-    except ValueError:
+    except (ValueError, DeepSpeedVersionError):  # a version mismatch is not a damaged checkpoint
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - refused or damaged files (named), foreign contents
         if _names_a_file(e):

@@ -81,15 +81,12 @@ def resolve_folder(accelerator: Any, input_dir: Optional[str]) -> str:
     found: list[Any] = [None]
     if accelerator.is_main_process:
         try:
-            layout.recover_all(root)
-            skipped: list[str] = []
-            newest = layout.newest_complete(root, skipped)
-            layout.warn_skipped(skipped)
-            found[0] = newest[1] if newest else None
-        except OSError as e:  # every process raises it, not the main one alone
+            # the rule of resume="auto": a committed but damaged newest checkpoint is an error naming it
+            found[0] = resume.newest_checkpoint(root, "load_state() without a folder")
+        except (OSError, layout.IncompleteCheckpointError) as e:  # every process raises it, not the main one alone
             found[0] = e
     folder = broadcast_from_main(found)[0]
-    if isinstance(folder, OSError):
+    if isinstance(folder, Exception):
         raise folder
     if folder is None:
         raise layout.CheckpointNotFoundError(

@@ -18,7 +18,7 @@ import torch
 from ..files.errors import CheckpointCorruptError, IncompleteCheckpointError
 from ..files.reading import ReadFile, read_inside
 from ..files.safetensors_format import SafetensorsView
-from ..files.unpickling import ForbiddenPickle, check_torch_bytes
+from ..files.unpickling import ForbiddenGlobal, ForbiddenPickle, check_torch_bytes
 from ..saving import ALIASES_KEY
 from . import codec
 from .saver import CLASS_KEY, SKELETON_KEY
@@ -108,17 +108,23 @@ def _unpickle(reader: Reader, name: str, allow_pickle: bool) -> Any:
     # torch.load hands a TorchScript archive to torch.jit.load (its code runs), allow_pickle or not: the bytes
     # are checked first, and those very bytes are loaded.
     check_torch_bytes(raw, path, "torch.save")
-    data = io.BytesIO(raw)
     try:
-        return torch.load(data, map_location="cpu", weights_only=not allow_pickle)
+        if not allow_pickle:  # hasten's allow-list unpickler: every size the file states bounded by the file
+            from ..files import weights_only
+
+            return weights_only.load_bytes(raw, path, "torch.save")
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    except ForbiddenGlobal as e:
+        why = str(e).split(": it ", 1)[-1].split("; hasten", 1)[0]
+        raise pickle.UnpicklingError(
+            f"{path!r} holds Python objects that only pickle can rebuild, and hasten does not run pickle from a "
+            "checkpoint by default (it can execute code). If you trust this checkpoint, call "
+            f"load_state(..., load_kwargs={{'weights_only': False}}). Details: it {why}") from None
     except ForbiddenPickle:
         raise
-    except (Exception, RecursionError) as e:  # noqa: BLE001 - not UnpicklingError: truncated or damaged bytes
-        if isinstance(e, pickle.UnpicklingError) and not allow_pickle:
-            raise pickle.UnpicklingError(
-                f"{path!r} holds Python objects that only pickle can rebuild, and hasten does not run pickle from a "
-                "checkpoint by default (it can execute code). If you trust this checkpoint, call "
-                f"load_state(..., load_kwargs={{'weights_only': False}}). Details: {e}") from None
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - truncated or damaged bytes
+        if isinstance(e, CheckpointCorruptError):
+            raise
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["no message"]
         raise CheckpointCorruptError(f"{path!r} is not a readable torch.save file ({type(e).__name__}: "
                                      f"{lines[0][:200]}); the checkpoint is damaged or truncated") from None

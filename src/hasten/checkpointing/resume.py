@@ -20,7 +20,10 @@ from . import layout
 from .collectives import broadcast_from_main
 from ..warning_kinds import HastenWarning
 
-RESUME_CHOICES = ("auto", "never")
+RESUME_CHOICES = ("auto", "auto-skip-damaged", "never")
+# resume="auto" never starts over silently: a committed checkpoint that no longer loads is an error naming it.
+# "auto-skip-damaged" passes over such checkpoints (with a warning) to the newest one that loads, or a fresh start.
+SKIP_DAMAGED = "auto-skip-damaged"
 
 
 def convert_loader_state(state: dict[str, Any], saved: dict[str, Any], dataloader: Any, index: int,
@@ -68,16 +71,18 @@ def check_resume(value: Any) -> Optional[str]:
     if value is True:
         return "auto"
     if isinstance(value, (str, os.PathLike)):
-        if value == "auto":
-            return "auto"
+        if value in ("auto", SKIP_DAMAGED):
+            return value
         path = os.path.abspath(os.path.expanduser(os.fspath(value)))
         if not os.path.isdir(path) and not layout.find_leftover(path):  # a leftover: put back by locate()
             raise ValueError(f"resume={value!r} is neither 'auto' nor an existing checkpoint folder; pass "
-                             "resume='auto' or the folder of a checkpoint written by save_state")
+                             "resume='auto' (or 'auto-skip-damaged') or the folder of a checkpoint written by "
+                             "save_state")
         return os.fspath(value)
     raise ValueError(
         f"resume={value!r} is not understood; use resume='auto' (continue from the newest complete checkpoint "
-        "in project_dir/checkpoints, or start fresh when there is none), a checkpoint folder, or None"
+        "in project_dir/checkpoints, or start fresh when there is none), 'auto-skip-damaged' (the same, passing "
+        "over checkpoints that no longer load), a checkpoint folder, or None"
     )
 
 
@@ -98,6 +103,7 @@ class AutoResume:
         self.contents: Optional[dict] = None
         self.done = False
         self.pending_custom: list[Any] = []  # saved states of objects not yet registered
+        self.passed_over: dict[str, str] = {}  # "auto-skip-damaged": folders whose load failed -> why
 
     def locate(self) -> tuple[Optional[str], Any]:
         """(folder, its contents) to resume from, decided by process 0; (None, None): fresh start.
@@ -107,13 +113,8 @@ class AutoResume:
         found: list[Any] = [(None, None)]
         if acc.is_main_process:
             try:
-                if self.source == "auto":
-                    root = layout.auto_root(acc.project_configuration.project_dir)
-                    layout.recover_all(root)  # complete checkpoints a crash left under temporary names
-                    skipped: list[str] = []
-                    newest = layout.newest_complete(root, skipped)
-                    layout.warn_skipped(skipped)
-                    folder = newest[1] if newest else None
+                if self.source in ("auto", SKIP_DAMAGED):
+                    folder = self._newest_loadable()
                 else:
                     folder = os.path.abspath(os.path.expanduser(self.source))
                     layout.recover(folder)
@@ -122,14 +123,21 @@ class AutoResume:
                 found[0] = (None, f"resume={self.source!r}: {type(e).__name__}: {e}")
         return broadcast_from_main(found)[0]
 
+    def _newest_loadable(self) -> Optional[str]:
+        """The newest numbered checkpoint whose manifest reads, on process 0 (``newest_checkpoint``): no
+        checkpoint means a fresh start, so folders of which none loads are an error too under "auto"."""
+        root = layout.auto_root(self.accelerator.project_configuration.project_dir)
+        return newest_checkpoint(root, f"resume={self.source!r}", skip_damaged=self.source == SKIP_DAMAGED,
+                                 passed_over=self.passed_over, fresh_start=True)
+
     def maybe_resume(self) -> None:
         if self.done:
             return
         acc = self.accelerator
         if self.contents is None:
             self.folder, contents = self.locate()
-            if isinstance(contents, str):
-                raise ValueError(contents)
+            if isinstance(contents, str):  # a ValueError, as before; the checkpoint errors' class
+                raise layout.IncompleteCheckpointError(contents)
             if self.folder is None:
                 self.done = True  # fresh start
                 return
@@ -140,7 +148,26 @@ class AutoResume:
         if any(counts[k] < saved[k] for k in counts):
             return  # more prepare() calls to come
         self.done = True
-        acc.load_state(self.folder, _custom_later=True, continue_dataloaders=True)  # loops need no skipping
+        try:
+            acc.load_state(self.folder, _custom_later=True, continue_dataloaders=True)  # loops need no skipping
+        except (layout.IncompleteCheckpointError, layout.CheckpointNotFoundError) as e:
+            self._pass_over(e)
+        except Exception as e:  # noqa: BLE001 - CheckpointCorruptError (fileio is imported with torch)
+            from ..files.errors import CheckpointCorruptError
+
+            if not isinstance(e, CheckpointCorruptError):
+                raise
+            self._pass_over(e)
+
+    def _pass_over(self, error: Exception) -> None:
+        """Under ``resume="auto-skip-damaged"``: try the next older checkpoint (nothing was changed by the
+        failed load, on any process: every process raised the same error). Else the error stands."""
+        if self.source != SKIP_DAMAGED:
+            raise error
+        self.passed_over[self.folder] = str(error)
+        self.folder, self.contents, self.done = None, None, False
+        self.pending_custom = []
+        self.maybe_resume()
 
     def restore_custom(self, first: int) -> None:
         acc = self.accelerator
@@ -162,3 +189,48 @@ class AutoResume:
         return (f"resume: checkpoint {self.folder!r} holds registered objects {missing} that were never given to "
                 "register_for_checkpointing in this run")
 
+
+def newest_checkpoint(root: str, caller: str, skip_damaged: bool = False, passed_over: Optional[dict] = None,
+                      fresh_start: bool = False) -> Optional[str]:
+    """The newest numbered checkpoint in ``root`` whose manifest reads (None: none does): the one rule of
+    ``resume="auto"`` and of ``load_state()`` without a folder, run on process 0.
+
+    Newer folders without a manifest (a save that never committed, another library's) are passed over
+    with a warning. A newer checkpoint that was committed but is damaged now raises naming each folder
+    and why (training must not silently lose steps), unless ``skip_damaged`` (``resume="auto-skip-damaged"``).
+    ``fresh_start``: the caller starts over when None is returned, so folders of which none loads raise too.
+    ``passed_over``: folders a load already failed on (folder -> why), counted as committed but damaged."""
+    from ..files.errors import CheckpointCorruptError
+
+    layout.recover_all(root)  # complete checkpoints a crash left under temporary names
+    passed: list[tuple[str, str, bool]] = []  # (folder, why, committed)
+    folder = None
+    for _, path in reversed(layout.numbered(root)):
+        if passed_over and path in passed_over:
+            passed.append((path, passed_over[path], True))
+            continue
+        try:
+            layout.read_manifest(path)
+        except (layout.IncompleteCheckpointError, layout.CheckpointNotFoundError, CheckpointCorruptError,
+                OSError) as e:
+            passed.append((path, str(e), os.path.lexists(os.path.join(path, layout.MANIFEST))))
+            continue
+        folder = path
+        break
+    committed = [p for p in passed if p[2]]
+    if not skip_damaged and (committed or (fresh_start and passed and folder is None)):
+        lines = "\n  - ".join(f"{path}: {why}" for path, why, _ in (committed or passed))
+        if committed:
+            what = (f"{len(committed)} checkpoint(s) newer than {folder!r} were" if folder else
+                    "the checkpoints there were")
+            what += " committed but cannot be loaded now (damaged after the save)"
+        else:
+            what = "it holds checkpoint folders but none of them can be loaded"
+        lose = "lose their steps or start over" if fresh_start else "lose their steps"
+        skip = ("pass resume='auto-skip-damaged' to continue from the newest checkpoint that loads (or from "
+                "scratch when none does)" if fresh_start else "pass the folder of an older checkpoint to load it")
+        raise layout.IncompleteCheckpointError(
+            f"{caller} in {root!r}: {what}; nothing was loaded, so the run would {lose}:\n  - {lines}\n"
+            f"Restore or remove the folders named, load one yourself with load_state(folder), or {skip}")
+    layout.warn_skipped([f"{path}: {why}" for path, why, _ in passed])
+    return folder

@@ -253,7 +253,7 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
     reader = MetadataReader(os.path.join(folder, SUBDIR), metadata)  # DCP gets the records read above
     try:
         # DCP gathers every rank's failure and raises the same CheckpointException on each of them.
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), process_group=group)
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(os.path.join(folder, SUBDIR)), process_group=group)
     except CheckpointException as e:
         raise wrapped(os.path.join(folder, SUBDIR), e) from None
     for i, model in enumerate(models):

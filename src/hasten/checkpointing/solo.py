@@ -309,6 +309,7 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
         files = dict(writer.files)
         moves = [(os.path.join(staging, name), name) for name in files]
         if hook_folder is not None:
+            commit.copy_links(hook_folder)  # a linked file is stored as a copy of its bytes
             for name in layout.files_in(hook_folder):
                 if (name in manifest["files"] or name in files or name.startswith("attached_rank_")
                         or os.path.lexists(os.path.join(target, name))):

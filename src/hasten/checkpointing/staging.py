@@ -65,6 +65,14 @@ def _layout_bytes(layout: tuple) -> int:
     return sum(_round_up(_numel(shape) * dtype.itemsize, _ALIGN) for _, shape, dtype, _ in layout)
 
 
+def _is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (torch's public class; never guessed from a private attribute)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before it is imported
+    return module is not None and isinstance(value, module.DTensor)
+
+
 class Arena:
     """One page-aligned host allocation of ``nbytes`` (whole pages), with a view for each tensor of
     a layout that fits in it (``relayout`` changes the layout without allocating)."""
@@ -249,7 +257,7 @@ class Stager:
                 for i, v in enumerate(value):
                     collect(v, f"{path}/{i}")
             elif isinstance(value, torch.Tensor):
-                local = value.detach().to_local() if getattr(value, "_spec", None) is not None else value
+                local = value.detach().to_local() if _is_dtensor(value) else value
                 parts.setdefault(path.split("/")[1] if path else "", []).append((path, local))
 
         collect(tree, "")
@@ -262,12 +270,16 @@ class Stager:
                 return type(value)(rebuild(v, f"{path}/{i}") for i, v in enumerate(value))
             if not isinstance(value, torch.Tensor):
                 return value
-            spec = getattr(value, "_spec", None)
-            if spec is None:
+            if not _is_dtensor(value):
                 return views[path]
             from torch.distributed.tensor import DTensor
 
-            # Built from the spec, not DTensor.from_local: that would move a host copy back to the GPU.
+            # Built from the spec, not DTensor.from_local: that would move a host copy back to the GPU. The spec
+            # is DTensor's private one: a torch without it is an error here, never a plain tensor instead.
+            spec = getattr(value, "_spec", None)
+            if spec is None:
+                raise RuntimeError(f"staging a sharded checkpoint needs torch's DTensor._spec (its layout record), and "
+                                   f"torch {torch.__version__} has none; save with blocking=True")
             return DTensor(views[path], spec, requires_grad=False)
 
         return rebuild(tree, "")

@@ -306,7 +306,7 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            dcp.load(buffers, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(),
+            dcp.load(buffers, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(folder),
                      no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
             # DCP's exception (a BaseException) carries each rank's traceback: wrapped names the cause.

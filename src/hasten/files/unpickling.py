@@ -27,9 +27,11 @@ replaced file could slip into. Any failure is one error naming the file:
 
 from __future__ import annotations
 
+import collections
 import enum
 import errno
 import io
+import math
 import os
 import pickle
 import re
@@ -69,6 +71,10 @@ class ForbiddenPickle(pickle.UnpicklingError):
     """A checkpoint file names a global (or rebuilds an object) that files of its kind never hold."""
 
 
+class ForbiddenGlobal(ForbiddenPickle):
+    """The refusal of a global outside the reader's allow-list (the case where trusting the file is the fix)."""
+
+
 def _is_torch_constant(module: str, name: str) -> bool:
     """``torch.float32``, ``torch.strided``, ``torch.contiguous_format``: values pickled by name."""
     if module != "torch" or not name.isidentifier():
@@ -83,14 +89,19 @@ class _Changed(Exception):
 
 
 class _Call:
-    """A function a pickle may call (its REDUCE), and nothing more: saved attributes are refused."""
+    """A function a pickle may call (its REDUCE), and nothing more: saved attributes are refused. A call
+    whose arguments claim more memory than the file holds (``bytearray(1 << 30)`` in a 32-byte file, a
+    tensor view past its storage) is refused before anything is allocated (``unpickler.claim``)."""
 
-    __slots__ = ("function",)
+    __slots__ = ("function", "unpickler")
 
-    def __init__(self, function: Any) -> None:
+    def __init__(self, function: Any, unpickler: Any = None) -> None:
         self.function = function
+        self.unpickler = unpickler
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.unpickler is not None:
+            args = self.unpickler.claim(self.function, args, kwargs)
         return self.function(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
@@ -139,26 +150,111 @@ class _Restricted(pickle.Unpickler):
     source = ""  # the file, for messages
     kind = ""  # what it is, for messages
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.guarded: dict[int, tuple[Any, tuple]] = {}  # id -> (class or enum member, snapshot)
+    file_size = 0  # the whole file's size when the pickle is one record of it (torch's zip archive)
 
-    def refuse(self, what: str) -> ForbiddenPickle:
-        return ForbiddenPickle(
+    def __init__(self, file: Any, *args: Any, **kwargs: Any) -> None:
+        # Every size the pickle states is bounded by the bytes it came with, checked before anything is
+        # allocated: its memo indices before the C unpickler runs (it sizes its memo by the largest index),
+        # the sizes given to allowed calls and storages while it runs.
+        self.limit = max(_scan_pickle(file, self.refuse), type(self).file_size)
+        super().__init__(file, *args, **kwargs)
+        self.guarded: dict[int, tuple[Any, tuple]] = {}  # id -> (class or enum member, snapshot)
+        self.allocated = 0  # bytes the pickle's calls allocated so far: together bounded by ``limit`` too
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch.load sets ``unpickler.persistent_load``: its storages are allocated from the size the pickle
+        # claims (torch's legacy format reads the bytes afterwards), so the claim is checked first.
+        if name == "persistent_load" and callable(value):
+            function = value
+
+            def value(saved_id: Any) -> Any:
+                if isinstance(saved_id, tuple) and len(saved_id) >= 5 and isinstance(saved_id[4], int):
+                    self._bound(saved_id[4] * _element_size(saved_id[1]), f"a storage of {saved_id[4]} elements")
+                return function(saved_id)
+
+        super().__setattr__(name, value)
+
+    def _bound(self, nbytes: int, what: str) -> None:
+        if not 0 <= nbytes <= self.limit:
+            raise self.refuse(f"claims {what} ({nbytes} bytes), more than the {self.limit} bytes it holds")
+
+    def claim(self, function: Any, args: tuple, kwargs: dict) -> tuple:
+        """Check the sizes a call's arguments claim against ``limit``; returns the arguments to call with."""
+        name = getattr(function, "__qualname__", "")
+        if function is bytearray and args and isinstance(args[0], int):
+            self._allocate(args[0], f"bytearray({args[0]})")
+        elif function in _COPYING and args and hasattr(args[0], "__len__"):
+            # a copy of a value the pickle may reference many times (its memo): each copy is counted
+            self._allocate(len(args[0]), f"{function.__name__} of {len(args[0])} items")
+        elif function in _TENSOR_TYPES():
+            dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+            if all(isinstance(d, int) for d in dims):
+                self._allocate(8 * math.prod(dims), f"an uninitialized tensor of shape {tuple(dims)}")
+        elif getattr(function, "__module__", "") == "_codecs" and name == "encode":
+            # pickle's protocol 2 writes bytes as encode(text, "latin1"); other codecs grow their input
+            # (hex doubles it), so chained calls would turn a few bytes into gigabytes.
+            text, encoding = (tuple(args) + ("utf-8",))[:2] if args else (None, None)
+            if not (isinstance(text, str) and isinstance(encoding, str) and not kwargs
+                    and encoding.lower().replace("-", "_") in ("latin1", "latin_1", "iso8859_1")):
+                raise self.refuse(f"calls _codecs.encode with {type(text).__name__} and {encoding!r}, which pickle "
+                                  "never writes (only text encoded as latin1)")
+            self._allocate(len(text), f"bytes of {len(text)} characters")
+        elif name.startswith("_rebuild_tensor") and len(args) >= 4:
+            self._bound_view(*args[:4], dtype=args[6] if name == "_rebuild_tensor_v3" and len(args) > 6 else None)
+        elif name == "_rebuild_from_type_v2" and len(args) >= 2 and isinstance(args[1], _Call):
+            args = (args[0], args[1].function, *args[2:])  # the tensor class itself, handed out wrapped
+        return args
+
+    def _bound_view(self, storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None) -> None:
+        """A tensor rebuilt from ``storage``: torch's ``set_`` grows a storage too small for the view."""
+        if not (isinstance(offset, int) and isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list))
+                and len(size) == len(stride) and all(isinstance(d, int) for d in (*size, *stride))):
+            return  # torch rejects it itself
+        if offset < 0 or any(d < 0 for d in (*size, *stride)):
+            raise self.refuse(f"rebuilds a tensor with a negative offset, size or stride ({offset}, {size}, {stride})")
+        if 0 in size:
+            return
+        item = _element_size(dtype if dtype is not None else storage)
+        needed = (offset + sum((d - 1) * s for d, s in zip(size, stride)) + 1) * item
+        untyped = getattr(storage, "_untyped_storage", storage)  # a TypedStorage (asked directly, torch warns)
+        nbytes = untyped.nbytes() if hasattr(untyped, "nbytes") else None
+        if nbytes is None or needed > nbytes:
+            raise self.refuse(f"rebuilds a tensor of shape {tuple(size)} needing {needed} bytes from a storage of "
+                              f"{nbytes} bytes")
+
+    def _allocate(self, nbytes: int, what: str) -> None:
+        """A call's allocation, bounded alone and with every earlier one (many small claims add up)."""
+        self._bound(nbytes, what)
+        self.allocated += nbytes
+        if self.allocated > self.limit:
+            raise self.refuse(f"allocates {self.allocated} bytes in its calls ({what} the last), more than the "
+                              f"{self.limit} bytes it holds")
+
+    def refuse(self, what: str, error: type = ForbiddenPickle) -> ForbiddenPickle:
+        return error(
             f"{self.source!r} is not a {self.kind} file as a checkpoint save writes it, or it was tampered with: "
             f"it {what}; hasten refused to unpickle it and nothing in it ran (load checkpoints only from "
             "sources you trust)")
 
     def find_class(self, module: str, name: str) -> Any:
+        import _compat_pickle  # Python 2 names, which pickle's protocol 2 (torch.save's) writes for builtins
+
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if not ((module, name) in self.allowed or (module, name) in _PLAIN or _is_torch_constant(module, name)):
-            raise self.refuse(f"refers to the global {module}.{name}, which {self.kind} files never hold")
+            raise self.refuse(f"refers to the global {module}.{name}, which {self.kind} files never hold",
+                              ForbiddenGlobal)
         found = super().find_class(module, name)
+        if found in _COPYING or found in _TENSOR_TYPES():  # classes whose call takes a size or copies
+            return _Call(found, self)
         if isinstance(found, type):
             members = list(found.__members__.values()) if issubclass(found, enum.Enum) else []
             for obj in (found, *members):
                 self.guarded.setdefault(id(obj), (obj, _snapshot(obj)))
             return found
-        return _Call(found) if callable(found) else found
+        return _Call(found, self) if callable(found) else found
 
     def load(self) -> Any:
         try:
@@ -183,6 +279,103 @@ class _Restricted(pickle.Unpickler):
                 changed = changed or f"the class or value {obj!r}"
         return changed
 
+
+_COPYING = (bytearray, set, frozenset, collections.OrderedDict, collections.Counter)
+
+
+def _TENSOR_TYPES() -> tuple:
+    """The tensor classes a pickle may name: called, they allocate a tensor of the sizes given."""
+    import torch
+
+    return (torch.Tensor, torch.nn.Parameter)
+
+
+def _element_size(kind: Any) -> int:
+    """Bytes per element of a storage type, a storage or a dtype (1 for untyped storages)."""
+    import torch
+
+    dtype = kind if isinstance(kind, torch.dtype) else getattr(kind, "dtype", torch.uint8)
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 1
+
+
+def _opcode_arguments() -> dict:
+    """Opcode byte -> how its argument is laid out: n >= 0 fixed bytes, else pickletools' negative codes
+    (-1 up to a newline, -2/-3/-4/-5 counted by a 1/4/4/8-byte length), -6 two lines (GLOBAL, INST)."""
+    import pickletools
+
+    table = {}
+    for op in pickletools.opcodes:
+        n = 0 if op.arg is None else op.arg.n
+        table[op.code.encode("latin-1")[0]] = -6 if op.name in ("GLOBAL", "INST") else n
+    return table
+
+
+_ARGUMENTS: dict = {}
+_COUNT_BYTES = {-2: 1, -3: 4, -4: 4, -5: 8}
+_PUT, _LONG_BINPUT, _STOP = ord("p"), ord("r"), ord(".")
+
+
+def _memo_problem(data: Any, i: int, limit: int) -> Optional[str]:
+    """Walk the opcodes of the pickle at ``data[i:]`` (bytes or a map; to its STOP): what is wrong with a memo
+    index larger than ``limit``, None when none is (an unknown opcode or a truncated argument ends the walk:
+    the unpickler reports those)."""
+    if not _ARGUMENTS:
+        _ARGUMENTS.update(_opcode_arguments())
+    table, size = _ARGUMENTS, len(data)
+    while i < size:
+        code = data[i]
+        n = table.get(code)
+        if n is None or code == _STOP:
+            return None
+        i += 1
+        if n >= 0:
+            if code == _LONG_BINPUT and int.from_bytes(data[i:i + 4], "little") > limit:
+                return f"index {int.from_bytes(data[i:i + 4], 'little')}"
+            i += n
+        elif n in (-1, -6):
+            end = data.find(b"\n", i)
+            if n == -6 and end >= 0:
+                end = data.find(b"\n", end + 1)
+            if end < 0:
+                return None
+            if code == _PUT and data[i:end].strip().isdigit() and int(data[i:end]) > limit:
+                return f"index {int(data[i:end])}"
+            i = end + 1
+        else:
+            width = _COUNT_BYTES[n]
+            count = int.from_bytes(data[i:i + width], "little", signed=n == -3)
+            if count < 0:
+                return None
+            i += width + count
+    return None
+
+
+def _scan_pickle(file: Any, refuse: Callable[[str], Exception]) -> int:
+    """The bytes the pickle at ``file``'s position can hold (to its file's end), after checking its memo
+    indices: the C unpickler grows its memo to twice the largest index it is given, so a 9-byte pickle
+    storing at index 2**26 makes it allocate and clear 1 GiB. Pickle writers number memo entries from 0,
+    one per object, so an index is never larger than the pickle. The file is not moved."""
+    import mmap
+
+    try:
+        start = file.tell()
+        if hasattr(file, "getvalue"):
+            data: Any = file.getvalue()
+        else:
+            size = os.fstat(file.fileno()).st_size
+            data = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) if size > start else b""
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return 0  # not a seekable file: only the calls are bounded (by the class's file_size)
+    left = max(len(data) - start, 0)
+    try:
+        problem = _memo_problem(data, start, left)
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+    if problem:
+        raise refuse(f"stores a pickle memo entry at {problem}, beyond the {left} bytes of the pickle (a crafted "
+                     "size: unpickling it would allocate memory in proportion to the index)")
+    return left
 
 def _unpickler(source: str, kind: str, allowed: Iterable[tuple[str, str]]) -> type:
     """An unpickler class bound to one file and one allow-list (torch.load takes a class, not an instance)."""
@@ -240,13 +433,25 @@ def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> No
 
     if data[-22:-18] != b"PK\x05\x06":  # torch writes no comment and nothing after the directory
         raise _refuse(path, kind, "has data after its zip directory (a comment, an appended archive) or no end record")
+    def unreadable(e: Exception) -> Exception:
+        return _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})")
+
     try:
         with stream() as f, zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
+    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, ...
+        raise unreadable(e) from None
+    for info in infos:  # readers allocate a record's claimed size to read it: a stored record holds its bytes
+        if info.compress_type != zipfile.ZIP_STORED:
+            continue  # refused below before any record is read (as torch.save never writes, or TorchScript)
+        if info.file_size != info.compress_size or info.header_offset + 30 + info.compress_size > len(data):
+            raise _corrupt(path, kind, f"its zip record {info.filename!r} claims {info.file_size} bytes, more than "
+                           f"the file's {len(data)} bytes hold (truncated, or a crafted size)")
+    try:
         with stream() as f:
             torch_records = torch._C.PyTorchFileReader(f).get_all_records()
-    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, RuntimeError of torch's reader, ...
-        raise _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    except Exception as e:  # noqa: BLE001 - RuntimeError of torch's reader, ...
+        raise unreadable(e) from None
     names = [info.filename for info in infos]
     if not names or len(set(names)) != len(names):
         raise _refuse(path, kind, "is a zip archive with no records or with a record named twice")
@@ -382,13 +587,19 @@ def load_checked(path: str, kind: str, refused: tuple = (ForbiddenPickle,), **lo
     import mmap as mapping
 
     fd = _sealed_copy(path)
+    reader = getattr(load_kwargs.get("pickle_module"), "Unpickler", None)
+    bounded = isinstance(reader, type) and issubclass(reader, _Restricted)
     if fd is None:
         data = read_checked(path, kind)
+        if bounded:  # the storages of torch's archive are records beside data.pkl: bounded by the file
+            reader.file_size = len(data)
         return _load(path, kind, data, lambda: io.BytesIO(data), None, refused, load_kwargs)
     try:
         size = os.fstat(fd).st_size
         if not size:
             raise _corrupt(path, kind, "it is empty")
+        if bounded:
+            reader.file_size = size
         with mapping.mmap(fd, size, prot=mapping.PROT_READ) as view:
             sealed = f"/proc/self/fd/{fd}"
             stream = lambda: open(sealed, "rb")  # noqa: E731 - its own file position, the same sealed bytes

@@ -4,10 +4,11 @@
 trained model); DeepSpeed then owns gradient reduction, partitioning, precision (its bf16/fp16
 sections, not autocast) and clipping (its ``gradient_clipping``). The loop stays unchanged:
 ``accelerator.backward`` runs ``engine.backward``; on a sync step ``engine.step`` (which clips,
-steps and zeroes) follows at the first of ``clip_grad_norm_`` (which sets the engine's clipping
-for that step, as torch's call would clip), the prepared optimizer's ``step``, or, for loops that
-leave the stepping to ``backward`` as Accelerate allows, the engine's next forward or ``backward``,
-a checkpoint or a state dict. On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory
+steps and zeroes) is held until the first of ``clip_grad_norm_`` (which sets the engine's clipping
+for that step, as torch's call would clip), the prepared optimizer's ``step``, a prepared
+scheduler's ``step`` (the schedule advances after the update, as in torch), or, for loops that
+leave the stepping to ``backward`` as Accelerate allows, the engine's next training forward or
+``backward``, a checkpoint or a state dict (see ``DeepSpeedStrategy.settle``). On CPU, hasten keeps DeepSpeed from compiling ops: its shared-memory
 collectives are marked unavailable and an ``optimizer`` section of the config becomes the equivalent torch optimizer.
 """
 
@@ -62,9 +63,15 @@ class DeepSpeedOptimizer(AcceleratedOptimizer):
 
     def step(self, closure: Any = None) -> None:
         # The engine's step of this sync step, unless clip_grad_norm_ already ran it.
-        self.strategy.finish_step()
+        self.strategy.finish_step(by=OPTIMIZER_STEP)
         if self.gradient_state.sync_gradients:
             progress.stepped()
+
+    def before_schedule(self) -> None:
+        """A prepared scheduler is about to advance: this backward's held step runs first, so the
+        update uses the learning rate of its own iteration (torch: ``optimizer.step()`` before
+        ``scheduler.step()``), also in loops that never call ``optimizer.step()``."""
+        self.strategy.settle(SCHEDULER_STEP)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -78,6 +85,16 @@ class DeepSpeedOptimizer(AcceleratedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.optimizer.state_dict()
+
+
+# The calls that run a held step. The first two are the loop's own step calls; the others run it
+# for loops that leave the stepping to ``backward`` (Accelerate's DeepSpeed contract).
+OPTIMIZER_STEP, CLIP = "optimizer.step()", "accelerator.clip_grad_norm_"
+BACKWARD, FORWARD, SCHEDULER_STEP = "accelerator.backward", "a forward with gradients enabled", "scheduler.step()"
+SAVE, LOAD, STATE_DICT, EVAL_FORWARD = "save_state", "load_state", "get_state_dict", "a forward under torch.no_grad()"
+# Reads that a loop stepping by itself makes before its step (a metric, a state dict): they see the
+# parameters before the step, as torch's would, unless the loop is known to leave the step to backward.
+_READS = (STATE_DICT, EVAL_FORWARD)
 
 
 class DeepSpeedSchedulerWrapper:
@@ -114,8 +131,15 @@ class DeepSpeedStrategy(Strategy):
         self.config: Optional[dict] = None
         # The sync step's engine.step() waits for clip_grad_norm_, optimizer.step() or the next forward/backward.
         self.step_pending = False
+        # What the loop showed: True once it called optimizer.step()/clip_grad_norm_, False when a held
+        # step had to be run by the next backward, training forward or scheduler.step() (no
+        # optimizer.step() in the loop: Accelerate's "backward steps"), None before either.
+        self.loop_steps: Optional[bool] = None
+        self.ran_by: Optional[str] = None  # the call other than clip/step that ran this backward's step
+        self.stale_read: Optional[str] = None  # a read that saw this backward's parameters before the step
         self.hooks: list[Any] = []  # handles of the engines' forward pre-hooks that run a pending step
         self.configured_clipping = 0.0  # the config's gradient_clipping (0: clip_grad_norm_ sets it per step)
+        self.clipping_from_auto = False  # True: filled from "auto", which a clip_grad_norm_ call overrides
         super().__init__(plan)
         self.zero3_init_config = self._zero3_init()
 
@@ -146,7 +170,7 @@ class DeepSpeedStrategy(Strategy):
         return dict(super().describe(), zero_stage=self._first_plugin.zero_stage_value)
 
     def release(self) -> None:
-        self.finish_step()
+        self.finish_step(by="release")
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
@@ -158,9 +182,10 @@ class DeepSpeedStrategy(Strategy):
         bound to these engines; models without an optimizer are stored as their full weights."""
         from ..checkpointing.deepspeed_state import DeepSpeedCheckpoint
 
-        self.finish_step()  # a checkpoint holds the state after the last backward's step
+        # save_state and load_state settle a held step through it (``settle``), after their own checks.
         return DeepSpeedCheckpoint(self.state, self.load_model_state_dict, engine_of=self.trained_engine_of,
-                                   zero_stage=self._first_plugin.zero_stage_value, weights_of=self.model_state_dict)
+                                   zero_stage=self._first_plugin.zero_stage_value, weights_of=self.model_state_dict,
+                                   settle=self.settle)
 
     # -- joint preparation ----------------------------------------------------------------------
     def check_prepare_arguments(self, objects: tuple) -> None:
@@ -230,8 +255,11 @@ class DeepSpeedStrategy(Strategy):
         _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
         # A loop without optimizer.step(): the sync step's engine.step() runs before the next forward.
-        self.hooks.append(engine.register_forward_pre_hook(lambda module, args: self.finish_step()))
+        self.hooks.append(engine.register_forward_pre_hook(
+            lambda module, args: self.settle(FORWARD if torch.is_grad_enabled() else EVAL_FORWARD)))
         self.configured_clipping = float(engine.gradient_clipping() or 0.0)
+        # Filled from "auto" (Accelerate's rule: 1.0): a clip_grad_norm_ call of the step sets its own max_norm.
+        self.clipping_from_auto = _clipping_from_auto(self.plugin)
         engine_sched = ds_sched if isinstance(sched, DummyScheduler) else None
         return engine, DeepSpeedOptimizer(torch_opt, engine, self), engine_sched
 
@@ -275,19 +303,56 @@ class DeepSpeedStrategy(Strategy):
             raise RuntimeError("accelerator.backward under DeepSpeed needs a model prepared with its optimizer")
         from ..state import GradientState
 
-        self.finish_step()  # a loop without optimizer.step(): the last sync step's engine.step, in order
+        self.settle(BACKWARD)  # a loop without optimizer.step(): the last sync step's engine.step, in order
+        self.ran_by = None
         sync = GradientState().sync_gradients
         engine = self.engines[0]
         engine.set_gradient_accumulation_boundary(is_boundary=sync)
         engine.backward(loss, **kwargs)
         self.step_pending = sync
 
-    def finish_step(self, max_norm: Optional[float] = None) -> None:
-        """Run the pending ``engine.step()``, clipping at ``max_norm`` (a ``clip_grad_norm_`` call of
-        this step) or else at the config's ``gradient_clipping`` (0: none, as torch without the call)."""
+    def settle(self, by: str) -> None:
+        """``by`` (one of the names above) is about to run while this backward's step may be held.
+
+        A loop's own step calls run it (``finish_step``). A read (a forward under ``no_grad``,
+        ``get_state_dict``) leaves it held, seeing the parameters before the step as torch does,
+        unless the loop has shown that it leaves the stepping to ``backward``. ``save_state`` in a
+        loop that calls ``optimizer.step()`` is refused (a checkpoint cannot hold the gradients the
+        step waits on); otherwise save, load, the next training forward or backward and
+        ``scheduler.step()`` run it, and a ``clip_grad_norm_`` of that same step is then an error.
+        """
         if not self.step_pending:
             return
+        if by in _READS and self.loop_steps is not False:
+            self.stale_read = self.stale_read or by
+            return
+        if by == SAVE and self.loop_steps:
+            raise ValueError(
+                "save_state between accelerator.backward and optimizer.step(): DeepSpeed's step of that backward has "
+                "not run yet, and a checkpoint cannot hold the gradients it waits on; call save_state after "
+                "optimizer.step() (and clip_grad_norm_)")
+        self.finish_step(by=by)
+
+    def finish_step(self, max_norm: Optional[float] = None, by: str = OPTIMIZER_STEP) -> None:
+        """Run the pending ``engine.step()``, clipping at ``max_norm`` (a ``clip_grad_norm_`` call of
+        this step) or else at the config's ``gradient_clipping`` (0: none, as torch without the call)."""
+        if by in (OPTIMIZER_STEP, CLIP):
+            self.loop_steps = True
+        if not self.step_pending:
+            return
+        if by in (BACKWARD, FORWARD, SCHEDULER_STEP):
+            if self.stale_read is not None and self.loop_steps is None:
+                from ..state import warn_once
+
+                warn_once(f"{self.stale_read} between accelerator.backward and the DeepSpeed step of that backward saw "
+                          "the parameters before the step: this loop calls no optimizer.step(), which hasten learnt "
+                          f"only when {by} ran the step. From now on such calls run the held step first; call "
+                          "optimizer.step() after accelerator.backward to make the order explicit")
+            self.loop_steps = False
+        if by not in (OPTIMIZER_STEP, CLIP):
+            self.ran_by = by
         self.step_pending = False
+        self.stale_read = None
         engine = self.engines[0]
         _set_clipping(engine, self.configured_clipping if max_norm is None else float(max_norm))
         engine.step()
@@ -303,7 +368,13 @@ class DeepSpeedStrategy(Strategy):
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) under DeepSpeed: its engine clips the L2 norm "
                              "only; use norm_type=2")
-        if configured and abs(configured - float(max_norm)) > 1e-12:
+        if self.ran_by is not None and not self.step_pending:
+            # The step of this backward already ran, unclipped: clipping now would do nothing.
+            raise ValueError(
+                f"clip_grad_norm_ after {self.ran_by} ran the DeepSpeed step of this backward without clipping "
+                f"(DeepSpeed clips inside its step): call clip_grad_norm_ right after accelerator.backward, before "
+                f"{self.ran_by}")
+        if configured and not self.clipping_from_auto and abs(configured - float(max_norm)) > 1e-12:
             # Checked before the engine steps; the config is the same on every rank, so every rank
             # raises this same error at the first call.
             raise ValueError(
@@ -311,7 +382,7 @@ class DeepSpeedStrategy(Strategy):
                 f"call clip_grad_norm_ with max_norm={configured}, or remove gradient_clipping from the config "
                 "(and `hasten launch --gradient_clipping`) to let clip_grad_norm_ set it"
             )
-        self.finish_step(max_norm)
+        self.finish_step(max_norm, by=CLIP)
         norm = engine.get_global_grad_norm()
         return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm or 0.0))
 
@@ -336,7 +407,7 @@ class DeepSpeedStrategy(Strategy):
     # -- state dict I/O -------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module, everyone: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on CPU; ZeRO-3 parameters are gathered one at a time (every process must call)."""
-        self.finish_step()
+        self.settle(STATE_DICT)
         module = self.unwrap_model(model)
         if not _partitioned(module):
             return {k: v.detach().cpu() for k, v in module.state_dict().items()}
@@ -386,6 +457,12 @@ def _set_clipping(engine: Any, max_norm: float) -> None:
     """Make the engine's next step clip at ``max_norm`` (0: off). The engine reads its config's
     value (stage 0, fp32) and each DeepSpeed optimizer (ZeRO 1-3, fp16, bf16) its ``clip_grad``,
     both taken from the config when the engine was built."""
+    from ..checkpointing.deepspeed_api import version_error
+
+    config = getattr(engine, "_config", None)
+    if not callable(getattr(engine, "gradient_clipping", None)) or not hasattr(config, "gradient_clipping"):
+        raise version_error("DeepSpeedEngine.gradient_clipping() and its _config.gradient_clipping (set to clip at "
+                            "clip_grad_norm_'s max_norm)", "engines without them")
     if float(engine.gradient_clipping() or 0.0) == max_norm:
         return
     zero_config = getattr(engine._config, "zero_config", None)
@@ -393,9 +470,22 @@ def _set_clipping(engine: Any, max_norm: float) -> None:
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) under DeepSpeed needs the gradient norm, but the "
                          "config sets zero_optimization.compute_grad_norm=false: remove that setting, or the "
                          "clip_grad_norm_ call")
+    previous = config.gradient_clipping
     engine._config.gradient_clipping = max_norm
+    if float(engine.gradient_clipping() or 0.0) != max_norm:  # the engine no longer reads the field we set
+        engine._config.gradient_clipping = previous
+        raise version_error("DeepSpeedEngine.gradient_clipping() to return its _config.gradient_clipping",
+                            f"an engine whose gradient_clipping() stayed {engine.gradient_clipping()} after setting "
+                            f"it to {max_norm} (clipping would silently not happen)")
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = max_norm
+
+
+def _clipping_from_auto(plugin: DeepSpeedPlugin) -> bool:
+    """Whether the config left ``gradient_clipping`` to the integration ("auto" or unset in the plugin)."""
+    from ..utils.deepspeed_plugin import get_path
+
+    return get_path(plugin.deepspeed_config, "gradient_clipping") == AUTO
 
 
 def _without_autos(config: dict, mode: str) -> dict:

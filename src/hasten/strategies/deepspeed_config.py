@@ -20,6 +20,9 @@ _PRECISION = {"bf16": "bf16", "fp16": "fp16"}
 # bucket of its own size.
 CPU_REDUCE_BUCKET = 10_000_000
 
+# What Accelerate writes for a gradient_clipping left "auto" (also the default DeepSpeedPlugin()'s).
+AUTO_CLIPPING = 1.0
+
 
 def _leftover_autos(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
@@ -130,8 +133,14 @@ def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Mod
              where)
     fill(config, "train_batch_size", int(get_path(config, "train_micro_batch_size_per_gpu")) * steps * world,
          "micro-batch x accumulation x processes", where)
-    if get_path(config, "gradient_clipping") in (None, AUTO):
-        set_path(config, "gradient_clipping", 0.0)  # off unless asked: DeepSpeed's own default differs by version
+    clipping = get_path(config, "gradient_clipping")
+    if clipping == AUTO:
+        # Accelerate's rule: "auto" is the plugin's gradient_clipping, else 1.0 (hasten's plugin has
+        # already written its own value over an "auto" of the JSON, so what is left means 1.0). A
+        # clip_grad_norm_(max_norm) call of a step still clips that step at max_norm.
+        set_path(config, "gradient_clipping", AUTO_CLIPPING)
+    elif clipping is None:
+        set_path(config, "gradient_clipping", 0.0)  # absent: off, DeepSpeed's own default differs by version
     mode = state.mixed_precision
     for name in ("bf16", "fp16"):
         enabled = get_path(config, f"{name}.enabled")

@@ -187,14 +187,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _replicas(tensor: torch.Tensor, world: int) -> int:
     """How many processes hold each element of ``tensor`` (a plain tensor: every process)."""
-    spec = getattr(tensor, "_spec", None)
-    if spec is None:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):  # DTensor's public layout, not its private _spec
         return world
-    count = 1
-    for dim, placement in enumerate(spec.placements):
+    mesh, count = tensor.device_mesh, 1
+    for dim, placement in enumerate(tensor.placements):
         if placement.is_replicate():
-            count *= spec.mesh.size(dim)
-    return count * (world // spec.mesh.size())
+            count *= mesh.size(dim)
+    return count * (world // mesh.size())
 
 
 def _norm_groups(grads: list[torch.Tensor], weights: list[int]) -> dict[tuple, list[torch.Tensor]]:
@@ -265,9 +266,10 @@ def clip_global_norm_(parameters: Params, max_norm: float, norm_type: float = 2.
 
 def _sharded_dims(tensor: Optional[torch.Tensor]) -> tuple:
     """(mesh, dimensions ``tensor`` is sharded on); (None, ()) for a plain tensor."""
-    spec = getattr(tensor, "_spec", None)
-    return (None, ()) if spec is None else \
-        (spec.mesh, tuple(d for d, p in enumerate(spec.placements) if p.is_shard()))
+    from torch.distributed.tensor import DTensor
+
+    return (None, ()) if not isinstance(tensor, DTensor) else \
+        (tensor.device_mesh, tuple(d for d, p in enumerate(tensor.placements) if p.is_shard()))
 
 
 def local_norm(grads: list[Optional[torch.Tensor]], norm_type: float = 2.0,

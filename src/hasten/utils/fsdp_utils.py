@@ -60,8 +60,9 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
                     adapter_only: bool = False, use_dcp: bool = True) -> None:
     """Load weights that ``save_fsdp_model`` wrote into the (prepared) ``model``, on every process."""
-    import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from ..files import weights_only
 
     _refuse_adapter_only(adapter_only, "load_fsdp_model")
     inner = _model(accelerator, model)
@@ -75,7 +76,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: s
         set_model_state_dict(inner, state["model"])
     else:
         path = os.path.join(input_dir, _file("pytorch_model_fsdp", model_index))
-        full = torch.load(path, map_location="cpu", weights_only=True)
+        full = weights_only.load(path)  # bounded allow-list unpickler
         set_model_state_dict(inner, full, options=StateDictOptions(full_state_dict=True))
     accelerator.wait_for_everyone()
 
@@ -108,9 +109,10 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
                         optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
     """Load optimizer state that ``save_fsdp_optimizer`` wrote, on every process."""
-    import torch
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
+
+    from ..files import weights_only
 
     _refuse_adapter_only(adapter_only, "load_fsdp_optimizer")
     inner, optim = _model(accelerator, model), _torch_optimizer(optimizer)
@@ -124,7 +126,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
         set_optimizer_state_dict(inner, optim, state["optimizer"])
     else:
         path = os.path.join(input_dir, _file("optimizer", optimizer_index))
-        full = torch.load(path, map_location="cpu", weights_only=True)
+        full = weights_only.load(path)  # bounded allow-list unpickler
         set_optimizer_state_dict(inner, optim, full, options=StateDictOptions(full_state_dict=True))
     accelerator.wait_for_everyone()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import re
 import socket
@@ -164,8 +165,15 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
         raise ValueError("hasten.utils.load(weights_only=False) is refused: unpickling arbitrary objects runs code "
                          "from the file. Save tensors and plain values (hasten.utils.save, safetensors), or call "
                          "torch.load yourself on a file you trust")
-    kwargs["weights_only"] = True
-    return torch.load(f, map_location=map_location, **kwargs)
+    kwargs.pop("weights_only", None)
+    from ..files import weights_only
+
+    if kwargs:  # torch.load's other options (mmap, pickle arguments) are torch's own reader's
+        return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
+    if isinstance(f, (str, os.PathLike)):  # a file: hasten's allow-list unpickler, sizes bounded by the file
+        return weights_only.load(f, map_location=map_location)
+    data = f.read()  # a file object: its bytes, bounded the same way
+    return weights_only.load_bytes(data, getattr(f, "name", repr(f)), "torch.save", map_location=map_location)
 
 
 def get_pretty_name(obj: Any) -> str:
