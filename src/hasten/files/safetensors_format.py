@@ -47,7 +47,7 @@ def header_length(head: bytes, size: int, path: str) -> int:
         raise CheckpointCorruptError(f"{path!r} is not a safetensors file: it has {size} bytes (truncated or emptied)")
     n = int.from_bytes(head[:8], "little")
     if n > size - 8:
-        raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {n} bytes and the file "
+        raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header length claims {n} bytes and the file "
                                      f"has {size}")
     return n
 
