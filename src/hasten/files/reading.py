@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -23,10 +24,9 @@ from .checksum import BLOCK_BYTES, HASH_THREADS, digest_of, piece_sums
 from .errors import CheckpointCorruptError
 from .paths import open_inside, split
 
-# Read and summed in pieces of 8 MiB (a multiple of the checksum's 4 KiB blocks: pieces are summed apart);
-# of the sizes we measured (1, 2, 8 MiB), the largest overlapped reading and summing best.
+# Read, mapped in and summed in pieces of 8 MiB (a multiple of the checksum's 4 KiB blocks: pieces are
+# summed apart); of the sizes we measured (1, 2, 8 MiB), the largest overlapped the three best.
 PIECE = 8 << 20
-_HUGE_MIN = 8 << 20
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
@@ -50,19 +50,30 @@ def pread_into(fd: int, view: memoryview, position: int, path: str) -> None:
         done += got
 
 
-def private_memory(size: int) -> torch.Tensor:
-    """``size`` bytes of anonymous memory of this process alone, as a uint8 tensor that keeps them. Huge
-    pages where the system allows: a load writes every byte once, and faulting in 4 KiB pages one at a
-    time cost about as much as the read itself on the machines we measured."""
-    if size < _HUGE_MIN:
-        return torch.empty(size, dtype=torch.uint8)
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor holds the mapping; unmapped with its last view
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+class PrivateMemory:
+    """``size`` bytes of anonymous memory of this process alone (``tensor``: a uint8 tensor that keeps
+    them). On the machines we measured, touching fresh memory for the first time cost more than reading
+    the file into it (a page fault per 4 KiB page), so ``prefault`` maps a range in ahead of the read, on
+    a pool thread, while the range before it is read. (Huge pages were faster on average but erratic, up
+    to 20 times slower when the kernel had just given its huge pages back.)"""
+
+    def __init__(self, size: int) -> None:
+        self._map = None
+        if size >= PIECE and sys.platform.startswith("linux"):
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the mapping; unmapped with it
+        else:
+            self.tensor = torch.empty(size, dtype=torch.uint8)
+
+    def prefault(self, start: int, length: int) -> None:
+        if self._map is not None and length > 0:
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE, start, length)
+            except (OSError, ValueError):  # older kernels: the read's own page faults do it
+                self._map = None
 
 
 def pread_tensor(fd: int, nbytes: int, position: int, path: str) -> torch.Tensor:
@@ -90,7 +101,8 @@ class ReadFile:
                 raise CheckpointCorruptError(
                     f"{path!r} has {self.size} bytes but the manifest records {size}: the file was truncated or "
                     "replaced after the checkpoint was written")
-            self.raw = private_memory(self.size)
+            self.memory = PrivateMemory(self.size)
+            self.raw = self.memory.tensor
             self.recorded = self._read(fd, checksum, head, pool or _pool())
         finally:
             os.close(fd)
@@ -117,12 +129,16 @@ class ReadFile:
         summing = expected is not None
         if summing and done:
             futures.append(pool.submit(piece_sums, raw[:done]))
+        faulted = pool.submit(self.memory.prefault, done, PIECE)
         while done < size:
             n = min(PIECE, size - done)
+            faulted.result()
+            faulted = pool.submit(self.memory.prefault, done + n, min(PIECE, size - done - n))
             pread_into(fd, view[done:done + n], done, self.path)
             if summing:
                 futures.append(pool.submit(piece_sums, raw[done:done + n]))
             done += n
+        faulted.result()
         if os.fstat(fd).st_size != size:
             raise CheckpointCorruptError(f"{self.path!r} changed size while it was read (rewritten during the load)")
         if not summing:
@@ -147,6 +163,7 @@ class ReadFile:
     def close(self) -> None:
         """Let go of the private bytes (views taken from them keep their part alive)."""
         self.raw = torch.empty(0, dtype=torch.uint8)
+        self.memory = None
 
 
 def read_inside(folder: str, name: str, size: Optional[int] = None, checksum: Any = None,
