@@ -235,15 +235,16 @@ def check_optimizer(saved: Any, optimizer: Any, index: int) -> list[str]:
 
 # -- apply (after every process agreed) -----------------------------------------------------------
 def _materialize(value: torch.Tensor, live: Any, device: torch.device) -> torch.Tensor:
-    """Copy a read tensor into the live tensor when it fits, else straight onto ``device``.
+    """Copy a read tensor into the live tensor when it fits (the live tensors stay the same objects and
+    memory), else hand it over (already on ``device``) or copy it straight onto ``device``.
 
     One copy either way: a state read into host memory first and moved by the optimizer's
     ``load_state_dict`` would cross memory twice (a resume into an optimizer without state yet).
     """
-    if value.device == device:  # the verified bytes are this process's own memory: they become the state
-        return value
     fits = (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
             and not live.requires_grad)
+    if not fits and value.device == device:  # the verified bytes are this process's own memory: they become it
+        return value
     dest = live if fits else torch.empty(value.shape, dtype=value.dtype, device=device)
     dest.copy_(value)
     return dest
