@@ -27,15 +27,25 @@ from .paths import open_inside, split
 # Read, mapped in and summed in pieces of 8 MiB (a multiple of the checksum's 4 KiB blocks: pieces are
 # summed apart); of the sizes we measured (1, 2, 8 MiB), the largest overlapped the three best.
 PIECE = 8 << 20
-_POOL: list = []
+_POOLS: dict = {}
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
+def _executor(name: str, threads: int) -> ThreadPoolExecutor:
     with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hasten-checksum"))
-        return _POOL[0]
+        if name not in _POOLS:
+            _POOLS[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"hasten-{name}")
+        return _POOLS[name]
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that sum pieces beside the reading thread."""
+    return _executor("checksum", HASH_THREADS)
+
+
+def _faulter() -> ThreadPoolExecutor:
+    """The thread that maps memory in ahead of the reads (its own: behind the sums it would fall behind)."""
+    return _executor("prefault", 1)
 
 
 def pread_into(fd: int, view: memoryview, position: int, path: str) -> None:
@@ -129,11 +139,12 @@ class ReadFile:
         summing = expected is not None
         if summing and done:
             futures.append(pool.submit(piece_sums, raw[:done]))
-        faulted = pool.submit(self.memory.prefault, done, PIECE)
+        faulter = _faulter()
+        faulted = faulter.submit(self.memory.prefault, done, PIECE)
         while done < size:
             n = min(PIECE, size - done)
             faulted.result()
-            faulted = pool.submit(self.memory.prefault, done + n, min(PIECE, size - done - n))
+            faulted = faulter.submit(self.memory.prefault, done + n, min(PIECE, size - done - n))
             pread_into(fd, view[done:done + n], done, self.path)
             if summing:
                 futures.append(pool.submit(piece_sums, raw[done:done + n]))
