@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -365,3 +366,32 @@ def test_importing_the_layer_is_cheap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(SRC)))
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_reading_works_in_a_forked_child(tmp_path):
+    """The layer's threads do not survive a fork: a child that reads after its parent did must not wait
+    forever on them (the kill -9 tests fork their savers from a process that loaded before)."""
+    from hasten.files import reading
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(3 * reading.PIECE))
+    reading.file_checksum(str(path))  # the parent's threads exist now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the read completes
+        code = 1
+        try:
+            reading.read_inside(str(tmp_path), "f.bin", None, True)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("a read in a forked child hung on the parent's threads")

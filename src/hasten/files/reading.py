@@ -38,6 +38,17 @@ def _executor(name: str, threads: int) -> ThreadPoolExecutor:
         return _POOLS[name]
 
 
+def _forget_threads() -> None:
+    """In a forked child the executors' threads do not exist: work queued to them would wait forever."""
+    global _POOL_LOCK
+    _POOLS.clear()
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads)
+
+
 def _pool() -> ThreadPoolExecutor:
     """The threads that sum pieces beside the reading thread."""
     return _executor("checksum", HASH_THREADS)
