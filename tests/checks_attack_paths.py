@@ -17,7 +17,8 @@ def _tamper_manifest(folder: str, name: str) -> None:
     path = os.path.join(folder, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    from hasten.checkpointing import filereading, layout
+    from hasten.checkpointing import layout
+    from hasten.files import reading as filereading
 
     full = os.path.join(folder, name)
     manifest["files"][name].update(size=os.path.getsize(full), checksum=filereading.file_checksum(full))
@@ -27,7 +28,7 @@ def _tamper_manifest(folder: str, name: str) -> None:
 
 
 def _edit_metadata(folder: str, change) -> None:
-    from hasten.checkpointing.unpickling import dcp_metadata
+    from hasten.files.unpickling import dcp_metadata
 
     path = os.path.join(folder, "sharded", ".metadata")
     metadata = dcp_metadata(path)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hasten import Accelerator
-from hasten.checkpointing.fileio import CheckpointCorruptError
+from hasten.files.errors import CheckpointCorruptError
 from hasten.checkpointing import layout
 from hasten.checkpointing.layout import IncompleteCheckpointError, wait_for_deletions
 from hasten.saving import CheckpointMismatchError

@@ -182,7 +182,7 @@ def check_bitwise_resume():
     whole = _run(acc, model, opt, _batches(loader), 18, folder, save_at=7)  # mid-epoch (6 steps per epoch)
     final = _full(acc, model)
     acc, model, opt, loader = _setup()
-    from hasten.checkpointing import unpickling
+    from hasten.files import unpickling
 
     # DCP's own reader (pickle.load) is never used; the allow-list reader once, for the check and the load.
     reads, pickled, read, read_pickled = [], [], unpickling.dcp_metadata, dcp.FileSystemReader.read_metadata
@@ -571,7 +571,7 @@ def check_tampered_or_damaged_shards_are_refused():
     import shutil
 
     from distributed import evil_pickle, refused_load, tamper
-    from hasten.checkpointing.fileio import CheckpointCorruptError
+    from hasten.files.errors import CheckpointCorruptError
 
     root = os.environ["FSDP_TMP"]
     source = os.path.join(root, "resume")  # written by check_bitwise_resume

@@ -75,7 +75,8 @@ def tamper(folder: str, name: str, data: bytes) -> None:
     path = os.path.join(folder, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    from hasten.checkpointing import filereading, layout
+    from hasten.checkpointing import layout
+    from hasten.files import reading as filereading
 
     manifest["files"][name].update(size=len(data), checksum=filereading.file_checksum(os.path.join(folder, name)))
 

@@ -26,7 +26,7 @@ import torch
 from distributed import reset_state
 
 from hasten.checkpointing import layout
-from hasten.checkpointing.fileio import CheckpointCorruptError
+from hasten.files.errors import CheckpointCorruptError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "scripts", "attack_commit_child.py")

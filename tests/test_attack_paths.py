@@ -332,7 +332,7 @@ def dcp_folder(tmp_path_factory):
 
 
 def _edit_metadata(folder, change) -> None:
-    from hasten.checkpointing.unpickling import dcp_metadata
+    from hasten.files.unpickling import dcp_metadata
 
     path = os.path.join(folder, ".metadata")
     metadata = dcp_metadata(path)

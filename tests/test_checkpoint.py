@@ -18,8 +18,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hasten.checkpointing import codec, layout
-from hasten.checkpointing.fileio import BlockSummer, CheckpointCorruptError, checksum_buffer, write_safetensors
-from hasten.checkpointing.filereading import MappedFile
+from hasten.files.checksum import BlockSummer, checksum_buffer
+from hasten.files.errors import CheckpointCorruptError
+from hasten.files.safetensors_format import write_safetensors
+from hasten.files.reading import read_path
 from hasten.saving import CheckpointMismatchError
 
 
@@ -123,13 +125,12 @@ def test_files_are_plain_safetensors_and_checksums_match(tmp_path):
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k].contiguous()) for k in tensors)
     with safe_open(path, "pt") as f:
         assert f.metadata() == {"k": "v"}
-    mapped = MappedFile(path)
-    assert checksum_buffer(mapped.raw) == checksum
+    assert checksum_buffer(read_path(path).raw) == checksum
     data = bytearray(open(path, "rb").read())
     data[-3] ^= 1  # one flipped bit
     corrupt = tmp_path / "y.safetensors"
     corrupt.write_bytes(bytes(data))
-    assert checksum_buffer(MappedFile(str(corrupt)).raw) != checksum
+    assert checksum_buffer(read_path(str(corrupt)).raw) != checksum
 
 
 def _mixed_tensors():
@@ -141,7 +142,7 @@ def _mixed_tensors():
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 def test_direct_writes_equal_buffered_writes(tmp_path, monkeypatch):
-    from hasten.checkpointing import fileio
+    from hasten.files import safetensors_format as fileio
 
     # Small buffers and threshold: many buffer flushes, pieces across buffer borders, a padded tail.
     monkeypatch.setattr(fileio, "_DIRECT_MIN", 1)
@@ -161,7 +162,7 @@ def test_direct_writes_equal_buffered_writes(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 def test_a_filesystem_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
-    from hasten.checkpointing import fileio
+    from hasten.files import safetensors_format as fileio
 
     tensors = _mixed_tensors()
     monkeypatch.setattr(fileio, "_DIRECT_MIN", 1 << 62)

@@ -357,5 +357,7 @@ def test_a_save_fsyncs_every_file_and_folder_a_crash_needs_each_once(fresh_state
     temp = [p for p in synced if os.path.basename(p).startswith(".ckpt.tmp-")]
     assert len(temp) == 1 and str(tmp_path) in synced, synced
     for name in os.listdir(target):
-        written = {os.path.join(temp[0], name), os.path.join(temp[0], name + ".tmp")}  # the manifest: via a temp
+        written = {os.path.join(temp[0], name)} | {  # the manifest: via files.durable's temporary file
+            p for p in synced if os.path.dirname(p) == temp[0] and os.path.basename(p).startswith(f".{name}.")
+            and p.endswith(".tmp")}
         assert written & set(synced), f"{name} was never fsynced: {synced}"

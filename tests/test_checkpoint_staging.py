@@ -161,14 +161,15 @@ def test_cuda_tensors_are_staged_into_page_locked_memory():
 
 # -- loading: read from the files into the live tensors ------------------------------------------------
 def test_copy_into_reads_each_tensor_from_the_file(tmp_path):
-    from hasten.checkpointing.fileio import write_safetensors
-    from hasten.checkpointing.filereading import MappedFile, SafetensorsView
+    from hasten.files.safetensors_format import write_safetensors
+    from hasten.files.reading import read_path
+    from hasten.files.safetensors_format import SafetensorsView
 
     tensors = {"f32": torch.randn(33, 7), "bf16": torch.randn(5, 3).to(torch.bfloat16), "mask": torch.rand(9) > 0.5,
                "i64": torch.arange(11), "empty": torch.empty(0, 4)}
     path = str(tmp_path / "t.safetensors")
     write_safetensors(path, tensors)
-    mapped = MappedFile(path)
+    mapped = read_path(path)
     view = SafetensorsView(mapped)
     for name, expected in tensors.items():
         dest = torch.full_like(expected, 7) if expected.numel() else torch.empty_like(expected)

@@ -80,7 +80,8 @@ def test_sharded_output_with_index_and_unsafe_serialization(sharded, tmp_path, c
 def _hasten_checkpoint_around(dcp_folder, folder, models=1):
     """A hasten checkpoint as sharded strategies write it: DCP shards in ``sharded/`` keyed
     ``model_<i>`` / ``optimizer_<i>``, the manifest naming each model's key."""
-    from hasten.checkpointing import filereading, layout
+    from hasten.checkpointing import layout
+    from hasten.files import reading as filereading
 
     shutil.copytree(dcp_folder, folder / "sharded")
     files = {f"sharded/{n}": {"size": os.path.getsize(folder / "sharded" / n),

@@ -26,8 +26,8 @@ ALLOWED = {
         "Borg: whether the shared dict was filled",
     ("optimizer.py", "self.__dict__.update(state)"): "__setstate__ (pickling)",
     ("precision.py", "self.__dict__.update(state)"): "__setstate__ (pickling)",
-    ("checkpointing/unpickling.py", "obj.__dict__.clear()"): "the restricted unpickler's BUILD step",
-    ("checkpointing/unpickling.py", "obj.__dict__.update(attrs)"): "the restricted unpickler's BUILD step",
+    ("files/unpickling.py", "obj.__dict__.clear()"): "the restricted unpickler's BUILD step",
+    ("files/unpickling.py", "obj.__dict__.update(attrs)"): "the restricted unpickler's BUILD step",
     ("scheduler.py", '"scheduler" not in self.__dict__'):
         "__getattr__ before __init__/__setstate__ ran (unpickling): no recursion",
     ("hooks.py", '"_old_forward" not in module.__dict__'): "Accelerate's public hook attributes (add_hook_to_module)",
@@ -142,7 +142,8 @@ def test_a_sharded_load_reads_the_metadata_once_and_keeps_nothing_after(fresh_st
     import torch
     from torch import nn
 
-    from hasten.checkpointing import backends, sharded, unpickling
+    from hasten.checkpointing import backends, sharded
+    from hasten.files import unpickling
 
     model = nn.Linear(3, 2)
     sharded.save(str(tmp_path), [model], [], [])

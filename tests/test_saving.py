@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hasten import saving
+from hasten.files import durable
 from hasten.model_loading import load_checkpoint_in_model
 from hasten.saving import (
     ALIASES_KEY,
@@ -70,7 +71,7 @@ def test_atomic_write_replaces_and_sets_permissions(tmp_path):
     with atomic_write(path, "w") as f:
         f.write("héllo")
     assert path.read_text(encoding="utf-8") == "héllo"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~saving._umask()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~durable._umask()
     os.chmod(path, 0o640)
     with atomic_write(path) as f:
         f.write(b"new")

@@ -20,8 +20,10 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 _RUNNER = r"""
 import json, os, resource, sys, time
 import torch
-from hasten.checkpointing import unpickling, deepspeed_state
-from hasten.checkpointing.filereading import MappedFile, SafetensorsView
+from hasten.checkpointing import deepspeed_state
+from hasten.files import unpickling
+from hasten.files.reading import read_path
+from hasten.files.safetensors_format import SafetensorsView
 from hasten.utils import offload
 
 def read(reader, path):
@@ -30,7 +32,7 @@ def read(reader, path):
     elif reader == "deepspeed":
         deepspeed_state._read(path)
     elif reader == "safetensors":
-        SafetensorsView(MappedFile(path))
+        SafetensorsView(read_path(path))
     elif reader == "dcp value":  # a DCP checkpoint folder whose byte item is the crafted pickle
         import io
         from hasten.checkpointing import dcp_reader

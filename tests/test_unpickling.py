@@ -10,8 +10,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, _MEM_FORMAT_ENCODING
 
 from distributed import evil_pickle
-from hasten.checkpointing import unpickling
-from hasten.checkpointing.unpickling import ForbiddenPickle
+from hasten.files import unpickling
+from hasten.files.unpickling import ForbiddenPickle
 
 
 def _global(module: str, name: str) -> bytes:

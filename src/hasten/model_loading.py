@@ -10,269 +10,25 @@ already match (optimizers holding them keep working); otherwise, or when a param
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
-from .saving import (
-    ALIASES_KEY,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    SAVE_ID_KEY,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    CheckpointMismatchError,
-    LoadResult,
-    PathLike,
-    _listing,
-    find_aliases,
-)
-from .accelerate_channels import log_warning
+from .saving import CheckpointMismatchError, LoadResult, PathLike, _listing, find_aliases
 from .warning_kinds import HastenWarning
+from .weights_sources import (  # noqa: F401 - read_weights_index, verify_weights_file, _read_source: public here
+    Source,
+    checkpoint_sources,
+    fit_problems,
+    log_partial_load,
+    read_weights_index,
+    verify_weights_file,
+)
+from .weights_sources import read_source as _read_source  # noqa: F401 - tests and older callers
+from .strategies.shard_loading import load_into_sharded
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-
-class _Source(NamedTuple):
-    path: str
-    safe: bool
-    shapes: dict[str, Optional[tuple]]  # name -> shape (None: not a tensor)
-    data: Optional[dict]  # .bin contents (memory-mapped when possible); safetensors are read later
-    view: Any = None  # safetensors: filereading.SafetensorsView of the mapping whose checksum was verified
-
-
-def _plain_file(path: str) -> None:
-    """Refuse a symbolic link (it could lead anywhere) or anything but a regular file."""
-    import stat
-
-    from .checkpointing.fileio import CheckpointCorruptError
-
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; the checkpoint is incomplete") from None
-    if stat.S_ISLNK(mode) and _hub_blob(path):
-        return
-    if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
-        raise CheckpointCorruptError(f"{path!r} is a symbolic link or not a regular file; hasten loads only plain files "
-                                     "(copy the real file in instead of linking it)")
-
-
-def _hub_blob(path: str) -> bool:
-    """Whether the link ``path`` is a file of a Hugging Face cache snapshot
-    (``<repo>/snapshots/<revision>/<file>``) pointing at a plain file of that repository's
-    ``<repo>/blobs/``: the one layout of links a checkpoint folder legitimately has, and it
-    stays inside the repository's cache folder."""
-    import stat
-
-    snapshot = os.path.dirname(os.path.abspath(path))
-    snapshots = os.path.dirname(snapshot)
-    if os.path.basename(snapshots) != "snapshots":
-        return False
-    blobs = os.path.join(os.path.realpath(os.path.dirname(snapshots)), "blobs")
-    real = os.path.realpath(path)
-    try:
-        plain = stat.S_ISREG(os.lstat(real).st_mode)
-    except OSError:
-        return False
-    return plain and os.path.dirname(real) == blobs
-
-
-def verify_weights_file(path: str) -> Optional[str]:
-    """Check a safetensors weights file before it is read: a plain file, a whole header, and the
-    checksum ``save_model`` recorded in it.
-    Returns the recorded checksum; None for a file written without one (it cannot be verified)."""
-    mapped, recorded = _verified_map(path)
-    mapped.close()
-    return recorded
-
-
-def _verified_map(path: str) -> tuple[Any, Optional[str]]:
-    """``verify_weights_file``, returning the mapping that was summed too: reading the tensors from
-    it costs no second round of page faults, so the check adds only the summing (a memory pass)."""
-    from .checkpointing.fileio import CheckpointCorruptError
-    from .checkpointing.filereading import MappedFile
-    from .saving import self_checksum
-
-    _plain_file(path)
-    mapped = MappedFile(path)
-    raw = mapped.raw
-    try:
-        if raw.numel() < 8:
-            raise CheckpointCorruptError(f"{path!r} is not a safetensors file: it has {raw.numel()} bytes (truncated or "
-                                         "emptied); save the weights again")
-        head = int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little")
-        if head > raw.numel() - 8:
-            raise CheckpointCorruptError(f"{path!r} is damaged or truncated: its header claims {head} bytes and the file "
-                                         f"has {raw.numel()}; save the weights again")
-        recorded = self_checksum(raw, 8 + head, path)
-    except BaseException:
-        mapped.close()
-        raise
-    return mapped, recorded
-
-
-def _read_source(path: str, release: bool = False) -> tuple[_Source, dict[str, str], Optional[str], Optional[str]]:
-    """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
-    ``release``: drop the pages the checksum read (the caller reads parts of the file later)."""
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        from .checkpointing.fileio import CheckpointCorruptError
-        from .checkpointing.filereading import SafetensorsView
-
-        mapped, recorded = _verified_map(path)
-        mapped.close()  # the map stays; only its spare descriptor goes
-        if release:
-            mapped.release_pages()
-        try:
-            with safe_open(path, framework="pt") as f:
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-                metadata = f.metadata() or {}
-            aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
-        except Exception as e:  # noqa: BLE001 - SafetensorError, bad JSON: none names the file
-            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
-                                         "damaged") from None
-        if not isinstance(aliases, dict):
-            raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
-        try:
-            view = SafetensorsView(mapped)
-        except CheckpointCorruptError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointCorruptError(f"cannot read {path!r} as safetensors ({type(e).__name__}: {e}); the file is "
-                                         "damaged") from None
-        if view.shapes() != shapes:
-            raise CheckpointCorruptError(f"{path!r} changed while it was read; load it again")
-        return _Source(path, True, shapes, None, view), aliases, metadata.get(SAVE_ID_KEY), recorded
-    _plain_file(path)
-    import torch
-
-    from .checkpointing import unpickling, weights_only
-
-    try:  # hasten's allow-list unpickler, every size bounded by the file (a checked copy, mapped)
-        data = weights_only.load(path)
-    except unpickling.ForbiddenGlobal as e:
-        raise pickle.UnpicklingError(
-            f"{path!r} holds objects other than tensors and plain containers, so hasten will not unpickle "
-            f"it (weights_only=True). If you trust the file, load it with torch.load(weights_only=False) "
-            f"and call model.load_state_dict. Details: {e}"
-        ) from e
-    except unpickling.ForbiddenPickle:
-        raise  # a crafted size or a TorchScript archive, named with the file
-    except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-        from .checkpointing.fileio import CheckpointCorruptError
-
-        if isinstance(e, CheckpointCorruptError):
-            raise
-        raise CheckpointCorruptError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged or not a "
-                                     "torch state dict") from None
-    if not isinstance(data, Mapping) or any(isinstance(v, Mapping) for v in data.values()):
-        inner = [k for k, v in data.items() if isinstance(v, Mapping)] if isinstance(data, Mapping) else []
-        raise ValueError(
-            f"{path!r} is not a state dict (name -> tensor)"
-            + (f": {_listing(inner)} hold nested dicts; pass e.g. torch.load(...)[{inner[0]!r}] to "
-               "model.load_state_dict instead" if inner else f" but a {type(data).__name__}")
-        )
-    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in data.items()}
-    return _Source(path, False, shapes, dict(data)), {}, None, None
-
-
-def read_weights_index(path: str) -> tuple[dict[str, Any], Optional[dict[str, str]]]:
-    """A sharded checkpoint's index, checked: a plain file, its own checksum (when ``save_model``
-    wrote it), shard names that stay in its folder. Returns it and the shards' recorded checksums
-    (None for an index written without them, e.g. by transformers: the shards cannot be verified
-    against it)."""
-    import torch
-
-    from .checkpointing.fileio import CheckpointCorruptError
-    from .saving import CHECKSUM_KEY, CHECKSUMS_KEY, self_checksum
-
-    _plain_file(path)
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        index = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(f"index {path!r} is not readable JSON ({type(e).__name__}: {e}); the file is "
-                                     "damaged") from None
-    if isinstance(index, dict) and index and "weight_map" not in index and all(isinstance(v, str) for v in index.values()):
-        index = {"weight_map": index}  # the bare form (tensor name -> shard file), which Accelerate reads too
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise ValueError(f"index {path!r} has no 'weight_map'; it is not a sharded checkpoint index")
-    metadata = index.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointCorruptError(f"index {path!r} has a damaged 'metadata' entry")
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    recorded = self_checksum(raw, len(data), path)
-    checksums = metadata.get(CHECKSUMS_KEY)
-    if checksums is not None and (recorded is None or not isinstance(checksums, dict)):
-        raise CheckpointCorruptError(f"index {path!r} has damaged checksums ({CHECKSUMS_KEY} without a valid "
-                                     f"{CHECKSUM_KEY}); the file is damaged")
-    for name, filename in index["weight_map"].items():
-        if (not isinstance(filename, str) or not filename or filename in (".", "..") or "/" in filename
-                or "\\" in filename or "\0" in filename or os.path.isabs(filename)):
-            raise CheckpointCorruptError(f"index {path!r} puts {name!r} in {filename!r}, which is not a file name in "
-                                         "the index's folder; an index written by save_model names only such files, "
-                                         "so it is damaged or crafted (nothing was read)")
-    return index, checksums
-
-
-def _checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[_Source], dict[str, str]]:
-    """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: see
-    ``_read_source`` (one file's pages at a time in memory while checksums are verified)."""
-    from .checkpointing.fileio import CheckpointCorruptError
-
-    path = os.fspath(checkpoint)
-    if os.path.isdir(path):
-        candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-        found = next((os.path.join(path, c) for c in candidates if os.path.lexists(os.path.join(path, c))), None)
-        indexes = [] if found else sorted(f for f in os.listdir(path) if f.endswith(".index.json"))
-        if len(indexes) > 1:
-            raise ValueError(f"checkpoint directory {path!r} holds several indexes {indexes}; pass the one to load")
-        found = found or (os.path.join(path, indexes[0]) if indexes else None)  # a sharded checkpoint of any name
-        if found is None:
-            raise FileNotFoundError(
-                f"checkpoint directory {path!r} holds none of {', '.join(candidates)}; pass the directory "
-                "given to save_model / save_pretrained, or the weights file itself"
-            )
-        path = found
-    if not os.path.lexists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a weights file or a directory")
-    if not path.endswith(".index.json"):
-        source, aliases, _, _ = _read_source(path, release)
-        return [source], aliases
-    index, checksums = read_weights_index(path)
-    metadata = index.get("metadata") or {}
-    aliases = dict(metadata.get(ALIASES_KEY) or {})
-    save_id = metadata.get(SAVE_ID_KEY)
-    directory = os.path.dirname(path)
-    sources = []
-    for filename in dict.fromkeys(index["weight_map"].values()):
-        shard = os.path.join(directory, filename)
-        if not os.path.lexists(shard):
-            raise FileNotFoundError(f"index {path!r} lists shard {filename!r}, which is missing; the checkpoint is incomplete")
-        if checksums is not None and filename not in checksums:
-            raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
-                                         "index is damaged")
-        source, shard_aliases, shard_id, recorded = _read_source(shard, release)
-        if save_id is not None and shard_id is not None and shard_id != save_id:
-            raise RuntimeError(
-                f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
-                "save?); the checkpoint mixes two saves, save it again"
-            )
-        if checksums is not None and recorded != checksums[filename]:
-            raise CheckpointCorruptError(f"{shard!r} records checksum {recorded}, but the index {path!r} records "
-                                         f"{checksums[filename]}: the file was replaced or damaged; save the weights again")
-        absent = [n for n, fn in index["weight_map"].items() if fn == filename and n not in source.shapes]
-        if absent:
-            raise ValueError(f"index {path!r} says {_listing(absent)} are in {filename!r}, but that file lacks them")
-        aliases.update(shard_aliases)
-        sources.append(source)
-    return sources, aliases
 
 
 def _unwrap(model: Any) -> Any:
@@ -425,6 +181,8 @@ class _Placer:
                 with torch.no_grad():
                     old.copy_(value)
                 return
+            if self.offload_folder is not None and value.untyped_storage().nbytes() > value.nbytes:
+                value = value.clone()  # a view of the shard's bytes would keep its disk-bound tensors in RAM too
             new = torch.nn.Parameter(value, requires_grad=old.requires_grad) if is_param else value
             self.replaced[id(old)] = new
         if is_param:
@@ -433,32 +191,21 @@ class _Placer:
             module._buffers[attr] = new
 
 
-def _tensors(source: _Source, wanted: Any, transient: Any) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of one weights file, read one tensor at a time (only names ``wanted`` accepts).
-
-    safetensors hands out tensors backed by a memory map of the file, and a map stays (with every
-    page read through it) while any of its tensors lives. Tensors that are only passing through
-    (``transient``: written to the offload folder) are read through a second map, so that the pages
-    they touched go away with them instead of staying next to the weights kept in RAM.
-    """
+def _tensors(source: Source, wanted: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of one weights file, in file order (only names ``wanted`` accepts): views of
+    the verified bytes of a safetensors file, the contents of a ``.bin``."""
     if not source.safe:
         yield from ((n, v) for n, v in (source.data or {}).items() if wanted(n))
         return
-    from safetensors import safe_open
-
-    # Kept tensors come from the verified mapping (its pages are mapped already); passing ones
-    # through a map of their own that goes with them.
-    with safe_open(source.path, framework="pt", device="cpu") as passing:
-        for name in sorted(source.view.entries, key=lambda n: source.view.entries[n]["data_offsets"][0]):
-            if wanted(name):
-                yield name, passing.get_tensor(name) if transient(name) else source.view.tensor(name)
+    view = source.view
+    for name in sorted(view.entries, key=lambda n: view.entries[n]["data_offsets"][0]):
+        if wanted(name):
+            yield name, view.tensor(name)
 
 
 def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
                   keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
     """A prepared model (FSDP2, tensor parallel): each process reads the slices of its shards."""
-    from .strategies.shard_loading import load_into_sharded
-
     given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
              "keep_in_fp32_modules": keep_in_fp32_modules}
     unsupported = [k for k, v in given.items() if v]
@@ -467,38 +214,6 @@ def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: An
                          "model, whose layout and dtype prepare() fixed; leave them out (the model's dtype wins), "
                          "or load before preparing")
     return load_into_sharded(model, checkpoint, strict)
-
-
-def fit_problems(mismatched: Sequence[str], missing: Sequence[str], unexpected: Sequence[str],
-                 strict: bool) -> list[str]:
-    """What keeps a checkpoint from fitting a model: shapes always, missing/extra keys under ``strict``
-    (shared by the plain and the sharded loader, so both word them alike)."""
-    problems = []
-    if mismatched:
-        problems.append(f"shapes differ for {_listing(mismatched)}")
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
-    return problems
-
-
-def log_partial_load(checkpoint: PathLike, model: Any, missing: Sequence[str], unexpected: Sequence[str]) -> None:
-    """Report a non-strict load that left keys out: a WARNING record on ``hasten.utils.modeling``, where
-    Accelerate logs its record about unused weights (with its words), so code that watches the log sees
-    it and ``-W error`` does not make it an exception. Missing keys, which Accelerate does not report,
-    are named in the same record."""
-    if not (missing or unexpected):
-        return
-    where, name = os.fspath(checkpoint), type(model).__name__
-    parts = []
-    if unexpected:
-        parts.append(f"Some weights of the model checkpoint at {where} were not used when initializing {name}: "
-                     f"{list(unexpected)}.")
-    if missing:
-        parts.append(f"load_checkpoint_in_model: {where!r} lacks {_listing(missing)} for {name}.")
-    parts.append("The matching weights were loaded (strict=True makes this an error).")
-    log_warning("hasten.utils.modeling", " ".join(parts))
 
 
 def load_checkpoint_in_model(
@@ -548,7 +263,10 @@ def load_checkpoint_in_model(
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
-    sources, aliases = _checkpoint_sources(checkpoint)
+    # With weights going to disk, memory holds one file's bytes at a time (each is read twice: checked
+    # first, then read again at its turn and required to be the same bytes); else every file is read once.
+    disk = any(str(d) == "disk" for d in (device_map or {}).values()) if isinstance(device_map, Mapping) else False
+    sources, aliases = checkpoint_sources(checkpoint, release=disk)
     shapes: dict[str, Optional[tuple]] = {}
     for source in sources:
         for name, shape in source.shapes.items():
@@ -602,10 +320,11 @@ def load_checkpoint_in_model(
                     aliases_of[name].append(twin)
                 shapes[twin] = shapes[name]  # loaded once: later twins of the group are not loaded again
     for source in sources:
-        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of, placer.parks):
+        for name, value in _tensors(source, lambda n: n in expected or n in aliases_of):
             if name in expected:
                 placer.put(name, value)
             for alias in aliases_of.get(name, ()):
                 placer.put(alias, value)
         placer.flush()  # this shard's disk-bound weights go out before the next shard comes in
+        source.release()
     return LoadResult(missing, unexpected)

@@ -11,15 +11,26 @@ also meant for light callers (the CLI writing configs) that must not pay for imp
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import tempfile
 import uuid
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Union
+
+from .files.durable import atomic_path, atomic_write, fsync_fd, fsync_path, write_atomically  # noqa: F401 - public here
+from .files.errors import CheckpointCorruptError  # noqa: F401 - raised by loaders importing it from here
+from .files.weights import (  # noqa: F401 - save_model's file names and checksum fields, public here
+    CHECKSUM_KEY,
+    CHECKSUMS_KEY,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    UNSET_CHECKSUM,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    checksum_field,
+    self_checksum,
+)
 
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,24 +38,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-WEIGHTS_NAME = "pytorch_model.bin"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Metadata keys (safetensors header and index "metadata"): dropped tied names -> the kept name, and
 # an id shared by the shards and the index of one save, to detect a mix left by an interrupted save.
 ALIASES_KEY = "hasten_aliases"
 SAVE_ID_KEY = "hasten_save_id"
-# Integrity of save_model outputs: every safetensors file records the bsum64 (see
-# checkpointing/fileio.py) of its own bytes under CHECKSUM_KEY in its header metadata, computed
-# with that value replaced by UNSET_CHECKSUM (same length), so every byte of the file is covered,
-# the header included; the index records each file's value under CHECKSUMS_KEY and its own under
-# CHECKSUM_KEY the same way. The files stay plain safetensors / JSON for other readers.
-CHECKSUM_KEY = "hasten_checksum"
-CHECKSUMS_KEY = "hasten_checksums"
-UNSET_CHECKSUM = "bsum64:????????"
-_CHECKSUM_FIELD = re.compile(rb'"hasten_checksum"\s*:\s*"([^"]*)"')
-_CHECKSUM_VALUE = re.compile(rb'"(bsum64:[0-9a-f?]{8})"')  # the field again, should its name be damaged
 # Files a save_model call owns in its directory; anything else there (configs, ...) is left alone.
 _WEIGHT_FILE = re.compile(
     r"model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin"
@@ -54,141 +51,6 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*", re.IGNORECAS
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _LIST_LIMIT = 20
-
-
-# -- atomic files ---------------------------------------------------------------------------------
-@contextmanager
-def atomic_path(path: PathLike) -> Iterator[str]:
-    """Yield a temporary path next to ``path``; when the block succeeds, it replaces ``path``.
-
-    For writers that want a file name (``torch.save``, safetensors' ``save_file``). The data is
-    fsynced before the rename and the directory after it. If the block raises, the temporary file
-    is removed and an existing ``path`` is untouched. Symbolic links are written through.
-    """
-    target = os.path.realpath(os.fspath(path))
-    directory = os.path.dirname(target)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"cannot write {os.fspath(path)!r}: its directory {directory!r} does not exist; create it first"
-        )
-    if os.path.isdir(target):
-        raise IsADirectoryError(f"cannot write {os.fspath(path)!r}: it is a directory; pass a file path")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        _fsync_file(tmp)
-        _copy_mode(tmp, target)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_path(directory)
-
-
-@contextmanager
-def atomic_write(path: PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterator[IO]:
-    """Open ``path`` for writing so that it appears complete or not at all.
-
-    Yields a file object on a temporary file in the same directory; on success the data is flushed,
-    fsynced and renamed over ``path``. If the block raises, the temporary file is removed and the
-    previous ``path`` (if any) is unchanged. Text modes default to UTF-8.
-    """
-    if not mode.startswith("w") or any(c in mode for c in "ax+r"):
-        raise ValueError(f"atomic_write mode={mode!r} is not a write mode; use 'wb' or 'w' (appending cannot be atomic)")
-    if "b" not in mode:
-        open_kwargs.setdefault("encoding", "utf-8")
-    with atomic_path(path) as tmp:
-        with open(tmp, mode, **open_kwargs) as f:
-            yield f
-        # atomic_path fsyncs the closed file before the rename (a second fsync would flush the device again).
-
-
-def write_atomically(path: PathLike, writer: Callable[[str], Any]) -> None:
-    """Call ``writer(tmp_path)`` and atomically move what it wrote to ``path`` (see ``atomic_path``)."""
-    with atomic_path(path) as tmp:
-        writer(tmp)
-
-
-# errnos with which fsync says "this file cannot be synchronised here" (fsync(2): EINVAL and EROFS for
-# objects that do not support it; ENOTSUP/ENOSYS from some FUSE and network filesystems, and
-# directories on some systems). Anything else (EIO, ENOSPC, EDQUOT, ...) means the data may not be
-# on the disk, and the save that asked must fail instead of committing it.
-_FSYNC_UNSUPPORTED = frozenset(getattr(errno, name) for name in ("EINVAL", "EROFS", "ENOTSUP", "EOPNOTSUPP", "ENOSYS")
-                               if hasattr(errno, name))
-
-
-def fsync_fd(fd: int, path: str) -> None:
-    """``os.fsync(fd)`` of ``path``; "not supported" errnos are ignored, any other error is raised
-    as an ``OSError`` naming ``path``."""
-    from .progress import file_io
-
-    try:
-        with file_io():
-            os.fsync(fd)
-    except OSError as e:
-        if e.errno in _FSYNC_UNSUPPORTED:
-            return
-        raise OSError(e.errno, f"fsync of {path!r} failed ({e.strerror or e}): its data may not be on the disk",
-                      path) from None
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
-    try:
-        fsync_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a directory (a directory's fsync makes its renames and new entries durable).
-
-    Skipped only where it cannot be done (a directory on Windows, "not supported" errnos, see
-    ``fsync_fd``); any other failure (EIO, ENOSPC, ...) raises.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if os.name == "nt" and os.path.isdir(path):  # Windows cannot open a directory
-            return
-        raise
-    try:
-        fsync_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def _copy_mode(tmp: str, target: str) -> None:
-    # mkstemp makes 0600 files; give the result the permissions a plain open() would have.
-    try:
-        mode = os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-    except OSError:
-        pass
-
-
-_UMASK: list[int] = []
-
-
-def _umask() -> int:
-    if not _UMASK:
-        value = None
-        try:  # Linux: read it without changing it (os.umask is process-wide and racy)
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("Umask:"):
-                        value = int(line.split()[1], 8)
-        except (OSError, ValueError):
-            pass
-        if value is None:
-            value = os.umask(0o022)
-            os.umask(value)
-        _UMASK.append(value)
-    return _UMASK[0]
 
 
 # -- sizes ----------------------------------------------------------------------------------------
@@ -433,7 +295,7 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
 def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
     """One safetensors weights file, atomically, with the ties, the save id and its own checksum in
     its metadata; returns that checksum (for the index)."""
-    from .checkpointing.fileio import _DTYPES, write_safetensors
+    from .files.safetensors_format import DTYPES, write_safetensors
 
     metadata = {"format": "pt", CHECKSUM_KEY: UNSET_CHECKSUM}
     mine = {a: c for a, c in aliases.items() if c in shard}
@@ -444,12 +306,12 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
     digest: list[str] = []
 
     def write(tmp: str) -> None:
-        if all(t.dtype in _DTYPES for t in shard.values()):  # summed while written
+        if all(t.dtype in DTYPES for t in shard.values()):  # summed while written
             digest.append(write_safetensors(tmp, shard, metadata)[1])
         else:  # a dtype only the safetensors library writes: summed from the file
             from safetensors.torch import save_file
 
-            from .checkpointing.filereading import file_checksum
+            from .files.reading import file_checksum
 
             save_file(shard, tmp, metadata=metadata)
             digest.append(file_checksum(tmp))
@@ -466,53 +328,9 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
     return digest[0]
 
 
-def checksum_field(head: bytes, path: str) -> Optional[tuple[int, str]]:
-    """(byte offset, value) of the ``hasten_checksum`` field in the header bytes ``head`` of
-    ``path``; None when it has none (a file written by another library or an older hasten)."""
-    from .checkpointing.fileio import CheckpointCorruptError
-
-    found = list(_CHECKSUM_FIELD.finditer(head))
-    if not found:
-        # A flipped bit in the field's name must not make the file look like one without checksum:
-        # a value of the checksum's form is still there, and it is checked (and fails, as the name differs).
-        found = list(_CHECKSUM_VALUE.finditer(head))
-        if not found:
-            return None
-    value = found[0].group(1).decode("ascii", "replace")
-    if len(found) > 1 or not re.fullmatch(r"bsum64:[0-9a-f?]{8}", value):
-        raise CheckpointCorruptError(f"{path!r} has a damaged checksum field in its header ({CHECKSUM_KEY}="
-                                     f"{value!r}); the file was damaged or edited: save it again")
-    return found[0].start(1), value
-
-
-def self_checksum(raw: "torch.Tensor", head: int, path: str, pool: Any = None) -> Optional[str]:
-    """Check the checksum a file records about itself; ``raw``: its bytes as a writable uint8 tensor
-    (a private mapping), whose first ``head`` bytes hold the field. Returns the recorded value, None
-    when the file records none; raises ``CheckpointCorruptError`` when the bytes differ."""
-    import torch
-
-    from .checkpointing.fileio import CheckpointCorruptError, checksum_buffer
-
-    field = checksum_field(bytes(raw[:head].numpy().tobytes()), path)
-    if field is None:
-        return None
-    position, value = field
-    span = raw[position:position + len(UNSET_CHECKSUM)]
-    recorded = span.clone()
-    span.copy_(torch.frombuffer(bytearray(UNSET_CHECKSUM.encode("ascii")), dtype=torch.uint8))
-    try:
-        found = checksum_buffer(raw, pool)
-    finally:
-        span.copy_(recorded)  # a private mapping: the file itself is never written
-    if found != value:
-        raise CheckpointCorruptError(f"{path!r} is corrupted: its bytes have checksum {found}, not the {value} recorded "
-                                     "when it was saved (a flipped bit or an edited file); save the weights again")
-    return value
-
-
 def _index_text(index: dict[str, Any]) -> str:
     """The JSON of a ``save_model`` index, with the checksum of its own bytes in its metadata."""
-    from .checkpointing.fileio import BlockSummer
+    from .files.checksum import BlockSummer
 
     index["metadata"][CHECKSUM_KEY] = UNSET_CHECKSUM
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"

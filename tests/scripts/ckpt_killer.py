@@ -31,7 +31,6 @@ torch.set_num_threads(1)
 
 from hasten import Accelerator  # noqa: E402
 from hasten.checkpointing import layout  # noqa: E402
-from hasten.checkpointing.filereading import quiet_frombuffer  # noqa: E402
 from hasten.checkpointing.restorer import Reader  # noqa: E402
 from hasten.state import AcceleratorState, GradientState  # noqa: E402
 from hasten.utils import ProjectConfiguration  # noqa: E402
@@ -40,7 +39,7 @@ from ckpt_step import Step  # noqa: E402 - beside this script
 TOTAL_LIMIT = 2
 BLOCKING = (sys.argv[5] if len(sys.argv) > 5 else "blocking") != "background"
 if (sys.argv[6] if len(sys.argv) > 6 else "buffered") == "direct":
-    from hasten.checkpointing import fileio
+    from hasten.files import safetensors_format as fileio
 
     fileio._DIRECT_MIN = 1
 
@@ -75,7 +74,6 @@ def child(project: str, pipe: int) -> None:
 
 def verify(folder: str) -> int:
     """Check a complete checkpoint end to end; returns its recorded step."""
-    quiet_frombuffer()
     manifest = layout.read_manifest(folder)
     from concurrent.futures import ThreadPoolExecutor
 

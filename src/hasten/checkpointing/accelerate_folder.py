@@ -23,8 +23,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import layout, restorer, rng, unpickling
-from .fileio import CheckpointCorruptError
+from ..files import unpickling
+from . import layout, restorer, rng
+from ..files.errors import CheckpointCorruptError
+from ..files.paths import is_link
+from ..files.reading import read_path
+from ..files.safetensors_format import SafetensorsView
 from ..warning_kinds import HastenWarning
 
 _MODEL = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)$")
@@ -92,7 +96,7 @@ def _dict(path: str, value: Any, keys: tuple = (), tensors: bool = False) -> Any
 def _torch_load(path: str, allow_pickle: bool = False, advice: str = _ADVICE) -> Any:
     """A torch file of the folder, copied once and checked (torch.save's zip records or a legacy pickle: never
     a TorchScript archive, which torch.load would run, allow_pickle or not), then loaded from that copy."""
-    from . import weights_only
+    from ..files import weights_only
 
     if allow_pickle:  # the caller trusts the file (load_kwargs={'weights_only': False})
         return unpickling.load_checked(path, "torch.save", (pickle.UnpicklingError,), weights_only=False)
@@ -143,8 +147,8 @@ def read_rng(path: str) -> dict[str, Any]:
 def _refuse_links(folder: str, names: set[str]) -> None:
     """Symbolic links may lead anywhere on the machine: an Accelerate folder is read only when neither it
     nor any entry in it is one (Accelerate writes plain files and folders)."""
-    links = sorted(n for n in names if os.path.islink(os.path.join(folder, n)))
-    if os.path.islink(os.path.normpath(folder)) or links:
+    links = sorted(n for n in names if is_link(os.path.join(folder, n)))
+    if is_link(os.path.normpath(folder)) or links:
         what = ", ".join(repr(os.path.join(folder, n)) for n in links[:5]) or repr(folder)
         raise CheckpointCorruptError(f"{what} {'are symbolic links' if len(links) > 1 else 'is a symbolic link'}; "
                                      "hasten reads checkpoint files only from real files inside the folder (nothing "
@@ -153,10 +157,10 @@ def _refuse_links(folder: str, names: set[str]) -> None:
 
 def _read_model(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
+        try:  # read once, a plain file: the tensors are views of those bytes
+            return SafetensorsView(read_path(path, what="checkpoint file")).tensors()
+        except CheckpointCorruptError:
+            raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors do not name the file
             raise CheckpointCorruptError(f"{path!r} is not a readable safetensors file ({type(e).__name__}: "
                                          f"{_first_line(e)}); the checkpoint is damaged") from None

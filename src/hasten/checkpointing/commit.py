@@ -18,7 +18,7 @@ each node's first process with ``save_on_each_node``). The steps, in order:
 
 On a failure before the rename (an fsync error included: only "not supported" errnos are ignored)
 the committing process removes the temporary folder: nothing is committed; a rename that cannot be
-made durable is undone first (``layout.move_into_place``). ``layout`` (names, manifest file, atomic rename, removal) and ``saver``/``fileio``
+made durable is undone first (``layout.move_into_place``). ``layout`` (names, manifest file, atomic rename, removal) and ``saver``/``files``
 (writing files) are the leaves it calls; none of them calls back here.
 
 ``write_and_commit`` runs either inline (``save_state()``) or on a background thread
@@ -40,8 +40,9 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ..group_lifetime import release_save_group, save_group  # noqa: F401 - the save's group, here for callers
-from ..saving import fsync_path
-from . import filereading, layout, saver
+from ..files.durable import fsync_path
+from ..files.reading import file_checksum
+from . import layout, saver
 from .collectives import ProcessGroupGone, gather
 from .staging import Stager
 
@@ -178,13 +179,13 @@ def _commit(job: SaveJob, listed_by_process: list, checksums: dict[str, str]) ->
 
             sharded = (job.listing or sharded_files)(folder)  # fsynced by the processes that wrote them
             for name, info in sharded.items():  # a file no process claimed is checksummed here
-                info["checksum"] = checksums.get(name) or filereading.file_checksum(os.path.join(folder, name))
+                info["checksum"] = checksums.get(name) or file_checksum(os.path.join(folder, name))
             files.update(sharded)
         for name in here:  # written by save hooks: make them durable and record them too
             if name not in files:
                 full = os.path.join(folder, name)
                 fsync_path(full)
-                files[name] = {"size": os.path.getsize(full), "checksum": filereading.file_checksum(full), "rank": "hook"}
+                files[name] = {"size": os.path.getsize(full), "checksum": file_checksum(full), "rank": "hook"}
         # 5. durable: subfolders, then the manifest, then the folder's own entries (the manifest's last)
         for sub in {os.path.dirname(n) for n in here if os.path.dirname(n)}:
             fsync_path(os.path.join(folder, sub))

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from . import unpickling
-from ..contained import why_outside
-from .fileio import CheckpointCorruptError
+from ..files import unpickling
+from ..files.errors import CheckpointCorruptError
+from ..files.paths import is_link, open_inside, why_outside
 
 
 def _file_size(folder: str, name: Any, what: str) -> int:
@@ -36,23 +36,21 @@ def _file_size(folder: str, name: Any, what: str) -> int:
             f"{what} names the shard file {name!r} in {folder!r}: {why}; DCP writes only plain names of real files "
             "inside the folder, so the metadata is damaged or crafted (nothing was read; copy real files in "
             "instead of linking them)")
-    full = os.path.join(folder, name)
     try:
-        info = os.lstat(full)
-    except OSError:
-        raise CheckpointCorruptError(f"{what} names the shard file {full!r}, which is missing; the checkpoint is "
-                                     "incomplete or damaged") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-        raise CheckpointCorruptError(
-            f"{full!r} is a symbolic link or not a regular file; hasten reads only plain files inside the checkpoint "
-            "folder (copy the real file in instead of linking it)")
-    return info.st_size
+        fd = open_inside(folder, name, "DCP shard file", nested=False)  # a plain file, no link
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{what} names the shard file {os.path.join(folder, name)!r}, which is missing; "
+                                     "the checkpoint is incomplete or damaged") from None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def check_folder(folder: str) -> None:
     """Refuse a DCP folder that is a symbolic link, or whose ``.metadata`` is one."""
     for path in (folder, os.path.join(folder, ".metadata")):
-        if os.path.islink(path):
+        if is_link(path):
             raise CheckpointCorruptError(
                 f"{path!r} is a symbolic link; hasten reads only plain files and folders inside a checkpoint "
                 "(copy the real one in instead of linking it)")
@@ -185,7 +183,7 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
         return os.path.join(self.folder, stored.relative_path) if stored is not None else self.folder
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from . import weights_only
+        from ..files import weights_only
 
         fqn = read_item.dest_index.fqn
         where = f" (in {self._file(read_item)!r})" if self.folder else ""

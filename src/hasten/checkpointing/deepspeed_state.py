@@ -38,6 +38,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..files import unpickling
+from ..files.durable import fsync_path
+from ..files.errors import CheckpointCorruptError
+from ..files.reading import file_checksum, read_path
+from ..files.safetensors_format import SafetensorsView
+from ..files.unpickling import ForbiddenPickle
 # The private DeepSpeed interfaces this module uses, checked before use (re-exported: callers of old import them here)
 from .deepspeed_api import DeepSpeedVersionError, check_engine_api, checkpoint_engine_class, version_error  # noqa: F401
 from .deepspeed_api import zero_call as _zero_call
@@ -135,9 +141,6 @@ class DeepSpeedCheckpoint:
     def save(self, folder: str, inner: list[nn.Module]) -> dict[str, str]:
         """Every process writes its partitions, then makes the files it can see durable; returns the
         checksums of its own files (``{manifest name: checksum}``) for the manifest."""
-        from .filereading import file_checksum
-        from ..saving import fsync_path
-
         path = os.path.join(folder, SUBDIR)
         os.makedirs(path, exist_ok=True)
         for i, (module, engine) in enumerate(zip(inner, self._engines(inner))):
@@ -327,9 +330,6 @@ _KIND = "DeepSpeed checkpoint"
 def _read(name: str) -> Any:
     """One engine file, read once, checked (no TorchScript, torch.save's records only) and unpickled with the
     allow-list from those very bytes. Raises ``ForbiddenPickle`` or ``CheckpointCorruptError`` naming it."""
-    from . import unpickling
-    from .fileio import CheckpointCorruptError
-
     state = unpickling.torch_file(name, _KIND, _RECORDS)
     if not isinstance(state, dict):  # every DeepSpeed checkpoint file holds a dict
         raise CheckpointCorruptError(f"{name!r} holds a {type(state).__name__}, not the dict DeepSpeed saves; the "
@@ -341,15 +341,13 @@ def _read_frozen(path: str) -> dict[str, torch.Tensor]:
     """The full weights of a frozen model (safetensors: no pickle), tied names restored."""
     import json
 
-    from safetensors import safe_open
-
     from ..saving import ALIASES_KEY
 
     if not os.path.isfile(path):
         raise ValueError(f"the weights file {os.path.relpath(path, os.path.dirname(os.path.dirname(path)))} is missing")
-    with safe_open(path, framework="pt") as f:
-        weights = {name: f.get_tensor(name) for name in f.keys()}
-        aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+    view = SafetensorsView(read_path(path, what="weights file"))  # a plain file, read once
+    weights = view.tensors()
+    aliases = json.loads(view.metadata.get(ALIASES_KEY, "{}"))
     for name, twin in aliases.items():
         weights[name] = weights[twin]
     return weights
@@ -519,9 +517,6 @@ def consolidated_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _names_a_file(error: BaseException) -> bool:
-    from .fileio import CheckpointCorruptError
-    from .unpickling import ForbiddenPickle
-
     return isinstance(error, (ForbiddenPickle, CheckpointCorruptError))
 
 

@@ -15,7 +15,7 @@ temporary name with its final name missing; ``recover`` renames it back (discove
 save_state call it) when a replace was under way, and neither retention nor leftover cleaning
 deletes such a checkpoint. A save that never reached its rename is not committed: its temporary
 folder stays a leftover, cleaned by a later save. fsync
-errors other than "not supported" fail the save (``saving.fsync_fd``); a rename whose directory
+errors other than "not supported" fail the save (``files.durable.fsync_fd``); a rename whose directory
 cannot be fsynced is undone.
 """
 
@@ -32,8 +32,15 @@ import threading
 import uuid
 from typing import Any, Callable, Optional
 
-from ..contained import why_outside
-from ..saving import fsync_fd, fsync_path
+from ..files.durable import atomic_path, fsync_path
+from ..files.errors import (  # noqa: F401 - the public names of checkpoint errors
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DamagedManifestError,
+    IncompleteCheckpointError,
+    UnsafeFileError,
+)
+from ..files.paths import is_link, read_inside, why_outside
 from ..warning_kinds import HastenWarning
 
 MANIFEST = "manifest.json"
@@ -46,25 +53,6 @@ CHECKSUM_KEY = "manifest_checksum"
 # Only the names hasten writes: ASCII digits without leading zeros (``int()`` also takes "٩", "０7").
 _NUMBERED = re.compile(r"checkpoint_(0|[1-9][0-9]*)")
 _TEMP = re.compile(r"\.(.+)\.(tmp|old|trash)-([0-9a-f]{32})(-node[0-9]+)?")
-
-
-class CheckpointNotFoundError(FileNotFoundError):
-    """No complete checkpoint where one was expected."""
-
-
-class IncompleteCheckpointError(ValueError):
-    """A folder that is not a complete hasten checkpoint of a version this hasten reads."""
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file (the manifest included) does not have the size or checksum recorded for it.
-
-    Defined here (torch-free) and exported by ``fileio``, its usual home."""
-
-
-class DamagedManifestError(CheckpointCorruptError, IncompleteCheckpointError):
-    """``manifest.json`` itself is damaged (unparseable, or its own checksum does not match): both a
-    corrupt file and an incomplete checkpoint, so callers catching either see it."""
 
 
 def new_token() -> str:
@@ -130,11 +118,9 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def _read_text(path: str) -> str:
-    """The manifest's text, never through a symbolic link (O_NOFOLLOW where the system has it)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
-        return f.read().decode("utf-8")
+def _read_text(folder: str, name: str = MANIFEST) -> str:
+    """The manifest's text, read from a plain file inside ``folder`` (``files.paths.open_inside``)."""
+    return read_inside(folder, name, "manifest").decode("utf-8")
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
@@ -145,14 +131,14 @@ def read_manifest(folder: str) -> dict[str, Any]:
     manifest's own checksum; every listed file is present with its recorded size.
     """
     path = os.path.join(folder, MANIFEST)
-    if os.path.islink(folder):
+    if is_link(folder):
         raise IncompleteCheckpointError(
             f"{folder!r} is a symbolic link; hasten reads checkpoints only from real folders (a link may lead "
             f"anywhere); pass the folder it points to ({os.path.realpath(folder)!r}) if you trust it"
         )
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(f"checkpoint folder {folder!r} does not exist")
-    if os.path.islink(path):
+    if is_link(path):
         raise IncompleteCheckpointError(f"{path!r} is a symbolic link; the checkpoint is damaged or crafted "
                                         "(nothing was read)")
     if not os.path.isfile(path):
@@ -161,7 +147,9 @@ def read_manifest(folder: str) -> dict[str, Any]:
             "checkpoint written by another library); pass a folder written by hasten's save_state"
         )
     try:
-        manifest = json.loads(_read_text(path))
+        manifest = json.loads(_read_text(folder))
+    except UnsafeFileError:
+        raise
     except (OSError, ValueError, RecursionError) as e:
         raise DamagedManifestError(
             f"{path!r} is damaged: it cannot be read as JSON ({type(e).__name__}: {e}); the checkpoint cannot be "
@@ -268,7 +256,7 @@ def _structure_problem(manifest: dict[str, Any]) -> Optional[str]:
 
 
 def _inside(folder: str, name: Any) -> bool:
-    """Whether the manifest's file ``name`` stays inside ``folder`` (``contained.why_outside``)."""
+    """Whether the manifest's file ``name`` stays inside ``folder`` (``files.paths.why_outside``)."""
     return why_outside(folder, name) is None
 
 
@@ -310,17 +298,13 @@ def write_manifest(folder: str, manifest: dict[str, Any], name: str = MANIFEST) 
     """Write ``manifest`` with its own checksum as ``name`` (``manifest.json``; an attachment record of
     ``solo``) into ``folder`` (temp file, fsync, rename). The folder is fsynced once, by the caller,
     right after: each fsync costs a device cache flush, even with nothing to write."""
-    path = os.path.join(folder, name)
-    temp = path + ".tmp"
     manifest = dict(manifest)
     manifest.pop(CHECKSUM_KEY, None)
     manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
-    with open(temp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        fsync_fd(f.fileno(), temp)
-    os.replace(temp, path)
+    with atomic_path(os.path.join(folder, name), sync_folder=False) as temp:
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True, allow_nan=False)
+            f.write("\n")
 
 
 # -- rename into place and removal ------------------------------------------------------------------
@@ -490,11 +474,8 @@ def apply_total_limit(root: str, total_limit: Optional[int], keep: str) -> list[
 
 def _ours(folder: str) -> bool:
     """Whether ``folder`` was written by hasten's save_state: its manifest (a real file) says our format."""
-    path = os.path.join(folder, MANIFEST)
     try:
-        if os.path.islink(path):
-            return False
-        return json.loads(_read_text(path)).get("format") == FORMAT
+        return json.loads(_read_text(folder)).get("format") == FORMAT  # never through a link
     except (OSError, ValueError, RecursionError, AttributeError):
         return False
 

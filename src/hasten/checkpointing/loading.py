@@ -14,8 +14,8 @@ from ..saving import CheckpointMismatchError
 from ..state import warn_once
 from . import accelerate_folder, backends, layout, restorer, resume, rng, saver, solo
 from .collectives import broadcast_from_main, gather
-from .fileio import HASH_THREADS, CheckpointCorruptError
-from .filereading import Bounce, quiet_frombuffer
+from ..files.checksum import HASH_THREADS
+from ..files.errors import CheckpointCorruptError
 from ..warning_kinds import HastenWarning
 
 _KINDS = {
@@ -109,7 +109,6 @@ def load_checkpoint(acc: Any, input_dir: Optional[str], load_kwargs: dict, extra
     if extra:
         warnings.warn(f"load_state ignores {sorted(extra)} (DeepSpeed/Megatron options)", HastenWarning, stacklevel=3)
     allow_pickle = load_kwargs.get("weights_only", True) is False
-    quiet_frombuffer()
     folder = resolve_folder(acc, input_dir)
     if broadcast_from_main([accelerate_folder.is_accelerate_folder(folder)])[0]:
         return accelerate_folder.load(acc, folder, allow_pickle, custom_later, _agree, _kind)
@@ -164,18 +163,24 @@ def _load(acc: Any, folder: str, allow_pickle: bool, custom_later: bool, checksu
     _agree(problems, folder)
 
     # 3. apply: nothing below can fail on a checkpoint that passed the checks
-    bounce = Bounce()  # host buffers for file -> GPU reads, shared by every file of this load
+    # Each file's bytes are let go as soon as its state is applied (the largest first: models, optimizers).
     with torch.no_grad():
         inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
-        for model, state, view in zip(inner, loaded["models"], loaded["model_views"]):
+        for i, (model, state, view) in enumerate(zip(inner, loaded["models"], loaded["model_views"])):
             if state is not None and not (acc.strategy.loads_full_weights_in_place(model)
-                                          and restorer.read_model_in_place(model, view, bounce)):
+                                          and restorer.read_model_in_place(model, view)):
                 acc.strategy.load_model_state_dict(model, state)
+            loaded["models"][i] = loaded["model_views"][i] = state = view = None
+        for entry in manifest["contents"]["models"]:
+            reader.release(entry.get("file"))
         if loaded["grads"] is not None:
             restorer.apply_gradients(acc, loaded["grads"])
-        for opt, state, name in zip(acc._optimizers, loaded["optimizers"], loaded["optimizer_files"]):
+        for i, (opt, name) in enumerate(zip(acc._optimizers, loaded["optimizer_files"])):
+            state, loaded["optimizers"][i] = loaded["optimizers"][i], None
             if state is not None:
-                restorer.apply_optimizer(opt, state, inner, acc.strategy, reader.mapped(name), bounce)
+                restorer.apply_optimizer(opt, state, inner, acc.strategy)
+            state = None
+            reader.release(name)
     if loaded["sharded"] is not None:
         loaded["sharded"].load(folder, manifest["contents"], inner, acc._optimizers)
     acc.strategy.weights_loaded(inner)

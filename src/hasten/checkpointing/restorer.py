@@ -15,11 +15,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..files.errors import CheckpointCorruptError, IncompleteCheckpointError
+from ..files.reading import ReadFile, read_inside
+from ..files.safetensors_format import SafetensorsView
+from ..files.unpickling import ForbiddenGlobal, ForbiddenPickle, check_torch_bytes
 from ..saving import ALIASES_KEY
 from . import codec
-from .fileio import CheckpointCorruptError
-from .filereading import Bounce, MappedFile, SafetensorsView, verify
-from .layout import IncompleteCheckpointError
 from .saver import CLASS_KEY, SKELETON_KEY
 
 _LIST = 8
@@ -31,13 +32,16 @@ def _listing(items: list) -> str:
 
 
 class Reader:
-    """The files of one checkpoint folder, mapped once, verified against the manifest."""
+    """The files of one checkpoint folder, each read once into private memory and verified against
+    the manifest while it is read (``files.reading``): what is decoded and applied later is exactly
+    what was verified, whatever happens to the files meanwhile."""
 
     def __init__(self, folder: str, manifest: dict[str, Any], pool: ThreadPoolExecutor) -> None:
         self.folder = folder
         self.manifest = manifest
         self.pool = pool
-        self._mapped: dict[str, MappedFile] = {}
+        self._read: dict[str, ReadFile] = {}
+        self.checksums = True  # verify="size": sizes only
 
     def listed(self, name: str) -> dict[str, Any]:
         """The manifest's entry for ``name``; a clear error when the manifest lacks it."""
@@ -49,28 +53,33 @@ class Reader:
             )
         return info
 
-    def mapped(self, name: str) -> MappedFile:
-        if name not in self._mapped:
-            self.listed(name)
-            path = os.path.join(self.folder, name)
-            if os.path.islink(path):  # read_manifest refused links; one made since is refused here too
-                raise IncompleteCheckpointError(f"{path!r} is a symbolic link; hasten reads only real files of a "
-                                                "checkpoint folder (nothing was read)")
+    def file(self, name: str) -> ReadFile:
+        """The bytes of ``name``, read and verified (its size, and its checksum unless ``checksums`` is
+        False) on first use."""
+        if name not in self._read:
+            info = self.listed(name)
             try:
-                self._mapped[name] = MappedFile(path)
-            except OSError as e:
-                raise IncompleteCheckpointError(f"{path!r} cannot be read ({e.strerror or e})") from None
-        return self._mapped[name]
+                self._read[name] = read_inside(self.folder, name, info["size"],
+                                               info.get("checksum") if self.checksums else None, pool=self.pool)
+            except FileNotFoundError as e:
+                raise IncompleteCheckpointError(f"{os.path.join(self.folder, name)!r} cannot be read ({e.strerror or e}); "
+                                                "the checkpoint is incomplete") from None
+        return self._read[name]
 
     def verify(self, names: list[str], checksums: bool = True) -> None:
-        """Check sizes (and checksums) of ``names``; the two largest files are hashed in parallel."""
-        names = sorted(set(names), key=lambda n: -self.listed(n)["size"])
-        for name in names:
-            info = self.manifest["files"][name]
-            verify(self.mapped(name), info["size"], info.get("checksum") if checksums else None, self.pool)
+        """Read and check ``names`` (and any file read later): sizes, and checksums unless ``checksums`` is False."""
+        self.checksums = checksums
+        for name in sorted(set(names), key=lambda n: -self.listed(n)["size"]):
+            self.file(name)
+
+    def release(self, name: str) -> None:
+        """Drop the bytes of ``name`` (its state was applied)."""
+        read = self._read.pop(name, None)
+        if read is not None:
+            read.close()
 
     def view(self, name: str) -> SafetensorsView:
-        return SafetensorsView(self.mapped(name))
+        return SafetensorsView(self.file(name))
 
     def state(self, name: str, allow_pickle: bool = False) -> tuple[Any, Optional[str]]:
         """(state, class name) of a state file; ``.pt`` files need ``allow_pickle``."""
@@ -86,24 +95,22 @@ class Reader:
             ) from None
 
     def close(self) -> None:
-        for mapped in self._mapped.values():
-            mapped.close()
-        self._mapped.clear()
+        for read in self._read.values():
+            read.close()
+        self._read.clear()
 
 
 def _unpickle(reader: Reader, name: str, allow_pickle: bool) -> Any:
     import io
 
-    from .unpickling import ForbiddenGlobal, ForbiddenPickle, check_torch_bytes
-
     path = os.path.join(reader.folder, name)
-    raw = reader.mapped(name).bytes()
+    raw = reader.file(name).bytes()
     # torch.load hands a TorchScript archive to torch.jit.load (its code runs), allow_pickle or not: the bytes
     # are checked first, and those very bytes are loaded.
     check_torch_bytes(raw, path, "torch.save")
     try:
         if not allow_pickle:  # hasten's allow-list unpickler: every size the file states bounded by the file
-            from . import weights_only
+            from ..files import weights_only
 
             return weights_only.load_bytes(raw, path, "torch.save")
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
@@ -227,24 +234,23 @@ def check_optimizer(saved: Any, optimizer: Any, index: int) -> list[str]:
 
 
 # -- apply (after every process agreed) -----------------------------------------------------------
-def _materialize(value: torch.Tensor, live: Any, device: torch.device, source: Optional[MappedFile] = None,
-                 bounce: Optional[Bounce] = None) -> torch.Tensor:
-    """Copy a mapped tensor into the live tensor when it fits, else straight onto ``device``.
+def _materialize(value: torch.Tensor, live: Any, device: torch.device) -> torch.Tensor:
+    """Copy a read tensor into the live tensor when it fits (the live tensors stay the same objects and
+    memory), else hand it over (already on ``device``) or copy it straight onto ``device``.
 
     One copy either way: a state read into host memory first and moved by the optimizer's
     ``load_state_dict`` would cross memory twice (a resume into an optimizer without state yet).
     """
     fits = (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
             and not live.requires_grad)
+    if not fits and value.device == device:  # the verified bytes are this process's own memory: they become it
+        return value
     dest = live if fits else torch.empty(value.shape, dtype=value.dtype, device=device)
-    if source is not None:
-        source.copy_into(dest, value, bounce)
-    else:
-        dest.copy_(value)
+    dest.copy_(value)
     return dest
 
 
-def read_model_in_place(model: torch.nn.Module, view: SafetensorsView, bounce: Optional[Bounce] = None) -> bool:
+def read_model_in_place(model: torch.nn.Module, view: SafetensorsView) -> bool:
     """Read a full model file straight into the model's tensors, as ``load_state_dict`` would copy
     them; False (nothing changed) unless every entry is a plain tensor of the saved dtype and shape
     and no module customises loading (hooks, ``_load_from_state_dict``): then the caller loads the
@@ -264,13 +270,13 @@ def read_model_in_place(model: torch.nn.Module, view: SafetensorsView, bounce: O
             return False
     with torch.no_grad():
         for name, tensor in live.items():
-            view.mapped.copy_into(tensor.detach(), saved[name], bounce)
+            tensor.detach().copy_(saved[name])
     return True
 
 
 def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: list, strategy: Any,
-                    source: Optional[MappedFile] = None, bounce: Optional[Bounce] = None) -> None:
-    """Load a full optimizer state decoded from ``source`` (read from the file, see ``MappedFile.copy_into``);
+                    ) -> None:
+    """Load a full optimizer state decoded from a checkpoint file's verified bytes;
     the strategy loads it when its model is sharded."""
     inner = getattr(optimizer, "optimizer", optimizer)
     ids = {id(p) for g in inner.param_groups for p in g["params"]}
@@ -284,7 +290,7 @@ def apply_optimizer(optimizer: Any, saved: dict[str, Any], models: list, strateg
     for pid, entries in saved["state"].items():
         current = live_state.get(pid) or {}
         param = params.get(pid)
-        state[pid] = {k: _materialize(v, current.get(k), _state_device(k, v, param), source, bounce)
+        state[pid] = {k: _materialize(v, current.get(k), _state_device(k, v, param))
                       if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
@@ -299,7 +305,7 @@ def _state_device(key: str, value: torch.Tensor, param: Optional[torch.Tensor]) 
 
 
 def detach_state(value: Any) -> Any:
-    """Clone mapped tensors out of a decoded state (so no file stays mapped after loading)."""
+    """Clone tensors out of a decoded state (so no file's bytes stay in memory after loading)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):

@@ -153,7 +153,7 @@ class AutoResume:
         except (layout.IncompleteCheckpointError, layout.CheckpointNotFoundError) as e:
             self._pass_over(e)
         except Exception as e:  # noqa: BLE001 - CheckpointCorruptError (fileio is imported with torch)
-            from .fileio import CheckpointCorruptError
+            from ..files.errors import CheckpointCorruptError
 
             if not isinstance(e, CheckpointCorruptError):
                 raise
@@ -200,7 +200,7 @@ def newest_checkpoint(root: str, caller: str, skip_damaged: bool = False, passed
     and why (training must not silently lose steps), unless ``skip_damaged`` (``resume="auto-skip-damaged"``).
     ``fresh_start``: the caller starts over when None is returned, so folders of which none loads raise too.
     ``passed_over``: folders a load already failed on (folder -> why), counted as committed but damaged."""
-    from .fileio import CheckpointCorruptError
+    from ..files.errors import CheckpointCorruptError
 
     layout.recover_all(root)  # complete checkpoints a crash left under temporary names
     passed: list[tuple[str, str, bool]] = []  # (folder, why, committed)

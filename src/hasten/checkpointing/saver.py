@@ -21,7 +21,7 @@ import torch
 
 from ..saving import ALIASES_KEY, find_aliases
 from . import codec, rng
-from .fileio import write_bytes, write_safetensors
+from ..files.safetensors_format import write_bytes, write_safetensors
 from ..warning_kinds import HastenWarning
 
 SKELETON_KEY = "hasten_skeleton"

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..files import unpickling
+from ..files.reading import file_checksum
 SUBDIR = "sharded"
 KEY = "dcp"  # the manifest key of entries stored here
 
@@ -85,8 +87,6 @@ def write(folder: str, state: dict[str, Any], group: Any = None) -> dict[str, st
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from .filereading import file_checksum
-
     path = os.path.join(folder, SUBDIR)
     os.makedirs(path, exist_ok=True)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -133,7 +133,6 @@ def files(folder: str) -> dict[str, dict[str, Any]]:
 def read_metadata(folder: str) -> Any:
     """DCP's ``.metadata`` of ``folder``, read with the allow-list of ``unpickling`` (never
     ``pickle.load``: a replaced file could run code)."""
-    from . import unpickling
     from .dcp_reader import check_folder, validate
 
     path = os.path.join(folder, SUBDIR)

@@ -41,11 +41,11 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from .. import progress
-from ..contained import why_outside
-from ..saving import fsync_path
+from ..files.paths import why_outside
+from ..files.durable import fsync_path
 from . import commit, layout, rng, saver
-from .fileio import CheckpointCorruptError
-from .filereading import file_checksum
+from ..files.errors import CheckpointCorruptError
+from ..files.reading import file_checksum
 
 ATTACHMENT_FORMAT = "hasten-attachment"
 TOKEN_KEY = "attach_token"
@@ -340,7 +340,7 @@ def attach(target: str, token: str, rank: int, items: list, hook_folder: Optiona
 
 def _manifest_of(target: str) -> dict[str, Any]:
     try:
-        manifest = json.loads(layout._read_text(os.path.join(target, layout.MANIFEST)))  # never through a link
+        manifest = json.loads(layout._read_text(target))  # never through a link
     except (OSError, ValueError) as e:
         raise RuntimeError(f"save_state: the checkpoint {target!r} that process 0 committed cannot be read "
                            f"({type(e).__name__}: {e})") from None
@@ -363,11 +363,10 @@ def read_attachment(folder: str, manifest: dict[str, Any], rank: int) -> Optiona
     path = os.path.join(folder, name)
     if not os.path.lexists(path):
         return None
-    if os.path.islink(path) or not os.path.isfile(path):
-        raise CheckpointCorruptError(f"{path!r} is a symbolic link or not a file; hasten reads only real files of "
-                                     "a checkpoint folder (nothing was read)")
     try:
-        record = json.loads(layout._read_text(path))
+        record = json.loads(layout._read_text(folder, name))  # a plain file inside the folder, never a link
+    except layout.UnsafeFileError:
+        raise
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path!r} is damaged: it cannot be read as JSON ({type(e).__name__}: {e})"
                                      ) from None

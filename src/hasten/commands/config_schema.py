@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..utils import constants
+from ..files.durable import atomic_write
 from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, MissingFileError, did_you_mean
 
@@ -442,15 +442,8 @@ def dump_yaml_atomically(path: str, data: Mapping[str, Any], flag: str = "--conf
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".hasten-config-", suffix=".yaml", dir=folder)
     except OSError as exc:
         raise HastenCLIError(f"cannot write the config file {path}: {exc.strerror}; pass another {flag}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yaml.safe_dump(data, f, default_flow_style=False, sort_keys=False)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, "w") as f:
+        yaml.safe_dump(data, f, default_flow_style=False, sort_keys=False)
     return path

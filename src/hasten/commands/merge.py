@@ -83,6 +83,7 @@ class Source(NamedTuple):
     kind: str  # "dcp" | "safetensors" | "deepspeed" (an engine checkpoint folder: one tag)
     path: str
     key: Optional[str] = None
+    verified: Any = None  # a safetensors file's bytes, read once and verified (``files.reading.ReadFile``)
 
 
 def _is_dcp(path: str) -> bool:
@@ -149,7 +150,7 @@ def _hasten_sources(folder: str) -> list[Source]:
         manifest = read_manifest(folder)
     except (IncompleteCheckpointError, FileNotFoundError) as e:
         raise HastenCLIError(str(e).splitlines()[0]) from None
-    _verify_files(folder, manifest)
+    verified = _verify_files(folder, manifest)
     entries = (manifest.get("contents") or {}).get("models") or []
     dcp_folders = _dcp_folders(folder)
     sources = []
@@ -159,7 +160,7 @@ def _hasten_sources(folder: str) -> list[Source]:
         if isinstance(tag, str):
             sources.append(Source("deepspeed", os.path.join(folder, "deepspeed", tag)))
         elif isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
-            sources.append(Source("safetensors", os.path.join(folder, file)))
+            sources.append(Source("safetensors", os.path.join(folder, file), verified=verified.get(file)))
         elif isinstance(key, str) and _is_dcp(os.path.join(folder, key)):  # a folder per model
             sources.append(Source("dcp", os.path.join(folder, key)))
         elif isinstance(key, str) and len(dcp_folders) == 1:
@@ -172,29 +173,26 @@ def _hasten_sources(folder: str) -> list[Source]:
     return sources
 
 
-def _verify_files(folder: str, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists has its recorded size and checksum and is a plain file (no
-    symbolic link), checked before anything is read or written: a flipped byte anywhere stops the merge."""
-    import stat
+def _verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Every file the manifest lists has its recorded size and checksum and is a plain file inside the
+    folder (no symbolic link on the way), checked before anything is written: a flipped byte anywhere
+    stops the merge. Returns the verified bytes of the model files (``.safetensors`` the manifest's
+    models name), which are what the merge then reads."""
+    from ..files.errors import CheckpointCorruptError
+    from ..files.reading import read_inside
 
-    from ..checkpointing.fileio import CheckpointCorruptError
-    from ..checkpointing.filereading import MappedFile, verify
-
+    models = {e.get("file") for e in (manifest.get("contents") or {}).get("models") or [] if isinstance(e, dict)}
+    kept = {}
     for name, info in sorted(manifest["files"].items()):
-        full = os.path.join(folder, name)
-        parts = name.split("/")
-        for depth in range(1, len(parts) + 1):  # a linked folder on the way leads outside as well
-            if stat.S_ISLNK(os.lstat(os.path.join(folder, *parts[:depth])).st_mode):
-                raise HastenCLIError(f"{os.path.join(folder, *parts[:depth])!r} is a symbolic link; hasten reads only "
-                                     "plain files inside a checkpoint (copy the real file in)")
-        mapped = MappedFile(full)
         try:
-            verify(mapped, info.get("size"), info.get("checksum"))
-        except CheckpointCorruptError as e:
+            read = read_inside(folder, name, info.get("size"), info.get("checksum"))
+        except (CheckpointCorruptError, OSError) as e:
             raise HastenCLIError(str(e).replace("manifest", f"{MANIFEST}")) from None
-        finally:
-            mapped.close()
-            del mapped
+        if name in models:
+            kept[name] = read
+        else:
+            read.close()
+    return kept
 
 
 def _expand(source: Source, metadata: Any) -> list[Source]:
@@ -267,8 +265,8 @@ def read_metadata(folder: str) -> Any:
     import pickle
 
     from ..checkpointing.dcp_reader import check_folder, validate
-    from ..checkpointing.fileio import CheckpointCorruptError
-    from ..checkpointing.unpickling import dcp_metadata
+    from ..files.unpickling import dcp_metadata
+    from ..files.errors import CheckpointCorruptError
 
     try:
         check_folder(folder)
@@ -317,21 +315,21 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     return {selected[k]: v for k, v in buffers.items()}
 
 
-def read_safetensors(path: str) -> dict[str, Any]:
-    """A hasten checkpoint's model file, with the tied names it stored once restored."""
-    from safetensors import safe_open
-
+def read_safetensors(path: str, verified: Any = None) -> dict[str, Any]:
+    """A hasten checkpoint's model file, with the tied names it stored once restored: from its
+    ``verified`` bytes when the manifest's check read them, else read here once (a plain file)."""
+    from ..files.errors import CheckpointCorruptError
+    from ..files.reading import read_path
+    from ..files.safetensors_format import SafetensorsView
     from ..saving import ALIASES_KEY
 
-    tensors = {}
     try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    except Exception as e:  # noqa: BLE001 - SafetensorError and friends do not name the file
+        view = SafetensorsView(verified if verified is not None else read_path(path, what="model file"))
+        tensors = view.tensors()
+        aliases = json.loads(view.metadata.get(ALIASES_KEY, "{}"))
+    except (CheckpointCorruptError, OSError, ValueError) as e:
         raise HastenCLIError(f"cannot read {path!r} ({type(e).__name__}: {e}); the file is damaged") from None
-    for alias, canonical in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
+    for alias, canonical in aliases.items():
         if canonical in tensors:
             tensors[alias] = tensors[canonical]  # the same tensor: save_model records the tie again
     return tensors
@@ -413,7 +411,7 @@ def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True,
         elif source.kind == "deepspeed":
             state = read_deepspeed(source.path)
         else:
-            state = read_safetensors(source.path)
+            state = read_safetensors(source.path, source.verified)
         state = _unwrapped(state, source.path)
         os.makedirs(target, exist_ok=True)
         save_model(state, target, max_shard_size=max_shard_size, safe_serialization=safe_serialization,

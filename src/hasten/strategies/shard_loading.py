@@ -22,6 +22,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from ..weights_sources import checkpoint_sources, fit_problems, log_partial_load
+from ..saving import CheckpointMismatchError, LoadResult, _listing
 from .dtensor import _move_buffers, strip_checkpoint_prefix
 
 
@@ -68,7 +70,7 @@ def _tie_groups(slots: dict[str, _Slot]) -> dict[str, list[str]]:
 
 
 class _Plan(NamedTuple):
-    sources: list  # model_loading._Source, one per file
+    sources: list  # weights_sources.Source, one per file
     where: dict[str, tuple[Any, str]]  # first name of each tensor to read -> (source, key in the file)
     missing: list[str]
     unexpected: list[str]
@@ -77,10 +79,7 @@ class _Plan(NamedTuple):
 def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
     """Match the checkpoint's tensors to the model's, or raise ``CheckpointMismatchError`` naming
     every problem (key, shapes, file). The same on every process: all read the same headers."""
-    from ..model_loading import _checkpoint_sources, fit_problems
-    from ..saving import CheckpointMismatchError, _listing
-
-    sources, aliases = _checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
+    sources, aliases = checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
     found: dict[str, tuple[Any, str]] = {}
     for source in sources:
         for key in source.shapes:
@@ -210,36 +209,19 @@ def _index(tensor: torch.Tensor) -> tuple:
 
 
 def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None:
-    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins)."""
+    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins), from the
+    file's verified bytes (``weights_sources.Source.view``)."""
     if dest.numel() == 0:
         return
-    if not source.safe:  # a torch state dict, already loaded (memory-mapped) by _checkpoint_sources
+    if not source.safe:  # a torch state dict, already loaded (memory-mapped) by checkpoint_sources
         dest.copy_(source.data[key][index])
         return
-    mapped = source.view.mapped
-    whole = source.view.tensor(key)  # a view of the mapping: nothing read yet
-    block = whole[index]
-    if block.is_contiguous():  # one byte range of the file (the first dimension split, or none)
-        if dest.is_contiguous() and dest.dtype == block.dtype:
-            mapped.copy_into(dest, block)  # pread straight into the shard
-            return
-        staged = torch.empty(block.shape, dtype=block.dtype)
-        mapped.copy_into(staged, block)
-        dest.copy_(staged)
-        return
-    # An inner dimension split: read the rows that hold the block (at most the tensor), then cut.
-    covering = whole[index[0]]  # rows of a contiguous tensor: one byte range
-    staged = torch.empty(covering.shape, dtype=covering.dtype)
-    mapped.copy_into(staged, covering)
-    dest.copy_(staged[(slice(None),) + tuple(index[1:])])
+    dest.copy_(source.view.tensor(key)[index])
 
 
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
     """Fill ``model`` (DTensor parameters, possibly on ``meta``) from ``checkpoint``; see the module's
     docstring. Every process must call it. Returns ``LoadResult(missing, unexpected)``."""
-    from ..model_loading import log_partial_load
-    from ..saving import LoadResult
-
     plan: Optional[_Plan] = None
     failure: Optional[BaseException] = None
     try:
@@ -252,9 +234,12 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
         _materialise(model)
         slots = _slots(model)
         with torch.no_grad():
-            for name, (source, key) in plan.where.items():
-                tensor = slots[name].tensor
-                _read_block(source, key, _index(tensor), _local(tensor))
+            for source in plan.sources:  # one file's bytes in memory at a time
+                for name, (owner, key) in plan.where.items():
+                    if owner is source:
+                        tensor = slots[name].tensor
+                        _read_block(source, key, _index(tensor), _local(tensor))
+                source.release()
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
     _agree(failure)

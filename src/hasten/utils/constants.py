@@ -6,7 +6,7 @@ have their own layout (docs/checkpoints.md): the optimizer, scheduler, sampler, 
 below are Accelerate's and only tell a script where Accelerate would have put those files.
 """
 
-from ..saving import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME  # noqa: F401
+from ..files.weights import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME  # noqa: F401
 
 SAFE_MODEL_NAME = "model"
 MODEL_NAME = "pytorch_model"

@@ -62,7 +62,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: s
     """Load weights that ``save_fsdp_model`` wrote into the (prepared) ``model``, on every process."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from ..checkpointing import weights_only
+    from ..files import weights_only
 
     _refuse_adapter_only(adapter_only, "load_fsdp_model")
     inner = _model(accelerator, model)
@@ -112,7 +112,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    from ..checkpointing import weights_only
+    from ..files import weights_only
 
     _refuse_adapter_only(adapter_only, "load_fsdp_optimizer")
     inner, optim = _model(accelerator, model), _torch_optimizer(optimizer)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .._lazy import lazy_module
 from ..accelerate_channels import add_note, log_warning
+from ..files.errors import CheckpointCorruptError
+from ..files.weights import read_weights
 from ..warning_kinds import HastenWarning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -450,35 +452,22 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
     if not checkpoint_file.endswith(".safetensors"):
         import pickle
 
-        from ..checkpointing import weights_only
+        from ..files import weights_only
 
         try:  # hasten's allow-list unpickler: every size the file states bounded by the file
             return weights_only.load(checkpoint_file)
         except (pickle.UnpicklingError, OSError):
             raise  # they name what was refused, or the file
         except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
-            from ..checkpointing.fileio import CheckpointCorruptError
-
             if isinstance(e, CheckpointCorruptError):
                 raise
             raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} ({type(e).__name__}: {e}); the file is "
                                          "damaged or not a torch state dict") from None
     import warnings
 
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from ..checkpointing.fileio import CheckpointCorruptError
-    from ..model_loading import verify_weights_file
-
-    verify_weights_file(checkpoint_file)  # a plain file, and the checksum save_model recorded in it
-    try:
-        with safe_open(checkpoint_file, framework="pt") as f:
-            metadata = f.metadata()
-            names = list(f.keys())
-    except Exception as e:  # noqa: BLE001 - SafetensorError does not name the file
-        raise CheckpointCorruptError(f"cannot read {checkpoint_file!r} as safetensors ({type(e).__name__}: {e}); the "
-                                     "file is damaged") from None
+    view = read_weights(checkpoint_file).view  # a plain file, read once, verified: the tensors come from it
+    metadata = view.metadata or None
+    names = list(view.entries)
     if metadata is None:
         warnings.warn(f"{checkpoint_file} has no safetensors metadata; reading it as a PyTorch checkpoint",
                       HastenWarning, stacklevel=2)
@@ -489,22 +478,22 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
     if metadata["format"] != "pt":
         raise ValueError(f"{checkpoint_file} was saved from {metadata['format']}; convert it to a PyTorch checkpoint "
                          "(metadata format 'pt') first")
-    if device_map is None:
-        return load_file(checkpoint_file)
-    devices = set(device_map.values())
-    if len(devices) == 1 and "disk" not in devices:
-        return load_file(checkpoint_file, device=str(_as_device(next(iter(devices)))))
+    devices = set((device_map or {}).values())
     placement: dict[str, Any] = {}
     for name in names:
-        try:
-            device = device_for(name, device_map)
-        except KeyError:
+        if device_map is None:
             device = "cpu"
+        elif len(devices) == 1 and "disk" not in devices:
+            device = next(iter(devices))  # one device: every tensor goes there, mapped or not
+        else:
+            try:
+                device = device_for(name, device_map)
+            except KeyError:
+                device = "cpu"
         placement[name] = "cpu" if device == "disk" else device
     tensors: dict[str, Any] = {}
-    for device in dict.fromkeys(placement.values()):
-        with safe_open(checkpoint_file, framework="pt", device=str(_as_device(device))) as f:
-            for name in names:
-                if placement[name] == device:
-                    tensors[name] = f.get_tensor(name)
+    for name in names:
+        tensor = view.tensor(name)
+        device = _as_device(placement[name])
+        tensors[name] = tensor if tensor.device == device else tensor.to(device)
     return tensors

@@ -20,11 +20,12 @@ import json
 import math
 import os
 import re
-import stat
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
-from ..contained import why_outside
-from ..saving import _prepare, atomic_write, write_atomically
+from ..files.durable import atomic_write, write_atomically
+from ..files.errors import CheckpointCorruptError
+from ..files.paths import open_inside, split, why_outside
+from ..saving import _prepare
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -36,21 +37,15 @@ _OUR_FILE = re.compile(r"offload-\d{5,}\.safetensors")
 
 
 def _corrupt(message: str) -> Exception:
-    from ..checkpointing.fileio import CheckpointCorruptError
-
     return CheckpointCorruptError(message)
 
 
-def _plain_file(path: str) -> int:
-    """The size of ``path``, refusing a symbolic link (it could lead out of the folder) or a non-file."""
+def _open(path: str) -> int:
+    """A descriptor of the offload file ``path``: a plain file, never through a link (``files.paths``)."""
     try:
-        info = os.lstat(path)
-    except OSError:
+        return open_inside(*split(path), "offload file", nested=False)
+    except FileNotFoundError:
         raise _corrupt(f"the offload file {path!r} is missing; write the offload folder again") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-        raise _corrupt(f"{path!r} is a symbolic link or not a regular file; hasten reads only plain files inside the "
-                       "offload folder (copy the real file in instead of linking it)")
-    return info.st_size
 
 
 def _file_in(folder: str, file: Any, name: str) -> str:
@@ -67,10 +62,9 @@ def read_index(folder: PathLike) -> dict[str, dict[str, Any]]:
     path = os.path.join(os.fspath(folder), INDEX_NAME)
     if not os.path.lexists(path):
         return {}
-    _plain_file(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
+        with os.fdopen(_open(path), "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, absurd nesting
         raise _corrupt(f"the offload index {path!r} is not readable JSON ({type(e).__name__}: {e}); it is damaged: "
                        "write the offload folder again") from None
@@ -116,9 +110,9 @@ def write_offload_file(folder: PathLike, tensors: Mapping[str, "torch.Tensor"]) 
 
 def _checksum(tensor: "torch.Tensor") -> str:
     """bsum64 of a contiguous CPU tensor's bytes: what reading the entry back verifies."""
-    from ..checkpointing.fileio import _as_bytes_tensor, checksum_buffer
+    from ..files.checksum import as_bytes_tensor, checksum_buffer
 
-    return checksum_buffer(_as_bytes_tensor(tensor.contiguous()))
+    return checksum_buffer(as_bytes_tensor(tensor.contiguous()))
 
 
 def _check_sum(tensor: "torch.Tensor", entry: Mapping[str, Any], path: str, name: str) -> None:
@@ -213,13 +207,19 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     dtype, shape = _dtype_and_shape(weight_info, path, os.path.basename(path))
     dtype_name = str(dtype).replace("torch.", "")
     stored = _numpy_stand_in(dtype_name)
-    size = _plain_file(path)
-    expected = math.prod(shape or (1,)) * torch.empty((), dtype=dtype).element_size()
-    if size != expected:
-        raise _corrupt(f"the offload file {path!r} has {size} bytes, but its index entry ({dtype_name}, shape "
-                       f"{list(shape)}) needs {expected}: the file was truncated or the entry damaged")
-    array = np.array(np.memmap(path, dtype=stored, mode="r", shape=shape or (1,)))
-    tensor = torch.from_numpy(array)
+    from ..files.reading import pread_tensor
+
+    fd = _open(path)
+    try:
+        size = os.fstat(fd).st_size
+        expected = math.prod(shape or (1,)) * torch.empty((), dtype=dtype).element_size()
+        if size != expected:
+            raise _corrupt(f"the offload file {path!r} has {size} bytes, but its index entry ({dtype_name}, shape "
+                           f"{list(shape)}) needs {expected}: the file was truncated or the entry damaged")
+        raw = pread_tensor(fd, size, 0, path)
+    finally:
+        os.close(fd)
+    tensor = torch.from_numpy(raw.numpy().view(np.dtype(stored)).reshape(shape or (1,)))
     if stored != dtype_name:
         tensor = tensor.view(getattr(torch, dtype_name))
     return tensor.reshape(shape)
@@ -270,8 +270,7 @@ def save_offload_index(index: Optional[Mapping[str, Any]], offload_folder: PathL
         if "checksum" not in entry and "safetensors_file" not in entry:
             with contextlib.suppress(ValueError, OSError):  # no such file (yet): an entry without a checksum
                 path = _inside(folder, name, "offload index entry")
-                if os.path.isfile(path) and not os.path.islink(path):
-                    entry["checksum"] = _checksum(load_offloaded_weight(path, entry))
+                entry["checksum"] = _checksum(load_offloaded_weight(path, entry))  # refuses links, non-files
         entries[name] = entry
     add_to_index(folder, entries)
 
@@ -299,47 +298,30 @@ def load_offloaded_tensor(folder: Optional[str], name: str, entry: Mapping[str, 
 
 
 def _read_stored(path: str, stored: str, entry: Mapping[str, Any], name: str) -> "torch.Tensor":
-    """Tensor ``stored`` of the offload safetensors file ``path``, checked: a plain file, a header entry
-    whose dtype and shape need exactly the bytes it spans inside the file, the index's shape, and
-    the checksum the index records for the bytes (read once, summed as they are copied out)."""
+    """Tensor ``stored`` of the offload safetensors file ``path``, checked: a plain file, a whole header
+    (``files.safetensors_format``), the index's shape, and the checksum the index records for the
+    tensor's bytes, read once into memory of their own and summed there."""
     import torch
 
-    from ..checkpointing.fileio import _CODES
-    from ..checkpointing.filereading import MappedFile
+    from ..files.reading import pread_tensor
+    from ..files.safetensors_format import CODES, header_length, parse_header
 
-    _plain_file(path)
-    mapped = MappedFile(path)
+    fd = _open(path)
     try:
-        raw = mapped.raw
-        if raw.numel() < 8 or int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little") > raw.numel() - 8:
-            raise _corrupt(f"the offload file {path!r} is truncated or damaged ({raw.numel()} bytes, not a whole "
-                           "safetensors file); write the offload folder again")
-        head = int.from_bytes(bytes(raw[:8].numpy().tobytes()), "little")
-        try:
-            header = json.loads(bytes(raw[8:8 + head].numpy().tobytes()))
-        except (ValueError, RecursionError) as e:
-            raise _corrupt(f"the offload file {path!r} has a damaged header ({type(e).__name__}: {e})") from None
-        info = header.get(stored) if isinstance(header, dict) else None
-        if not isinstance(info, dict):
+        size = os.fstat(fd).st_size
+        head = header_length(bytes(pread_tensor(fd, min(size, 8), 0, path).numpy()), size, path)
+        _, header = parse_header(bytes(pread_tensor(fd, head, 8, path).numpy()), size - 8 - head, path)
+        info = header.get(stored)
+        if info is None:
             raise _corrupt(f"the offload file {path!r} holds no tensor {stored!r} (for {name!r}); the file or the index "
                            "is damaged")
-        dtype, shape = _CODES.get(info.get("dtype")), info.get("shape")
-        offsets = info.get("data_offsets")
-        data = raw.numel() - 8 - head
-        if (dtype is None or not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2 or any(type(o) is not int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data
-                or offsets[1] - offsets[0] != math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
-            raise _corrupt(f"the offload file {path!r} describes {stored!r} as {info.get('dtype')} {shape} at bytes "
-                           f"{offsets} of its {data} data bytes, which do not match: the file is truncated or damaged")
+        dtype, shape, (start, end) = CODES[info["dtype"]], info["shape"], info["data_offsets"]
         if "shape" in entry and list(entry["shape"]) != shape:
             raise _corrupt(f"the offload file {path!r} stores {stored!r} with shape {shape}, the index says "
                            f"{entry['shape']}; the file or the index is damaged")
-        start = 8 + head + offsets[0]
-        tensor = raw[start:start + offsets[1] - offsets[0]].clone()  # a copy: the mapping goes with this call
+        tensor = pread_tensor(fd, end - start, 8 + head + start, path)
     finally:
-        mapped.close()
-        del raw, mapped
+        os.close(fd)
     _check_sum(tensor, entry, path, name)
     return tensor.view(dtype).view(shape) if tensor.numel() else torch.empty(shape, dtype=dtype)
 

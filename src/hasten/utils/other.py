@@ -166,7 +166,7 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
                          "from the file. Save tensors and plain values (hasten.utils.save, safetensors), or call "
                          "torch.load yourself on a file you trust")
     kwargs.pop("weights_only", None)
-    from ..checkpointing import weights_only
+    from ..files import weights_only
 
     if kwargs:  # torch.load's other options (mmap, pickle arguments) are torch's own reader's
         return torch.load(f, map_location=map_location, weights_only=True, **kwargs)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import warnings
 from typing import Any, Optional, Union
 
+from ..files.durable import atomic_write
 from ..commands.run_summary import SUMMARY_ENV  # torch-free; the launcher reads what the main process writes
 from .environment import get_env
 from .throughput import Metrics, Throughput, Window, rates
@@ -198,14 +198,6 @@ def write_summary(processes: int, job: Metrics, path: Optional[str] = None) -> N
     path = path or os.environ.get(SUMMARY_ENV)
     if not path:
         return
-    folder = os.path.dirname(os.path.abspath(path))
     summary: dict[str, Union[int, float]] = {"processes": processes, **job}
-    fd, temporary = tempfile.mkstemp(prefix=".summary-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(summary, f)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    with atomic_write(path, "w") as f:
+        json.dump(summary, f)

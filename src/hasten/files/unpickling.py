@@ -390,7 +390,7 @@ def dcp_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     reader = _unpickler(path, "DCP metadata", DCP_GLOBALS)
-    with open(path, "rb") as f:
+    with os.fdopen(open_no_link(path), "rb") as f:  # a plain file, never through a link
         try:
             metadata = reader(f).load()
         except ForbiddenPickle:
@@ -412,7 +412,7 @@ _TORCH_SAVE_RECORDS = re.compile(r"(data\.pkl|byteorder|version|\.data/version|\
 
 
 def _corrupt(path: str, kind: str, what: str) -> Exception:
-    from .fileio import CheckpointCorruptError
+    from .errors import CheckpointCorruptError
 
     return CheckpointCorruptError(f"{path!r} is not a readable {kind} file: {what}; the checkpoint is incomplete or "
                                   "damaged (save it again, or restore the file from a good copy)")
@@ -500,20 +500,22 @@ def check_torch_bytes(data: Any, path: str, kind: str, stream: Optional[Callable
 
 
 def open_no_link(path: str) -> int:
-    """A read-only descriptor of ``path``, refusing a symbolic link (``OSError`` ELOOP where the system
-    has ``O_NOFOLLOW``; checked before opening elsewhere)."""
-    flag = getattr(os, "O_NOFOLLOW", 0)
-    if not flag and os.path.islink(path):
-        raise OSError(errno.ELOOP, "a symbolic link", path)
-    return os.open(path, os.O_RDONLY | flag)
+    """A read-only descriptor of the plain file ``path``, never through a symbolic link (``paths.open_inside``)."""
+    from .paths import open_inside, split
+
+    return open_inside(*split(path), "file", nested=False)
 
 
 def read_checked(path: str, kind: str) -> bytes:
     """The bytes of ``path``, read once and checked by ``check_torch_bytes``: what is then unpickled is
     exactly what was checked (no second read a replaced file could slip into)."""
+    from .errors import UnsafeFileError
+
     try:
         with os.fdopen(open_no_link(path), "rb") as f:
             data = f.read()
+    except UnsafeFileError as e:
+        raise _corrupt(path, kind, f"it is not a plain file inside its folder ({e})") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _corrupt(path, kind, "it is a symbolic link, which may lead anywhere; hasten reads only real "
