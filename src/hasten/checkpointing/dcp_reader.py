@@ -5,7 +5,13 @@ DCP's ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with ``pickle.l
 ``DefaultLoadPlanner.load_bytes`` reads non-tensor values (optimizer hyperparameters) with
 ``torch.load(weights_only=False)``: either runs whatever code a replaced file names. Here the
 metadata goes through ``unpickling.dcp_metadata`` (an allow-list of DCP's records) and the values
-through ``torch.load(weights_only=True)``; tensors DCP already reads weights-only.
+through ``weights_only.load_bytes`` (hasten's bounded allow-list unpickler).
+
+``FileSystemReader.read_data`` also opens each ``.distcp`` again by path after hasten checked it: a
+file replaced, linked elsewhere or rewritten in place in between would be loaded unverified. Here
+``MetadataReader.read_data`` reads each shard file this process needs once through ``files.reading``
+(opened without following links, a plain file inside the folder, its size and checksum checked
+against the manifest's records in the same pass) and serves every item from those private bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import io
 import math
 import os
 import stat
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -24,6 +31,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ..files import unpickling
 from ..files.errors import CheckpointCorruptError
 from ..files.paths import is_link, open_inside, why_outside
+from ..files.reading import ReadFile, read_inside
+
+# Where the bytes of a shard file come from: ``open(name)`` gives them read and verified (a ``ReadFile``),
+# ``release(name, read)`` lets them go once this process took what it needed from them.
+Opener = Callable[[str], ReadFile]
 
 
 def _file_size(folder: str, name: Any, what: str) -> int:
@@ -147,12 +159,32 @@ def wrapped(folder: str, error: BaseException) -> CheckpointCorruptError:
                                   "damaged or incomplete")
 
 
-class MetadataReader(FileSystemReader):
-    """A ``FileSystemReader`` whose metadata is read with the allow-list, or handed in already read."""
+def records_opener(folder: str, records: Optional[dict[str, Any]] = None, checksums: bool = True) -> Opener:
+    """Read shard files of ``folder`` through ``files.reading``, checked against ``records`` (name inside the
+    folder -> the manifest's ``{"size", "checksum"}``) where they hold the file."""
+    records = records or {}
 
-    def __init__(self, path: str, metadata: Optional[Metadata] = None) -> None:
+    def opener(name: str) -> ReadFile:
+        info = records.get(name) or {}
+        return read_inside(folder, name, info.get("size"), info.get("checksum") if checksums else None,
+                           what="DCP shard file")
+    return opener
+
+
+class MetadataReader(FileSystemReader):
+    """A ``FileSystemReader`` whose metadata is read with the allow-list, or handed in already read, and
+    whose shard files are read once through ``files.reading`` (``read_data``), never again by path.
+
+    ``opener``/``release``: where the verified bytes of a shard file come from and where they go after
+    use (default: ``records_opener`` of the folder without records, i.e. its real size; closed after use).
+    """
+
+    def __init__(self, path: str, metadata: Optional[Metadata] = None, opener: Optional[Opener] = None,
+                 release: Optional[Callable[[str, ReadFile], None]] = None) -> None:
         super().__init__(path)
         self.given = metadata
+        self.opener = opener or records_opener(os.fspath(path))
+        self.release = release or (lambda name, read: read.close())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -166,6 +198,57 @@ class MetadataReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        """Every item of ``plan`` from the verified private bytes of its shard file, one file at a time
+        (each read once, let go once its items are served)."""
+        if not isinstance(planner, WeightsOnlyPlanner):  # DCP's own planner unpickles values with torch.load
+            raise TypeError("hasten's DCP reader needs hasten's WeightsOnlyPlanner (values are read weights-only)")
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            read = self.opener(name)
+            try:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    self._serve(read, item, planner)
+            finally:
+                self.release(name, read)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _serve(self, read: ReadFile, item: Any, planner: Any) -> None:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        from ..files import weights_only
+
+        info = self.storage_data[item.storage_index]
+        fqn = getattr(item.storage_index, "fqn", item.storage_index)
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointCorruptError(f"{read.path!r} stores {fqn!r} through the transforms "
+                                         f"{list(info.transform_descriptors)}; hasten reads only plain (uncompressed) "
+                                         "DCP shards")
+        offset, length = info.offset, info.length
+        if offset < 0 or length < 0 or offset + length > read.size:
+            raise CheckpointCorruptError(f"{fqn!r} is recorded at bytes {offset}..+{length} of {read.path!r}, which has "
+                                         f"{read.size} bytes: the shard file was truncated or replaced")
+        data = read.raw[offset:offset + length].numpy()
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(data.tobytes()))
+            return
+        tensor = weights_only.load_bytes(memoryview(data), f"tensor {fqn} (in {read.path!r})", "DCP tensor")
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointCorruptError(f"{read.path!r} holds a {type(tensor).__name__} where the metadata records "
+                                         f"the tensor {fqn!r}; the shard file is damaged")
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(f"{read.path!r} holds {fqn!r} with size {list(tensor.size())} where "
+                                         f"{list(target.size())} is needed; the shard file is damaged")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
 
 
 class WeightsOnlyPlanner(DefaultLoadPlanner):

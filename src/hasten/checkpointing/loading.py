@@ -249,6 +249,8 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
         return out
     inner = [acc.unwrap_model(model, keep_torch_compile=False) for model in models]
     backend = out["sharded"] = backends.reader_for(contents, acc.strategy)
+    if hasattr(backend, "read_through"):  # its files come from the verified bytes, never again by path
+        backend.read_through(reader)
     live = acc.strategy.checkpoint_backend()
     if getattr(live, "EXCLUSIVE", False) and getattr(backend, "KEY", None) != live.KEY:
         problems.append(("mismatch", f"it was written without {live.NAME} and this run uses {live.NAME}, which "

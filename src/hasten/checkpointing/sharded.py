@@ -12,6 +12,7 @@ before anything is changed.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional
 
@@ -130,14 +131,19 @@ def files(folder: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def read_metadata(folder: str) -> Any:
+def read_metadata(folder: str, files: Any = None) -> Any:
     """DCP's ``.metadata`` of ``folder``, read with the allow-list of ``unpickling`` (never
-    ``pickle.load``: a replaced file could run code)."""
+    ``pickle.load``: a replaced file could run code); from the verified bytes of ``files`` (the load's
+    ``restorer.Reader``) when given."""
     from .dcp_reader import check_folder, validate
 
     path = os.path.join(folder, SUBDIR)
     check_folder(path)
-    metadata = unpickling.dcp_metadata(os.path.join(path, ".metadata"))
+    data = None
+    if files is not None:
+        data = files.file(f"{SUBDIR}/.metadata").bytes()
+        files.release(f"{SUBDIR}/.metadata")
+    metadata = unpickling.dcp_metadata(os.path.join(path, ".metadata"), data)
     validate(path, metadata)  # paths inside the folder, records within the files, sizes backed by bytes
     return metadata
 
@@ -154,12 +160,21 @@ class Reader:
 
     def __init__(self) -> None:
         self._read: Optional[tuple[str, tuple, Any]] = None  # (folder, file identity, Metadata)
+        self.files: Any = None  # the load's restorer.Reader: the checkpoint's files read and verified once
+
+    def read_through(self, files: Any) -> None:
+        """Read ``.metadata`` and the shard files from ``files`` (a ``restorer.Reader``: each file's bytes read
+        once and checked against the manifest), never again by path."""
+        self.files = files
 
     def metadata(self, folder: str) -> Any:
-        info = os.stat(os.path.join(folder, SUBDIR, ".metadata"))
-        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if self.files is not None:  # the verified bytes: a file replaced since cannot change them
+            identity: tuple = ("verified",)
+        else:
+            info = os.stat(os.path.join(folder, SUBDIR, ".metadata"))
+            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         if self._read is None or self._read[:2] != (folder, identity):
-            self._read = (folder, identity, read_metadata(folder))
+            self._read = (folder, identity, read_metadata(folder, self.files))
         return self._read[2]
 
     def check(self, folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any]) -> list[str]:
@@ -169,7 +184,7 @@ class Reader:
              group: Any = None) -> None:
         metadata = self.metadata(folder)
         self._read = None  # used: nothing keeps the records once the shards are read
-        load(folder, contents, models, optimizers, group, metadata=metadata)
+        load(folder, contents, models, optimizers, group, metadata=metadata, files=self.files)
 
 
 def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
@@ -221,9 +236,11 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
 
 
 def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimizers: list[Any],
-         group: Any = None, metadata: Any = None) -> None:
+         group: Any = None, metadata: Any = None, files: Any = None) -> None:
     """Read the shards into the live models and optimizers (after ``check`` passed everywhere);
-    ``metadata``: the folder's ``read_metadata`` when the caller has it already."""
+    ``metadata``: the folder's ``read_metadata`` when the caller has it already; ``files``: the load's
+    ``restorer.Reader``, which reads each shard file once and checks it against the manifest (without
+    it the files are read once each, checked against their real size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -250,7 +267,12 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
 
     from .dcp_reader import wrapped
 
-    reader = MetadataReader(os.path.join(folder, SUBDIR), metadata)  # DCP gets the records read above
+    if files is not None:  # the bytes verified against the manifest (process 0 of a machine read them already)
+        opener = functools.partial(_verified, files)
+        release = lambda name, read: files.release(f"{SUBDIR}/{name}")  # noqa: E731
+        reader = MetadataReader(os.path.join(folder, SUBDIR), metadata, opener, release)
+    else:
+        reader = MetadataReader(os.path.join(folder, SUBDIR), metadata)  # DCP gets the records read above
     try:
         # DCP gathers every rank's failure and raises the same CheckpointException on each of them.
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(os.path.join(folder, SUBDIR)), process_group=group)
@@ -265,6 +287,11 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
             _load_groups(inner, state[name]["param_groups"])
         elif name:
             set_optimizer_state_dict(_owner(models, inner), inner, state[name])
+
+
+def _verified(files: Any, name: str) -> Any:
+    """The verified bytes of the shard file ``name`` of the DCP folder, from the load's ``restorer.Reader``."""
+    return files.file(f"{SUBDIR}/{name}")
 
 
 def _saved_groups(saved: dict[str, Any], name: str) -> tuple[bool, dict[int, list[str]]]:

@@ -84,6 +84,7 @@ class Source(NamedTuple):
     path: str
     key: Optional[str] = None
     verified: Any = None  # a safetensors file's bytes, read once and verified (``files.reading.ReadFile``)
+    records: Any = None  # a DCP folder's files as the manifest records them (name inside it -> size, checksum)
 
 
 def _is_dcp(path: str) -> bool:
@@ -162,15 +163,24 @@ def _hasten_sources(folder: str) -> list[Source]:
         elif isinstance(file, str) and file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
             sources.append(Source("safetensors", os.path.join(folder, file), verified=verified.get(file)))
         elif isinstance(key, str) and _is_dcp(os.path.join(folder, key)):  # a folder per model
-            sources.append(Source("dcp", os.path.join(folder, key)))
+            path = os.path.join(folder, key)
+            sources.append(Source("dcp", path, records=_records(folder, path, manifest)))
         elif isinstance(key, str) and len(dcp_folders) == 1:
-            sources.append(Source("dcp", dcp_folders[0], key))
+            sources.append(Source("dcp", dcp_folders[0], key, records=_records(folder, dcp_folders[0], manifest)))
         else:
             raise HastenCLIError(f"hasten checkpoint {folder!r}: model {i} ({json.dumps(entry)}) names no "
                                  "safetensors file or DCP shards this hasten can read; upgrade hasten")
     if not sources:
         raise HastenCLIError(f"hasten checkpoint {folder!r} holds no model weights (save_state was given no model)")
     return sources
+
+
+def _records(folder: str, dcp_folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's records of the files of ``dcp_folder``, by their names inside it: ``read_dcp`` checks
+    the shard files against them in the one pass that reads them."""
+    prefix = os.path.relpath(dcp_folder, folder).replace(os.sep, "/") + "/"
+    return {name[len(prefix):]: info for name, info in manifest["files"].items()
+            if isinstance(name, str) and name.startswith(prefix) and isinstance(info, dict)}
 
 
 def _verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -289,15 +299,16 @@ def plan_dcp(folder: str, metadata: Any, key: Optional[str] = None) -> tuple[dic
     return selected, skipped
 
 
-def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, Any]:
-    """The ``selected`` weights of a DCP folder as full CPU tensors, read in this process alone."""
+def read_dcp(folder: str, metadata: Any, selected: dict[str, str], records: Any = None) -> dict[str, Any]:
+    """The ``selected`` weights of a DCP folder as full CPU tensors, read in this process alone, each shard
+    file once through ``files.reading`` (checked against ``records``, the manifest's, when given)."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..checkpointing.dcp_reader import MetadataReader, WeightsOnlyPlanner, wrapped
+    from ..checkpointing.dcp_reader import MetadataReader, WeightsOnlyPlanner, records_opener, wrapped
 
     buffers = {}
     for key in selected:
@@ -306,8 +317,8 @@ def read_dcp(folder: str, metadata: Any, selected: dict[str, str]) -> dict[str, 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            dcp.load(buffers, storage_reader=MetadataReader(folder, metadata), planner=WeightsOnlyPlanner(folder),
-                     no_dist=True)
+            reader = MetadataReader(folder, metadata, records_opener(folder, records))
+            dcp.load(buffers, storage_reader=reader, planner=WeightsOnlyPlanner(folder), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - missing or truncated .distcp files
             # DCP's exception (a BaseException) carries each rank's traceback: wrapped names the cause.
             raise HastenCLIError(str(wrapped(folder, e)).replace("cannot read the DCP shards", "cannot read the "
@@ -404,7 +415,7 @@ def merge_weights(checkpoint: str, output: str, safe_serialization: bool = True,
         target = output if len(sources) == 1 else os.path.join(output, f"model_{i}")
         if plan is not None:
             selected, skipped = plan
-            state = read_dcp(source.path, metadata[source.path], selected)
+            state = read_dcp(source.path, metadata[source.path], selected, source.records)
             if skipped:
                 print(f"hasten merge-weights: left out {len(skipped)} non-tensor entries of {source.path} "
                       f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})", file=sys.stderr)

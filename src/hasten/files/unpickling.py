@@ -382,15 +382,16 @@ def _unpickler(source: str, kind: str, allowed: Iterable[tuple[str, str]]) -> ty
     return type("Restricted", (_Restricted,), {"allowed": frozenset(allowed), "source": source, "kind": kind})
 
 
-def dcp_metadata(path: str) -> Any:
-    """DCP's ``Metadata`` from the file ``path`` (a ``.metadata``), read with the DCP allow-list.
+def dcp_metadata(path: str, data: Optional[bytes] = None) -> Any:
+    """DCP's ``Metadata`` from the file ``path`` (a ``.metadata``), read with the DCP allow-list
+    (from ``data``, its bytes already read and verified, when given).
 
     Raises ``ForbiddenPickle`` for a file that names anything else, ``pickle.UnpicklingError`` for a
     file that is not DCP metadata (truncated, another format)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     reader = _unpickler(path, "DCP metadata", DCP_GLOBALS)
-    with os.fdopen(open_no_link(path), "rb") as f:  # a plain file, never through a link
+    with (io.BytesIO(data) if data is not None else os.fdopen(open_no_link(path), "rb")) as f:  # no link
         try:
             metadata = reader(f).load()
         except ForbiddenPickle:
