@@ -53,14 +53,17 @@ class Reader:
             )
         return info
 
-    def file(self, name: str) -> ReadFile:
+    def file(self, name: str, checksum: bool = False) -> ReadFile:
         """The bytes of ``name``, read and verified (its size, and its checksum unless ``checksums`` is
-        False) on first use."""
+        False, or ``checksum`` asks for it: a file first read after the load's verification, such as a
+        DCP shard another process of the machine verified, is summed in the pass that reads it) on
+        first use."""
         if name not in self._read:
             info = self.listed(name)
             try:
+                summed = self.checksums or checksum
                 self._read[name] = read_inside(self.folder, name, info["size"],
-                                               info.get("checksum") if self.checksums else None, pool=self.pool)
+                                               info.get("checksum") if summed else None, pool=self.pool)
             except FileNotFoundError as e:
                 raise IncompleteCheckpointError(f"{os.path.join(self.folder, name)!r} cannot be read ({e.strerror or e}); "
                                                 "the checkpoint is incomplete") from None

@@ -141,7 +141,7 @@ def read_metadata(folder: str, files: Any = None) -> Any:
     check_folder(path)
     data = None
     if files is not None:
-        data = files.file(f"{SUBDIR}/.metadata").bytes()
+        data = files.file(f"{SUBDIR}/.metadata", checksum=True).bytes()
         files.release(f"{SUBDIR}/.metadata")
     metadata = unpickling.dcp_metadata(os.path.join(path, ".metadata"), data)
     validate(path, metadata)  # paths inside the folder, records within the files, sizes backed by bytes
@@ -290,8 +290,10 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
 
 
 def _verified(files: Any, name: str) -> Any:
-    """The verified bytes of the shard file ``name`` of the DCP folder, from the load's ``restorer.Reader``."""
-    return files.file(f"{SUBDIR}/{name}")
+    """The verified bytes of the shard file ``name`` of the DCP folder, from the load's ``restorer.Reader``:
+    those it verified before the load's pre-hooks (process 0 of each machine), else read now and checked
+    against the manifest's checksum whatever ``verify`` says, since nothing else checked these bytes."""
+    return files.file(f"{SUBDIR}/{name}", checksum=True)
 
 
 def _saved_groups(saved: dict[str, Any], name: str) -> tuple[bool, dict[int, list[str]]]:
