@@ -73,7 +73,7 @@ def test_fsdp_load_state_loads_the_shards_it_verified(fsdp_saved, how, verify):
         acc.load_state(good, verify=verify)
     except Exception as e:  # noqa: BLE001 - an error is acceptable if it names the file
         assert "__0_0.distcp" in str(e), e
-        assert _values(model) == {0.0}
+        assert _values(model) <= {0.0, 1.0}, _values(model)  # never a tampered value
         return
     assert _values(model) == {1.0}, f"the model holds bytes that were not verified: {_values(model)}"
 
