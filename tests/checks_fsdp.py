@@ -186,7 +186,7 @@ def check_bitwise_resume():
 
     # DCP's own reader (pickle.load) is never used; the allow-list reader once, for the check and the load.
     reads, pickled, read, read_pickled = [], [], unpickling.dcp_metadata, dcp.FileSystemReader.read_metadata
-    unpickling.dcp_metadata = lambda path: reads.append(1) or read(path)
+    unpickling.dcp_metadata = lambda path, *data: reads.append(1) or read(path, *data)
     dcp.FileSystemReader.read_metadata = lambda self, *a, **k: pickled.append(1) or read_pickled(self, *a, **k)
     try:
         acc.load_state(folder, continue_dataloaders=True)
