@@ -124,3 +124,81 @@ def test_offload_state_dict_failing_part_way_keeps_the_previous_folder_loadable(
     index = read_index(folder)
     for name in "abc":
         assert bool((load_offloaded_tensor(folder, name, index[name]) == 1.0).all())
+
+
+# -- hasten merge-weights: DeepSpeed's ``latest`` file ---------------------------------------------------
+def _in_thread(call, seconds=20):
+    done: list = []
+
+    def run():
+        try:
+            done.append(("returned", call()))
+        except BaseException as e:  # noqa: BLE001 - judged by the caller
+            done.append(("raised", e))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert done, "hung (a FIFO opened for reading waits for a writer)"
+    return done[0]
+
+
+def _deepspeed_save_dir(tmp_path, tags=("a", "b")):
+    folder = tmp_path / "ds"
+    for tag in tags:
+        (folder / tag).mkdir(parents=True)
+        (folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    return folder
+
+
+def _fifo_swapped_in_after_the_check(monkeypatch, latest):
+    real = os.path.isfile
+
+    def isfile(path):
+        found = real(path)
+        if os.fspath(path) == str(latest) and found:  # another process swaps it in right after the check
+            os.remove(latest)
+            os.mkfifo(latest)
+        return found
+
+    monkeypatch.setattr(os.path, "isfile", isfile)
+
+
+@pytest.mark.parametrize("spoil", ["fifo swapped in", "fifo", "link to /dev/zero", "link outside", "huge", "folder"])
+def test_merge_weights_latest_file_is_read_as_a_plain_file(tmp_path, monkeypatch, spoil):
+    from hasten.commands.errors import HastenCLIError
+    from hasten.commands.merge import _deepspeed_tag
+
+    folder = _deepspeed_save_dir(tmp_path)
+    latest = folder / "latest"
+    if spoil == "fifo swapped in":
+        latest.write_text("a")
+        _fifo_swapped_in_after_the_check(monkeypatch, latest)
+    elif spoil == "fifo":
+        os.mkfifo(latest)
+    elif spoil == "link to /dev/zero":
+        os.symlink("/dev/zero", latest)
+    elif spoil == "link outside":
+        (tmp_path / "elsewhere").write_text("a")
+        os.symlink(tmp_path / "elsewhere", latest)
+    elif spoil == "huge":
+        latest.write_bytes(b"a" + b" " * (8 << 20))
+    else:
+        latest.mkdir()
+    how, result = _in_thread(lambda: _deepspeed_tag(str(folder)))
+    if spoil == "fifo swapped in" and how == "returned":  # a reader that checks nothing first reads the file
+        assert result == str(folder / "a")
+        return
+    assert how == "raised", f"read a {spoil} 'latest' file: {result!r}"
+    assert isinstance(result, HastenCLIError) and "latest" in str(result), repr(result)
+
+
+def test_merge_weights_latest_file_still_names_the_tag(tmp_path):
+    from hasten.commands.merge import _deepspeed_tag
+
+    folder = _deepspeed_save_dir(tmp_path)
+    (folder / "latest").write_text("b\n")
+    assert _deepspeed_tag(str(folder)) == str(folder / "b")
+    os.remove(folder / "latest")
+    with pytest.raises(Exception, match="several DeepSpeed checkpoints"):
+        _deepspeed_tag(str(folder))
