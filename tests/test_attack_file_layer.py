@@ -202,3 +202,26 @@ def test_merge_weights_latest_file_still_names_the_tag(tmp_path):
     os.remove(folder / "latest")
     with pytest.raises(Exception, match="several DeepSpeed checkpoints"):
         _deepspeed_tag(str(folder))
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_streamed_save_of_a_sharded_model_failing_part_way_keeps_the_previous_weights(tmp_path, monkeypatch, fault):
+    """``save_model`` of a sharded model (FSDP2, gathered file by file) on one process: the same promise."""
+    from hasten import load_checkpoint_in_model
+    from hasten.strategies.sharded_state import save_full_streamed
+
+    folder = str(tmp_path / "weights")
+    save_full_streamed(_model(1.0), folder, "5KB", True)
+    before = sorted(os.listdir(folder))
+    assert len(before) == 4, before
+    with monkeypatch.context() as patch:
+        FAULTS[fault](patch)
+        with pytest.raises(OSError, match=r"model-0000\d-of-00003\.safetensors"):
+            save_full_streamed(_model(2.0), folder, "5KB", True)
+    assert sorted(os.listdir(folder)) == before, "temporary files were left behind"
+    model = _model(0.0)
+    load_checkpoint_in_model(model, folder)
+    assert _equal(model, 1.0)
+    save_full_streamed(_model(2.0), folder, "5KB", True)  # and the next save works
+    load_checkpoint_in_model(model, folder)
+    assert _equal(model, 2.0)
