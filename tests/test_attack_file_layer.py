@@ -225,3 +225,109 @@ def test_streamed_save_of_a_sharded_model_failing_part_way_keeps_the_previous_we
     save_full_streamed(_model(2.0), folder, "5KB", True)  # and the next save works
     load_checkpoint_in_model(model, folder)
     assert _equal(model, 2.0)
+
+
+# -- a file swapped for a link or another file while loads run, over and over ---------------------------
+class _Swapper:
+    """A thread swapping ``path`` between the real file, a link to ``evil`` and a copy of ``evil`` until stopped."""
+
+    def __init__(self, path: str, evil: str) -> None:
+        self.path, self.evil, self.stop, self.swaps = path, evil, threading.Event(), 0
+        with open(path, "rb") as f:
+            self.good = f.read()
+        with open(evil, "rb") as f:
+            self.bad = f.read()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _put(self, how: int) -> None:
+        new = f"{self.path}.swap"
+        if how == 1:
+            os.symlink(self.evil, new)
+        else:
+            with open(new, "wb") as f:
+                f.write(self.good if how == 0 else self.bad)
+        os.replace(new, self.path)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self._put(self.swaps % 3)
+            self.swaps += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self._put(0)
+
+
+def _racing(load, check, rounds=20):
+    """``load()`` ``rounds`` times while the swapper runs: each either loads the good values (``check``) or
+    raises an error naming the file; counts of each."""
+    held, refused = 0, 0
+    for _ in range(rounds):
+        try:
+            load()
+        except (OSError, RuntimeError, ValueError) as e:
+            assert "model" in str(e), e
+            refused += 1
+            continue
+        assert check(), "loaded bytes of the file swapped in"
+        held += 1
+    return held, refused
+
+
+def test_load_state_while_its_model_file_is_swapped(tmp_path, fresh_state):
+    from hasten import Accelerator
+
+    acc = Accelerator()
+    model = acc.prepare(_model(666.0))
+    evil = acc.save_state(str(tmp_path / "evil"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    good = acc.save_state(str(tmp_path / "good"))
+    outside = str(tmp_path / "outside.safetensors")
+    os.rename(os.path.join(evil, "model.safetensors"), outside)
+
+    def load():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.0)
+        try:
+            acc.load_state(good)
+        except Exception:
+            assert _equal(model, 0.0), "a failed load changed the live model"
+            raise
+
+    with _Swapper(os.path.join(good, "model.safetensors"), outside) as swapper:
+        held, refused = _racing(load, lambda: _equal(model, 1.0))
+    print(f"held {held} (good values), refused {refused}, {swapper.swaps} swaps")
+    assert held + refused == 20 and swapper.swaps >= 10, (held, refused, swapper.swaps)
+
+
+def test_load_checkpoint_in_model_while_a_shard_is_swapped(tmp_path):
+    from hasten import load_checkpoint_in_model
+    from hasten.saving import save_model
+
+    save_model(_model(666.0).state_dict(), str(tmp_path / "evil"), max_shard_size="5KB")
+    save_model(_model(1.0).state_dict(), str(tmp_path / "good"), max_shard_size="5KB")
+    name = "model-00002-of-00003.safetensors"
+    model = _model(0.0)
+
+    def load():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.0)
+        try:
+            load_checkpoint_in_model(model, str(tmp_path / "good"))
+        except Exception:
+            assert _equal(model, 0.0), "a failed load changed the live model"
+            raise
+
+    with _Swapper(str(tmp_path / "good" / name), str(tmp_path / "evil" / name)) as swapper:
+        held, refused = _racing(load, lambda: _equal(model, 1.0))
+    print(f"held {held} (good values), refused {refused}, {swapper.swaps} swaps")
+    assert held + refused == 20 and swapper.swaps >= 10, (held, refused, swapper.swaps)
