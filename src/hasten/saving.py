@@ -229,7 +229,9 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
     ``model.safetensors.index.json``. Tied names (the same tensor under two keys) are stored once;
     with safetensors the dropped names are recorded under ``"hasten_aliases"`` in the file and index
     metadata so that ``load_checkpoint_in_model`` restores them (``from_pretrained`` re-ties them
-    itself). Every file is written atomically, the index last; weight files of an earlier save in
+    itself). Every file is written and fsynced under a temporary name and the shards are renamed into
+    place only once all are written, the index last, so a save that fails (full disk, I/O error) leaves
+    an earlier save in the directory whole and loadable; weight files of an earlier save in
     the directory that this save does not use are removed afterwards. Only the main process writes
     (``is_main_process``, default: ``PartialState().is_main_process``); no collective is involved.
     """
