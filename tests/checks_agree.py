@@ -108,7 +108,7 @@ def check_save_model_of_user_sharded_model_write_fails_midway():
     reset_state()
     acc = Accelerator()
     model = acc.prepare(_user_sharded(acc))
-    real, calls = saving.write_weights_file, []
+    real, calls = saving.write_weights_into, []
 
     def write(target, *args):
         calls.append(target)
@@ -116,11 +116,11 @@ def check_save_model_of_user_sharded_model_write_fails_midway():
             raise OSError(28, INJECTED, target)
         return real(target, *args)
 
-    saving.write_weights_file = write
+    saving.write_weights_into = write
     try:
         error = _raised(lambda: acc.save_model(model, _tmp("midway"), max_shard_size=300))
     finally:
-        saving.write_weights_file = real
+        saving.write_weights_into = real
     acc.wait_for_everyone()
     # The save still works once the disk is fine again.
     acc.save_model(model, _tmp("midway"), max_shard_size=300)

@@ -18,7 +18,7 @@ import uuid
 from collections import OrderedDict
 from typing import IO, TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Union
 
-from .files.durable import atomic_path, atomic_write, fsync_fd, fsync_path, write_atomically  # noqa: F401 - public here
+from .files.durable import atomic_path, atomic_paths, atomic_write, fsync_fd, fsync_path, write_atomically  # noqa: F401 - public here
 from .files.errors import CheckpointCorruptError  # noqa: F401 - raised by loaders importing it from here
 from .files.weights import (  # noqa: F401 - save_model's file names and checksum fields, public here
     CHECKSUM_KEY,
@@ -229,7 +229,9 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
     ``model.safetensors.index.json``. Tied names (the same tensor under two keys) are stored once;
     with safetensors the dropped names are recorded under ``"hasten_aliases"`` in the file and index
     metadata so that ``load_checkpoint_in_model`` restores them (``from_pretrained`` re-ties them
-    itself). Every file is written atomically, the index last; weight files of an earlier save in
+    itself). Every file is written and fsynced under a temporary name and the shards are renamed into
+    place only once all are written, the index last, so a save that fails (full disk, I/O error) leaves
+    an earlier save in the directory whole and loadable; weight files of an earlier save in
     the directory that this save does not use are removed afterwards. Only the main process writes
     (``is_main_process``, default: ``PartialState().is_main_process``); no collective is involved.
     """
@@ -262,18 +264,20 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
     save_id = uuid.uuid4().hex
 
     checksums: dict[str, str] = {}
-    for index, filename in enumerate(files):
-        names = [n for n in state_dict if shard_of.get(n, shard_of.get(aliases.get(n, ""), -1)) == index]
-        target = os.path.join(directory, filename)
-        if safe:
-            checksums[filename] = write_weights_file(target, {n: kept[n] for n in names if n in kept}, aliases,
-                                                     save_id if count > 1 else None)
-        else:
-            import torch
+    # All shards are written and fsynced under temporary names before any replaces a file of an earlier
+    # save: a save failing on its third shard (a full disk, an fsync error) leaves the earlier one whole.
+    with atomic_paths([os.path.join(directory, f) for f in files], sync_folder=False) as temporary:
+        for index, (filename, tmp) in enumerate(zip(files, temporary)):
+            names = [n for n in state_dict if shard_of.get(n, shard_of.get(aliases.get(n, ""), -1)) == index]
+            if safe:
+                checksums[filename] = write_weights_into(tmp, {n: kept[n] for n in names if n in kept}, aliases,
+                                                         save_id if count > 1 else None)
+            else:
+                import torch
 
-            # torch.save keeps one copy of a storage used under several names, so ties stay as keys.
-            shard = {n: kept[aliases.get(n, n)] for n in names}
-            write_atomically(target, lambda tmp, s=shard: torch.save(s, tmp))
+                # torch.save keeps one copy of a storage used under several names, so ties stay as keys.
+                torch.save({n: kept[aliases.get(n, n)] for n in names}, tmp)
+    fsync_path(directory)
 
     keep = set(files)
     if count > 1:
@@ -295,6 +299,13 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
 def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
     """One safetensors weights file, atomically, with the ties, the save id and its own checksum in
     its metadata; returns that checksum (for the index)."""
+    digest: list[str] = []
+    write_atomically(target, lambda tmp: digest.append(write_weights_into(tmp, shard, aliases, save_id)))
+    return digest[0]
+
+
+def write_weights_into(tmp: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
+    """``write_weights_file``'s content written to the new file ``tmp`` (the caller renames it into place)."""
     from .files.safetensors_format import DTYPES, write_safetensors
 
     metadata = {"format": "pt", CHECKSUM_KEY: UNSET_CHECKSUM}
@@ -324,7 +335,7 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
             f.seek(position[0])
             f.write(digest[0].encode("ascii"))
 
-    write_atomically(target, write)
+    write(tmp)
     return digest[0]
 
 

@@ -118,6 +118,30 @@ def find_sources(checkpoint: str) -> tuple[list[Source], bool]:
                          "model states (*model_states.pt) and no subfolder holding model weights in these formats")
 
 
+_LATEST_BYTES = 4096
+
+
+def _latest_tag(folder: str, latest: str) -> Optional[str]:
+    """The tag DeepSpeed's ``latest`` file names (None without one), read as a plain file of ``folder``
+    (``files.paths``: a link, a FIFO swapped in, a device or a folder is refused, never waited on) and
+    of a tag's size at most."""
+    from ..files.errors import UnsafeFileError
+    from ..files.paths import open_inside
+
+    try:
+        fd = open_inside(folder, "latest", "DeepSpeed 'latest' file", nested=False)
+    except FileNotFoundError:
+        return None
+    except UnsafeFileError as e:
+        raise HastenCLIError(f"{e}; remove it or pass the tag folder itself") from None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_LATEST_BYTES + 1)
+    if len(data) > _LATEST_BYTES:
+        raise HastenCLIError(f"{latest!r} has more than {_LATEST_BYTES} bytes, so it does not name a DeepSpeed "
+                             "checkpoint (a tag); it is damaged: remove it or pass the tag folder itself")
+    return data.decode("utf-8", "replace").strip()
+
+
 def _deepspeed_tag(folder: str) -> Optional[str]:
     """The engine checkpoint in ``folder``: itself, the tag its ``latest`` file names, or its only tag."""
     from ..checkpointing.deepspeed_state import is_engine_checkpoint
@@ -128,9 +152,8 @@ def _deepspeed_tag(folder: str) -> Optional[str]:
     if not tags:
         return None
     latest = os.path.join(folder, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+    tag = _latest_tag(folder, latest)
+    if tag is not None:
         if tag not in tags:
             raise HastenCLIError(f"{latest!r} names the DeepSpeed checkpoint {tag!r}, which {folder!r} does not hold "
                                  f"(it holds {', '.join(tags)}); pass one of them")

@@ -20,15 +20,8 @@ from ..progress import file_io
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-@contextmanager
-def atomic_path(path: PathLike, sync_folder: bool = True) -> Iterator[str]:
-    """Yield a temporary path next to ``path``; when the block succeeds, it replaces ``path``.
-
-    For writers that want a file name (``torch.save``, safetensors' ``save_file``). The data is
-    fsynced before the rename and the directory after it. If the block raises, the temporary file
-    is removed and an existing ``path`` is untouched. Symbolic links are written through.
-    ``sync_folder=False``: the caller fsyncs the directory once, after several files.
-    """
+def _temporary_next_to(path: PathLike) -> tuple[str, str]:
+    """(real destination, new empty temporary file in its directory) for ``path``."""
     target = os.path.realpath(os.fspath(path))
     directory = os.path.dirname(target)
     if not os.path.isdir(directory):
@@ -39,19 +32,54 @@ def atomic_path(path: PathLike, sync_folder: bool = True) -> Iterator[str]:
         raise IsADirectoryError(f"cannot write {os.fspath(path)!r}: it is a directory; pass a file path")
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
     os.close(fd)
-    try:
-        yield tmp
-        _fsync_file(tmp)
-        _copy_mode(tmp, target)
-        os.replace(tmp, target)
-    except BaseException:
+    return target, tmp
+
+
+def _remove_quietly(paths: list[str]) -> None:
+    for tmp in paths:
         try:
             os.remove(tmp)
         except FileNotFoundError:
             pass
+
+
+@contextmanager
+def atomic_path(path: PathLike, sync_folder: bool = True) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; when the block succeeds, it replaces ``path``.
+
+    For writers that want a file name (``torch.save``, safetensors' ``save_file``). The data is
+    fsynced before the rename and the directory after it. If the block raises, the temporary file
+    is removed and an existing ``path`` is untouched. Symbolic links are written through.
+    ``sync_folder=False``: the caller fsyncs the directory once, after several files.
+    """
+    with atomic_paths([path], sync_folder) as tmps:
+        yield tmps[0]
+
+
+@contextmanager
+def atomic_paths(paths: "list[PathLike]", sync_folder: bool = True) -> Iterator[list[str]]:
+    """``atomic_path`` for a set of files that belong together (the shards of a ``save_model``, the files
+    of an offload folder next to the index that records their checksums): one temporary path each; only
+    when the block succeeded and every one of them was fsynced are they renamed into place, one after the
+    other. A failure anywhere before (a full disk on the third file, an fsync error on the last) removes
+    every temporary file and leaves all the destinations as they were, so an earlier save stays whole."""
+    made: list[tuple[str, str]] = []
+    try:
+        for path in paths:
+            made.append(_temporary_next_to(path))
+        yield [tmp for _, tmp in made]
+        for target, tmp in made:
+            _fsync_file(tmp)
+        for target, tmp in made:
+            _copy_mode(tmp, target)
+        for target, tmp in made:  # a crash in here leaves some renamed: the loaders refuse that mix (save ids)
+            os.replace(tmp, target)
+    except BaseException:
+        _remove_quietly([tmp for _, tmp in made])
         raise
     if sync_folder:
-        fsync_path(directory)
+        for directory in sorted({os.path.dirname(target) for target, _ in made}):
+            fsync_path(directory)
 
 
 @contextmanager

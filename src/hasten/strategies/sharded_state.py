@@ -72,7 +72,7 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
     import uuid
 
     from ..saving import (ALIASES_KEY, CHECKSUMS_KEY, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID_KEY,
-                          _index_text, atomic_write, parse_size, write_weights_file)
+                          _index_text, atomic_paths, atomic_write, fsync_path, parse_size, write_weights_into)
 
     limit = parse_size(max_shard_size)
     state = model.state_dict()
@@ -114,21 +114,35 @@ def save_full_streamed(model: nn.Module, directory: str, max_shard_size: Any, is
 
     if writes:
         attempt(lambda: os.makedirs(directory, exist_ok=True))
+    # Every file goes to a temporary name and is renamed into place only once all are written and fsynced
+    # (files.durable.atomic_paths): a write failing on the third file leaves an earlier save whole.
+    files_at = atomic_paths([os.path.join(directory, f) for f in files], sync_folder=False)
+    temporary = dict(zip(files, attempt(files_at.__enter__) or [])) if writes else {}
     weight_map, total, checksums = {}, 0, {}
-    for filename, names in zip(files, groups):
-        shard = {}
-        for name in names:
-            value = kept[name]
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value  # every process, always
+    try:
+        for filename, names in zip(files, groups):
+            shard = {}
+            for name in names:
+                value = kept[name]
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value  # every process, always
+                if writes:
+                    shard[name] = full.detach().to("cpu").contiguous()
+                    total += shard[name].nbytes
+                del full
             if writes:
-                shard[name] = full.detach().to("cpu").contiguous()
-                total += shard[name].nbytes
-            del full
-        if writes:
-            checksums[filename] = attempt(lambda f=filename, s=shard: write_weights_file(
-                os.path.join(directory, f), s, aliases, save_id if count > 1 else None))
-        weight_map.update({n: filename for n in names})
-        del shard
+                checksums[filename] = attempt(lambda f=filename, s=shard: write_weights_into(
+                    temporary[f], s, aliases, save_id if count > 1 else None))
+            weight_map.update({n: filename for n in names})
+            del shard
+    except BaseException as e:  # one process: raised at once; every temporary file goes
+        if temporary:
+            files_at.__exit__(type(e), e, e.__traceback__)
+        raise
+    if temporary:
+        if writes:  # all written: renamed into place
+            attempt(lambda: (files_at.__exit__(None, None, None), fsync_path(directory)))
+        else:  # one failed: every temporary file goes, the files of an earlier save stay
+            files_at.__exit__(RuntimeError, RuntimeError("save_model failed"), None)
     if writes and count > 1:
         # The same index as save_model's: each file's checksum, and the index's own.
         index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id, CHECKSUMS_KEY: checksums,

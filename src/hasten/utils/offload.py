@@ -22,7 +22,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
-from ..files.durable import atomic_write, write_atomically
+from ..files.durable import atomic_paths, atomic_write, write_atomically
 from ..files.errors import CheckpointCorruptError
 from ..files.paths import open_inside, split, why_outside
 from ..saving import _prepare
@@ -149,7 +149,17 @@ def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, "torch.Tenso
     loaders, ``disk_offload``, ``dispatch_model``) writes safetensors files: ``offload_to_safetensors``."""
     folder = os.fspath(save_dir)
     os.makedirs(folder, exist_ok=True)
-    add_to_index(folder, {name: _write_dat(tensor, name, folder) for name, tensor in state_dict.items()})
+    paths = [_inside(folder, name, "offload_weight: weight_name") for name in state_dict]
+    entries = {}
+    # Every file written and fsynced before any replaces one the index records: a failure part-way (full
+    # disk, fsync error) leaves the folder as it was, each file matching its recorded checksum.
+    with atomic_paths(paths) as temporary:
+        for tmp, (name, tensor) in zip(temporary, state_dict.items()):
+            _, array, entries[name] = _dat(tensor, name, folder)  # one tensor's CPU copy at a time
+            with open(tmp, "wb") as f:
+                f.write(array.tobytes())
+            del array
+    add_to_index(folder, entries)
 
 
 def offload_to_safetensors(save_dir: PathLike, state_dict: Mapping[str, "torch.Tensor"]) -> None:
@@ -225,9 +235,9 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     return tensor.reshape(shape)
 
 
-def _write_dat(weight: "torch.Tensor", weight_name: str, folder: str) -> dict[str, Any]:
-    """Write ``weight`` to ``<folder>/<weight_name>.dat`` (Accelerate's raw format, atomically); its index
-    entry, with the checksum of the bytes written."""
+def _dat(weight: "torch.Tensor", weight_name: str, folder: str) -> tuple[str, Any, dict[str, Any]]:
+    """(path, numpy array, index entry) of ``weight`` as ``<folder>/<weight_name>.dat`` (Accelerate's raw
+    format), the entry with the checksum of the bytes to write."""
     import torch
 
     path = _inside(folder, weight_name, "offload_weight: weight_name")
@@ -239,9 +249,16 @@ def _write_dat(weight: "torch.Tensor", weight_name: str, folder: str) -> dict[st
     if stored != dtype_name:
         data = data.view(getattr(torch, stored))
     array = data.numpy()
+    return path, array, {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
+
+
+def _write_dat(weight: "torch.Tensor", weight_name: str, folder: str) -> dict[str, Any]:
+    """Write ``weight`` to ``<folder>/<weight_name>.dat`` (Accelerate's raw format, atomically); its index
+    entry, with the checksum of the bytes written."""
+    path, array, entry = _dat(weight, weight_name, folder)
     with atomic_write(path, "wb") as f:
         f.write(array.tobytes())
-    return {"dtype": dtype_name, "shape": list(array.shape), "checksum": _checksum(data)}
+    return entry
 
 
 def offload_weight(weight: "torch.Tensor", weight_name: str, offload_folder: PathLike,
