@@ -36,6 +36,7 @@ import os
 import pickle
 import re
 import types
+import zlib
 from typing import Any, Callable, Iterable, Optional
 
 from .pickle_scan import scan_pickle
@@ -348,6 +349,34 @@ def _refuse(path: str, kind: str, what: str) -> ForbiddenPickle:
                            "sources you trust)")
 
 
+def _check_crcs(data: Any, infos: list, path: str, kind: str) -> None:
+    """Each stored record's CRC-32 (torch.save records one; torch.load does not check it): a flipped bit
+    in an Accelerate-format ``.bin`` is found here instead of loading as different numbers. The views are
+    released before any error leaves (``data`` may be a map its caller closes)."""
+    with memoryview(data) as whole, whole.cast("B") as view:
+        problem = None
+        for info in infos:
+            start = info.header_offset
+            local = bytes(view[start:start + 30])
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                problem = f"its zip record {info.filename!r} has no local header where the directory says"
+                break
+            name_end = start + 30 + int.from_bytes(local[26:28], "little")
+            if bytes(view[start + 30:name_end]) != info.orig_filename.encode("utf-8"):
+                problem = f"its zip record {info.filename!r} is named differently in its local header"
+                break
+            begin = name_end + int.from_bytes(local[28:30], "little")
+            with view[begin:begin + info.compress_size] as record:
+                if len(record) != info.compress_size:
+                    problem = f"its zip record {info.filename!r} is cut short"
+                    break
+                if info.CRC and zlib.crc32(record) != info.CRC:
+                    problem = f"its zip record {info.filename!r} fails its CRC-32 (a flipped bit or an edited file)"
+                    break
+    if problem:
+        raise _corrupt(path, kind, problem + " (damaged or truncated)")
+
+
 def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> None:
     """Refuse a zip archive holding anything but torch.save's records, as Python's zipfile and torch's own
     reader (the one torch.load uses) both see it."""
@@ -355,7 +384,7 @@ def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> No
 
     import torch
 
-    if data[-22:-18] != b"PK\x05\x06":  # torch writes no comment and nothing after the directory
+    if data[-22:-18] != b"PK\x05\x06" or bytes(data[-2:]) != b"\0\0":  # torch writes no comment, nothing after
         raise _refuse(path, kind, "has data after its zip directory (a comment, an appended archive) or no end record")
     def unreadable(e: Exception) -> Exception:
         return _corrupt(path, kind, f"its zip archive cannot be read ({type(e).__name__}: {_first_line(e)})")
@@ -390,6 +419,7 @@ def _check_zip(data: Any, path: str, kind: str, stream: Callable[[], Any]) -> No
                           "never writes it")
     if min(info.header_offset for info in infos) != 0:
         raise _refuse(path, kind, "has data before its first zip record")
+    _check_crcs(data, infos, path, kind)
     if sorted(torch_records) != sorted(name.partition("/")[2] for name in names):
         raise _refuse(path, kind, "is a zip archive whose records torch's reader sees differently from zipfile")
 
