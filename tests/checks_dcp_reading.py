@@ -33,7 +33,8 @@ def _values(model) -> set:
     return {float(v) for p in model.parameters() for v in p.to_local().detach().flatten().unique()}
 
 
-def _tamper(path: str, evil: str, how: str) -> None:
+def tamper(path: str, evil: str, how: str) -> None:
+    """``path`` replaced by a copy of ``evil``, by a link to it, or rewritten in place with its bytes."""
     if how == "replaced":
         shutil.copyfile(evil, path + ".new")
         os.replace(path + ".new", path)
@@ -63,7 +64,7 @@ def _case(how: str, verify: str) -> dict:
 
     def hook(models, folder):
         if acc.is_main_process:  # the shard the other process reads
-            _tamper(os.path.join(folder, "sharded", "__1_0.distcp"), outside, how)
+            tamper(os.path.join(folder, "sharded", "__1_0.distcp"), outside, how)
         acc.wait_for_everyone()
 
     acc.register_load_state_pre_hook(hook)

@@ -10,23 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from checks_dcp_reading import tamper as _tamper
 from distributed import run_checks
 
 HOWS = ["replaced", "linked", "rewritten"]
-
-
-def _tamper(path: str, evil: str, how: str) -> None:
-    if how == "replaced":
-        shutil.copyfile(evil, path + ".new")
-        os.replace(path + ".new", path)
-    elif how == "linked":
-        os.symlink(evil, path + ".link")
-        os.replace(path + ".link", path)
-    else:
-        with open(evil, "rb") as f:
-            data = f.read()
-        with open(path, "r+b") as f:
-            f.write(data)
 
 
 def _fill(model: nn.Module, value: float) -> None:
