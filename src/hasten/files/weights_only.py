@@ -6,8 +6,11 @@ allocate 1 GiB before anything is wrong. Every torch file hasten reads without t
 ``weights_only=False`` therefore goes through ``unpickling``'s allow-list unpickler, whose memo
 indices, calls and storages are bounded by the file's real size before anything is allocated, with
 the globals a weights-only load needs: tensors, parameters, plain containers, torch's dtypes,
-layouts and devices, and bytes as pickle's protocol 2 writes them. Globals registered process-wide
-with ``torch.serialization.add_safe_globals`` are not honoured: the list belongs to this reader.
+layouts and devices, and bytes as pickle's protocol 2 writes them. Of the globals registered
+process-wide with ``torch.serialization.add_safe_globals``, classes are honoured, as torch's reader
+honours them (torchao registers its float8 weight tensor and configs, which DCP shards of an fp8
+FSDP2 model hold); functions registered there are not. Tensor subclasses are rebuilt with
+``_rebuild_wrapper_subclass``, which allocates no storage: their inner tensors are bounded storages.
 """
 
 from __future__ import annotations
@@ -24,13 +27,27 @@ WEIGHTS_GLOBALS = unpickling.TENSOR_GLOBALS | frozenset({
     ("collections", "Counter"),
     ("torch.serialization", "_get_layout"),
     ("torch._utils", "_rebuild_meta_tensor_no_storage"),  # a tensor on the meta device: no memory
+    ("torch._utils", "_rebuild_wrapper_subclass"),  # a tensor subclass's shell: no storage of its own
 })
+
+
+def _registered_classes() -> frozenset:
+    """The classes registered with ``torch.serialization.add_safe_globals`` (functions are left out)."""
+    import torch
+
+    found = set()
+    for entry in torch.serialization.get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (entry, None)
+        if isinstance(obj, type):
+            module, _, attr = name.rpartition(".") if name else (obj.__module__, "", obj.__qualname__)
+            found.add((module, attr))
+    return frozenset(found)
 
 
 def _module(source: str, kind: str, size: int) -> Any:
     """A pickle module for ``torch.load``'s ``pickle_module``: the restricted unpickler bound to ``source``,
     its calls and storages bounded by ``size`` (the bytes torch reads them from)."""
-    reader = unpickling._unpickler(source, kind, WEIGHTS_GLOBALS)
+    reader = unpickling._unpickler(source, kind, WEIGHTS_GLOBALS | _registered_classes())
     reader.file_size = size
     return types.SimpleNamespace(__name__="hasten_weights_only", Unpickler=reader,
                                  load=lambda f, **kwargs: reader(f, **kwargs).load())

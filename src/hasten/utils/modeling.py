@@ -456,6 +456,8 @@ def load_state_dict(checkpoint_file: str, device_map: Optional[Mapping[str, Devi
 
         try:  # hasten's allow-list unpickler: every size the file states bounded by the file
             return weights_only.load(checkpoint_file)
+        except weights_only.unpickling.ForbiddenGlobal as e:  # Accelerate's (torch's) words first: scripts match them
+            raise type(e)(f"Weights only load failed: {e}") from None
         except (pickle.UnpicklingError, OSError):
             raise  # they name what was refused, or the file
         except Exception as e:  # noqa: BLE001 - EOFError, zip errors, ...: none names the file
