@@ -15,6 +15,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import numpy
 import torch
 
 BLOCK_WORDS = 512  # 4 KiB blocks of 8-byte words
@@ -105,7 +106,10 @@ def _digest(sums: list) -> str:
 def _block_sums(words: torch.Tensor) -> list:
     n = words.numel()
     blocks = n // BLOCK_WORDS
-    out = [words[:blocks * BLOCK_WORDS].view(blocks, BLOCK_WORDS).sum(1)]
+    # NumPy, one thread: as fast as torch's reduction here, without waking torch's intra-op threads, whose
+    # spinning takes the core the reading thread and the thread mapping memory in need (int64 wraps alike)
+    grid = words[:blocks * BLOCK_WORDS].numpy().reshape(blocks, BLOCK_WORDS)
+    out = [torch.from_numpy(numpy.add.reduce(grid, axis=1, dtype=numpy.int64))]
     if blocks * BLOCK_WORDS < n:
         out.append(words[blocks * BLOCK_WORDS:].sum().view(1))
     return out
