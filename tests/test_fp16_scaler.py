@@ -35,6 +35,34 @@ def _losses(gen: torch.nn.Module, disc: torch.nn.Module, x: torch.Tensor, run) -
     return loss_g, loss_d
 
 
+def _reference_gan(ref_gen, ref_disc, batches) -> tuple:
+    """torch's own fp16 GAN loop (D clipped, one scaler update per iteration): its scaler, and the scale
+    after each iteration."""
+    def run(m, x):
+        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
+            return m(x).float()
+
+    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
+    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **_SCALER)
+    scales = []
+    for x in batches:
+        _, loss_d = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_d).backward()
+        scaler.unscale_(ref_d)
+        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
+        scaler.step(ref_d)
+        ref_d.zero_grad()
+        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
+        scaler.scale(loss_g).backward()
+        scaler.step(ref_g)
+        scaler.update()
+        ref_g.zero_grad()
+        ref_d.zero_grad()
+        scales.append(scaler.get_scale())
+    return scaler, scales
+
+
 def _reference(gen, disc, batches):
     """The GAN step as torch documents it for several optimizers, with ``GradScaler`` by hand."""
     opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
@@ -163,28 +191,7 @@ def test_interleaved_backward_and_step_unscale_each_optimizer_once(fresh_state):
     ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
     batches = _batches()
 
-    def run(m, x):
-        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
-            return m(x).float()
-
-    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
-    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", **_SCALER)
-    ref_scales = []
-    for x in batches:
-        _, loss_d = _losses(ref_gen, ref_disc, x, run)
-        scaler.scale(loss_d).backward()
-        scaler.unscale_(ref_d)
-        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
-        scaler.step(ref_d)
-        ref_d.zero_grad()
-        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
-        scaler.scale(loss_g).backward()
-        scaler.step(ref_g)
-        scaler.update()
-        ref_g.zero_grad()
-        ref_d.zero_grad()
-        ref_scales.append(scaler.get_scale())
+    _, ref_scales = _reference_gan(ref_gen, ref_disc, batches)
 
     acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**_SCALER)])
     opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
@@ -321,26 +328,7 @@ def test_unscaling_every_optimizer_before_the_other_has_gradients(fresh_state):
     ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
     batches = _batches()
 
-    def run(m, x):
-        with torch.autocast("cpu", dtype=torch.float16):  # cpu-on-purpose: compared with Accelerator(cpu=True)
-            return m(x).float()
-
-    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.1)
-    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", **_SCALER)
-    for x in batches:
-        _, loss_d = _losses(ref_gen, ref_disc, x, run)
-        scaler.scale(loss_d).backward()
-        scaler.unscale_(ref_d)
-        torch.nn.utils.clip_grad_norm_(ref_disc.parameters(), 1.0)
-        scaler.step(ref_d)
-        ref_d.zero_grad()
-        loss_g, _ = _losses(ref_gen, ref_disc, x, run)
-        scaler.scale(loss_g).backward()
-        scaler.step(ref_g)
-        scaler.update()
-        ref_g.zero_grad()
-        ref_d.zero_grad()
+    scaler, _ = _reference_gan(ref_gen, ref_disc, batches)
 
     acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**_SCALER)])
     gen, disc, opt_g, opt_d = acc.prepare(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
