@@ -42,7 +42,7 @@ class Source:
     def view(self) -> Any:
         if self._view is None:
             view = read_weights(self.path, found=True).view
-            if view.file.found != self.found or view.shapes() != self.shapes:
+            if view.found != self.found or view.shapes() != self.shapes:
                 raise CheckpointCorruptError(f"{self.path!r} changed after it was checked (replaced or rewritten while "
                                              "the weights were loaded); load it again")
             self._view = view

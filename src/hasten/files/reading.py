@@ -11,6 +11,7 @@ the read cannot change what is loaded (a change during the read fails the checks
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -72,29 +73,45 @@ def pread_into(fd: int, view: memoryview, position: int, path: str) -> None:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADVISE: list = []
+
+
+def _madvise() -> Any:
+    """libc's ``madvise`` through ctypes, which lets go of the GIL for the call (``mmap.madvise`` keeps it:
+    the thread mapping memory in then stopped the reading and summing threads, and ran no faster than
+    mapping in from the reading thread itself); None where there is none."""
+    if not _MADVISE:
+        function = None
+        try:
+            function = ctypes.CDLL(None, use_errno=True).madvise
+            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            function.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            function = None
+        _MADVISE.append(function)
+    return _MADVISE[0]
 
 
 class PrivateMemory:
     """``size`` bytes of anonymous memory of this process alone (``tensor``: a uint8 tensor that keeps
     them). On the machines we measured, touching fresh memory for the first time cost more than reading
     the file into it (a page fault per 4 KiB page), so ``prefault`` maps a range in ahead of the read, on
-    a pool thread, while the range before it is read. (Huge pages were faster on average but erratic, up
-    to 20 times slower when the kernel had just given its huge pages back.)"""
+    a thread of its own, while the range before it is read and summed. (Huge pages were faster on average
+    but erratic on a VM, up to 20 times slower when the kernel had just given its huge pages back.)"""
 
     def __init__(self, size: int) -> None:
-        self._map = None
-        if size >= PIECE and sys.platform.startswith("linux"):
-            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the mapping; unmapped with it
+        self._address = None
+        if size >= PIECE and sys.platform.startswith("linux") and _madvise() is not None:
+            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping; unmapped with it
+            self._address = self.tensor.data_ptr()
         else:
             self.tensor = torch.empty(size, dtype=torch.uint8)
 
     def prefault(self, start: int, length: int) -> None:
-        if self._map is not None and length > 0:
-            try:
-                self._map.madvise(_MADV_POPULATE_WRITE, start, length)
-            except (OSError, ValueError):  # older kernels: the read's own page faults do it
-                self._map = None
+        if self._address is not None and length > 0 and start + length <= self.tensor.numel():
+            if _madvise()(self._address + start, length, _MADV_POPULATE_WRITE) != 0:
+                self._address = None  # older kernels (EINVAL): the read's own page faults do it
 
 
 def pread_tensor(fd: int, nbytes: int, position: int, path: str) -> torch.Tensor:

@@ -101,8 +101,9 @@ class SafetensorsView:
 
     def __init__(self, file: Any) -> None:
         self.path = file.path
-        self.file = file
-        raw = file.raw
+        self.found = file.found  # the checksum of the bytes read (None: not summed)
+        raw = file.raw  # not ``file`` itself: ``read_weights`` hangs the view on the file, and a cycle would keep
+        # the file's memory until the garbage collector next runs
         n = header_length(bytes(raw[:8].numpy().tobytes()), raw.numel(), file.path)
         self.metadata, self.entries = parse_header(bytes(raw[8:8 + n].numpy().tobytes()), raw.numel() - 8 - n,
                                                    file.path)
@@ -143,7 +144,6 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK = 64 << 20
-_MADV_POPULATE_READ = 22  # Linux >= 5.14
 _SYNC_FILE_RANGE: list = []
 
 
