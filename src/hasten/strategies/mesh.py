@@ -1,9 +1,10 @@
 """The process layout a strategy trains on: named dimensions and the data-parallel view of them.
 
-Processes are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)``: the ranks of one
-tensor-parallel (and context-parallel) group are consecutive, so they sit on one machine. Every
-process of one data-parallel replica (same ``dp_replicate`` and ``dp_shard`` coordinates) must
-see the same batch; the data layer is given ``ParallelMesh.data_parallel()`` instead of the global rank and
+Processes are laid out row-major over ``(pp, dp_replicate, dp_shard, cp, tp)``: the ranks of one
+tensor-parallel (and context-parallel) group are consecutive, so they sit on one machine, and the
+pipeline dimension is outermost, so its point-to-point traffic is what crosses machines. Every
+process of one data-parallel replica (same ``dp_replicate`` and ``dp_shard`` coordinates, any
+pipeline stage) must see the same batch; the data layer is given ``ParallelMesh.data_parallel()`` instead of the global rank and
 world size, and gathers metrics over the data-parallel group only.
 """
 
@@ -13,7 +14,7 @@ from typing import Any, Optional
 
 from ..topology import DataParallel
 
-DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
@@ -29,7 +30,7 @@ def check_layout(sizes: dict[str, int], world_size: int) -> None:
     for name in DIMS:
         product *= sizes.get(name, 1)
     if product != world_size:
-        shown = " x ".join(f"{name}_size={sizes.get(name, 1)}" for name in DIMS)
+        shown = " x ".join(f"{name}_size={sizes.get(name, 1)}" for name in DIMS if name != "pp" or sizes.get(name, 1) > 1)
         raise ValueError(
             f"the parallel layout {shown} = {product} processes, but this job runs {world_size}; make the product "
             f"of the sizes equal the number of processes (e.g. dp_shard_size={world_size // max(1, product // sizes.get('dp_shard', 1))} "
@@ -107,19 +108,22 @@ class ParallelMesh:
 
     def _build_data_parallel(self) -> DataParallel:
         inner = self.sizes["cp"] * self.sizes["tp"]
+        stages = self.sizes["pp"]
         coords = self.coordinates()
         dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
-        if inner == 1:
+        if inner == 1 and stages == 1:
             return DataParallel(dp_rank, self.dp_size)
         import torch.distributed as dist
 
-        # One group per (cp, tp) position; every process must create all of them, in the same order.
+        # One group per (pp, cp, tp) position; every process must create all of them, in the same order.
+        per_stage = self.dp_size * inner
         groups = {}
-        for offset in range(inner):
-            ranks = [d * inner + offset for d in range(self.dp_size)]
-            groups[offset] = dist.new_group(ranks=ranks)
-        members = tuple(d * inner for d in range(self.dp_size))
-        return DataParallel(dp_rank, self.dp_size, groups[self.rank % inner], members)
+        for stage in range(stages):
+            for offset in range(inner):
+                ranks = [stage * per_stage + d * inner + offset for d in range(self.dp_size)]
+                groups[stage, offset] = dist.new_group(ranks=ranks)
+        members = tuple(coords["pp"] * per_stage + d * inner for d in range(self.dp_size))
+        return DataParallel(dp_rank, self.dp_size, groups[coords["pp"], self.rank % inner], members)
 
     def device_mesh(self) -> Any:
         """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively).

@@ -12,7 +12,32 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
+# The pipeline schedules of torch.distributed.pipelining (its own names; tests/test_pipeline_config.py checks
+# this list against torch's registry, so the config stays torch-free and still names what torch has).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Schedules that run several stages on each process (``pp_stages_per_rank`` > 1; V-shaped ones exactly 2).
+PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+PP_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+def _did_you_mean(value: str, choices: tuple) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(value.lower(), [c.lower() for c in choices], n=1, cutoff=0.5)
+    if not close:
+        return ""
+    return f" (did you mean {next(c for c in choices if c.lower() == close[0])!r}?)"
+
+
+def pp_schedule_name(value: Any) -> str:
+    """The schedule's name as torch spells it; ``ValueError`` naming the choices otherwise."""
+    if isinstance(value, str):
+        for name in PP_SCHEDULES:
+            if name.lower() == value.strip().lower():
+                return name
+    raise ValueError(f"ParallelismConfig: pp_schedule={value!r} is not a pipeline schedule"
+                     f"{_did_you_mean(str(value), PP_SCHEDULES)}; use one of {', '.join(PP_SCHEDULES)}")
 
 
 def _size(name: str, value: Any) -> int:
@@ -59,6 +84,11 @@ class ParallelismConfig:
     cp_handler: Any = None
     sp_handler: Any = None
     tp_plan: Optional[dict[str, Any]] = field(default=None, repr=False)
+    pp_size: Optional[int] = None
+    pp_schedule: Optional[str] = None
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
+    pp_split_points: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         for name in _SIZES + ("sp_size",):
@@ -79,14 +109,59 @@ class ParallelismConfig:
             from .parallel_configs import TorchContextParallelConfig
 
             self.cp_handler = TorchContextParallelConfig()
+        self._pipeline_fields()
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict):
             raise TypeError(f"ParallelismConfig: tp_plan must be a dict {{module name: style}}, got "
                             f"{type(self.tp_plan).__name__}")
 
+    def _pipeline_fields(self) -> None:
+        """The pipeline's schedule, microbatches, stages per process and split points, each from the
+        ``PARALLELISM_CONFIG_PP_*`` environment when not given, checked before any process talks."""
+        env = os.environ.get
+        self.pp_schedule = pp_schedule_name(self.pp_schedule or env("PARALLELISM_CONFIG_PP_SCHEDULE") or "1F1B")
+        default_stages = 2 if self.pp_schedule in PP_MULTI_STAGE else 1
+        stages = self.pp_stages_per_rank or env("PARALLELISM_CONFIG_PP_STAGES_PER_RANK") or default_stages
+        self.pp_stages_per_rank = _size("pp_stages_per_rank", stages)
+        if self.pp_schedule in PP_V_SHAPED and self.pp_stages_per_rank != 2:
+            raise ValueError(f"ParallelismConfig: pp_schedule={self.pp_schedule!r} runs exactly 2 stages per process "
+                             f"(a V shape), not pp_stages_per_rank={self.pp_stages_per_rank}; set it to 2")
+        if self.pp_schedule not in PP_MULTI_STAGE and self.pp_stages_per_rank != 1:
+            raise ValueError(f"ParallelismConfig: pp_schedule={self.pp_schedule!r} runs one stage per process, not "
+                             f"pp_stages_per_rank={self.pp_stages_per_rank}; use 'Interleaved1F1B' for several")
+        microbatches = self.pp_microbatches or env("PARALLELISM_CONFIG_PP_MICROBATCHES")
+        self.pp_microbatches = _size("pp_microbatches", microbatches) if microbatches else self.pp_stages
+        if self.pp_size > 1 and self.pp_microbatches < self.pp_stages:
+            raise ValueError(f"ParallelismConfig: pp_microbatches={self.pp_microbatches} is fewer than the "
+                             f"{self.pp_stages} pipeline stages (pp_size={self.pp_size} x pp_stages_per_rank="
+                             f"{self.pp_stages_per_rank}): the pipeline could never be full; use pp_microbatches >= "
+                             f"{self.pp_stages} (more keeps the bubble smaller)")
+        points = self.pp_split_points
+        if points is None and env("PARALLELISM_CONFIG_PP_SPLIT_POINTS"):
+            points = [p.strip() for p in env("PARALLELISM_CONFIG_PP_SPLIT_POINTS", "").split(",") if p.strip()]
+        if points is not None:
+            if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
+                raise ValueError(f"ParallelismConfig: pp_split_points={points!r} must be a list of module names "
+                                 "(each begins a new stage), e.g. ['model.layers.4']")
+            points = list(points)
+            if self.pp_size > 1 and len(points) != self.pp_stages - 1:
+                raise ValueError(f"ParallelismConfig: pp_split_points has {len(points)} names, but pp_size="
+                                 f"{self.pp_size} x pp_stages_per_rank={self.pp_stages_per_rank} = {self.pp_stages} "
+                                 f"stages need {self.pp_stages - 1}")
+        self.pp_split_points = points
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp_size`` processes x ``pp_stages_per_rank`` each."""
+        return self.pp_size * self.pp_stages_per_rank
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp_size > 1
+
     # -- views ------------------------------------------------------------------------------------
     @property
     def total_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.pp_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -94,7 +169,7 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        return self.tp_size * self.cp_size
+        return self.tp_size * self.cp_size * self.pp_size
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -114,11 +189,12 @@ class ParallelismConfig:
 
     def sizes(self) -> dict[str, int]:
         """Size per mesh dimension name (``strategies.mesh.DIMS``)."""
-        return {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size, "cp": self.cp_size,
-                "tp": self.tp_size}
+        return {"pp": self.pp_size, "dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size,
+                "cp": self.cp_size, "tp": self.tp_size}
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _SIZES + ("cp_backend",)}
+        return {name: getattr(self, name) for name in _SIZES + ("cp_backend", "pp_schedule", "pp_microbatches",
+                                                               "pp_stages_per_rank", "pp_split_points")}
 
     # Accelerate's names of the enabled dimensions (lists, as Accelerate's), in mesh order.
     @property
@@ -201,8 +277,8 @@ class ParallelismConfig:
         return mesh
 
     def _shown(self) -> str:
-        return (f"dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
-                f"cp_size={self.cp_size} x tp_size={self.tp_size}")
+        return ((f"pp_size={self.pp_size} x " if self.pp_size > 1 else "") + f"dp_replicate_size={self.dp_replicate_size} x "
+                f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x tp_size={self.tp_size}")
 
     # -- checks before the process group ----------------------------------------------------------
     def check(self, world_size: int, sharded: bool, device_type: str) -> None:
