@@ -204,6 +204,7 @@ def test_hidden_complete_checkpoints_are_recovered_not_deleted(tmp_path):
     # the next save replaces it and leaves one checkpoint (the leftovers of the crash are cleaned)
     acc, model, _ = make(None, value=5.0)
     acc.save_state(target)
+    layout.wait_for_deletions()  # the replaced checkpoint is renamed hidden, then deleted on a thread
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     acc, model, _ = make(None, value=0.0)
     acc.load_state(target)
