@@ -192,10 +192,6 @@ class ReadFile:
                 "(a flipped bit, an edited file, or one rewritten while it was read)")
         return None if expected is True else expected
 
-    def copy_into(self, dest: torch.Tensor, source: torch.Tensor) -> None:
-        """``dest.copy_(source)``, ``source`` a view of these bytes."""
-        dest.copy_(source)
-
     def bytes(self) -> bytes:
         return bytes(self.raw.numpy().tobytes())
 
