@@ -46,7 +46,7 @@ def test_gather_for_metrics_exact_under_tp(two):
 
 def test_tp_checkpoint_roundtrip_and_from_no_tp(two, single_checkpoint):
     r = two.assert_passed("check_tp_checkpoint_roundtrip")[0]
-    assert r["layout"]["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+    assert r["layout"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
     assert r["layout"]["strategy"] == "TensorParallelStrategy"
     expected = single_checkpoint[1]
     assert all(torch.equal(torch.tensor(r["from_single"][k]), torch.tensor(expected[k])) for k in expected)

@@ -77,7 +77,9 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records about the layout it was written with."""
-        return {"strategy": type(self).__name__, "mesh": self.mesh.shape, "state_dict": self.checkpoint_format}
+        # without a pipeline, the record a checkpoint had before the pp axis existed (same manifests)
+        mesh = {name: size for name, size in self.mesh.shape.items() if name != "pp" or size > 1}
+        return {"strategy": type(self).__name__, "mesh": mesh, "state_dict": self.checkpoint_format}
 
     def checkpoint_backend(self) -> Any:
         """How ``save_state`` stores models and optimizers: None for one full safetensors file each
