@@ -105,9 +105,9 @@ class ParallelismConfig:
             ParallelStyle or "colwise"/"rowwise"/...}``, used instead of the model's own plan
             (transformers' ``base_model_tp_plan``).
 
-    The product of the four sizes must equal the number of processes. Processes are laid out
-    row-major over (dp_replicate, dp_shard, cp, tp): the tensor-parallel ranks of one replica are
-    consecutive (one machine) and receive the same batches.
+    The product of the sizes must equal the number of processes (``hasten.layout.Layout`` holds that
+    rule). Processes are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp): the
+    tensor-parallel ranks of one replica are consecutive (one machine) and receive the same batches.
     """
 
     dp_replicate_size: Optional[int] = None
