@@ -167,7 +167,7 @@ def test_accelerator_positional_arguments_follow_accelerate():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # leaving split_batches out warns about nothing
         assert Accelerator(cpu=True).split_batches is False
-    with pytest.raises(NotImplementedError, match="megatron_lm_plugin"):
+    with pytest.raises(TypeError, match="megatron_lm_plugin must be a hasten.utils.MegatronLMPlugin"):
         Accelerator(cpu=True, megatron_lm_plugin=object())
     with pytest.raises(TypeError, match="torch_tp_plugin must be a TorchTensorParallelPlugin"):
         Accelerator(cpu=True, torch_tp_plugin=object())

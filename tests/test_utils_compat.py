@@ -107,10 +107,11 @@ def test_refused_names_raise_a_clear_error_on_use(name):
 
 
 def test_refusals_name_the_alternative():
-    assert "ParallelismConfig(tp_size=...)" in REFUSED["MegatronLMPlugin"]
+    assert "ParallelismConfig(tp_size=...)" in REFUSED["megatron_lm_initialize"]
+    assert "MegatronLMPlugin" not in REFUSED  # mapped onto ParallelismConfig (tests/test_megatron_mapping.py)
     assert "CPU" in REFUSED["load_and_quantize_model"] and "torchao" in REFUSED["load_and_quantize_model"]
     with pytest.raises(FeatureNotAvailableError, match="tensor parallelism"):
-        hasten.utils.MegatronLMPlugin(tp_degree=2)
+        hasten.utils.megatron_lm_initialize()
 
 
 # -- the compatibility table ----------------------------------------------------------------------

@@ -75,7 +75,9 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         parallelism_config: the N-D layout (``hasten.utils.ParallelismConfig``: data, tensor parallel
             sizes); default from ``PARALLELISM_CONFIG_*`` (``hasten launch --parallelism_config_*``).
         torch_tp_plugin: Accelerate's older tensor-parallel switch, turned into ``ParallelismConfig(tp_size=...)``.
-        megatron_lm_plugin: not supported (an error if given).
+        megatron_lm_plugin: Accelerate's ``MegatronLMPlugin``, mapped onto ``ParallelismConfig`` (``tp_degree`` ->
+            ``tp_size``, ``pp_degree`` -> ``pp_size``, ``num_micro_batches`` -> ``pp_microbatches``); what only
+            Megatron's engine does (its datasets, train step, optimizer) is refused naming the native option.
         resume: ``None``, ``"auto"``, ``"auto-skip-damaged"`` (passes over checkpoints that no longer load,
             down to a fresh start) or a checkpoint folder to resume from (see docs/checkpoints.md).
     """

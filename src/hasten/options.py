@@ -46,17 +46,6 @@ def dynamo_from_env() -> Optional[TorchDynamoPlugin]:
     return None if plugin.backend == "no" else plugin
 
 
-def unsupported_parallelism(**plugins: Any) -> None:
-    """Megatron-LM is not implemented (``parallelism_config`` is how hasten does tensor parallelism):
-    refuse it instead of ignoring it."""
-    for name, value in plugins.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"Accelerator({name}=...) is not supported by hasten yet; remove it (data parallelism, FSDP and "
-                "DeepSpeed are the supported strategies; tensor parallelism is parallelism_config=ParallelismConfig(tp_size=...))"
-            )
-
-
 def collect_handlers(kwargs_handlers: Optional[Sequence[Any]]) -> dict[type, Any]:
     found: dict[type, Any] = {}
     for handler in kwargs_handlers or ():

@@ -26,7 +26,6 @@ from .options import (
     named_deepspeed_plugins,
     dynamo_from_env,
     merge_legacy_data_kwargs,
-    unsupported_parallelism,
 )
 from .state import AcceleratorState, GradientState
 from .strategy_rules import strategy_for
@@ -39,6 +38,7 @@ from .utils.dataclasses import (
     TorchDynamoPlugin,
 )
 from .utils.environment import parse_flag
+from .utils.megatron_lm import parallelism_from_megatron
 from .utils.parallelism_config import ParallelismConfig
 
 
@@ -106,7 +106,7 @@ def make_plan(
     Checks every argument first (the errors name the wrong value and the fix), then creates the
     process state (and the process group, once per process), then decides the rest from it.
     """
-    unsupported_parallelism(megatron_lm_plugin=megatron_lm_plugin)
+    parallelism_config = parallelism_from_megatron(megatron_lm_plugin, parallelism_config)  # before any group
     parallelism_config = parallelism_from_tp_plugin(torch_tp_plugin, parallelism_config)
     legacy = dict(legacy or {})
     if split_batches is not UNSET:

@@ -219,6 +219,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("parallelism_config_cp_backend", "choice", None, ("torch",)),
         Key("parallelism_config_cp_comm_strategy", "str", None),
         Key("parallelism_config_sp_size", "int", None, minimum=1),
+        Key("parallelism_config_pp_size", "int", None, minimum=1),
+        # Checked (with did-you-mean) by ParallelismConfig's own rule when hasten launch reads it.
+        Key("parallelism_config_pp_schedule", "str", None),
+        Key("parallelism_config_pp_microbatches", "int", None, minimum=1),
+        Key("parallelism_config_pp_stages_per_rank", "int", None, minimum=1),
+        Key("parallelism_config_pp_split_points", "str", None),  # comma-separated, or a YAML list
     ),
     "deepspeed_config": _keys(
         Key("deepspeed_config_file", "str", None),

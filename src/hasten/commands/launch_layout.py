@@ -2,7 +2,10 @@
 
 The processes check the same layout (``utils.parallelism_config.ParallelismConfig``), but there every
 rank raises its own traceback after the start-up; a layout that cannot fit the job is known here
-already, so ``hasten launch`` refuses it in one line (exit 2). Torch-free: ``hasten launch`` imports
+already, so ``hasten launch`` refuses it in one line (exit 2). The rules are not written twice: the
+product, composition and device rules are ``hasten.layout.Layout``'s, the pipeline's are
+``utils.parallelism_config.check_pipeline``; only the wording differs (``_LaunchSpelling`` names each
+size with where it came from and asks for the launcher's flags). Torch-free: ``hasten launch`` imports
 torch only when it starts processes.
 
 Only what the launch settings decide is checked: the sizes, the process count and the device. Whether
@@ -12,66 +15,69 @@ keep that check.
 
 from __future__ import annotations
 
-from typing import Optional
-
+from ..layout import AXES, Layout, Spelling
+from ..utils.parallelism_config import check_pipeline, split_points
 from .errors import HastenCLIError
 from .launch_settings import Resolved
 
-# The order the ranks multiply them in (row-major mesh: dp_replicate, dp_shard, cp, tp).
-SIZES = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+SIZES = tuple(f"{axis}_size" for axis in AXES)  # mesh order: pp, dp_replicate, dp_shard, cp, tp
+PIPELINE = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split_points")
 
 
-def _flag(size: str) -> str:
-    return f"--parallelism_config_{size}"
+def _flag(name: str) -> str:
+    return f"--parallelism_config_{name}"
+
+
+class _LaunchSpelling(Spelling):
+    prefix = "parallelism sizes "
+    fsdp = "--use_fsdp"
+    only_enabled = True
+
+    def __init__(self, res: Resolved, procs: int) -> None:
+        self.res, self.procs = res, procs
+
+    def size(self, axis: str, value: int) -> str:
+        setting = self.res.values.get(f"parallelism_config_{axis}_size")
+        where = f" ({setting.source})" if setting is not None and setting.value is not None else ""
+        return f"{axis}_size {value}{where}"
+
+    def use(self, axis: str, value: int) -> str:
+        return f"{_flag(axis + '_size')} {value}"
+
+    def job(self, world_size: int) -> str:
+        return f"{world_size}: num_processes {world_size} ({self.res.values['num_processes'].source})"
+
+    def processes(self, count: int) -> str:
+        return f"pass --num_processes {count}"
 
 
 def check_layout(res: Resolved, procs: int, device: str) -> None:
-    """Raise ``HastenCLIError`` when the parallelism sizes cannot run ``procs`` processes on ``device``.
+    """Raise ``HastenCLIError`` when the parallelism settings cannot run ``procs`` processes on ``device``.
 
-    Mirrors the ranks' rules: nothing asked (no size given, or all 1) fits any job; otherwise the
-    product of the sizes is the number of processes; cp_size > 1 needs CUDA; sp_size must stay 1;
-    tp/cp with replication need dp_shard (FSDP2), not dp_replicate alone.
+    The ranks' rules: nothing asked (no size given, or all 1) fits any job; otherwise the product of
+    the sizes is the number of processes; cp_size > 1 needs CUDA; sp_size must stay 1; tp/cp with
+    replication need dp_shard (FSDP2); the pipeline's schedule, microbatches and split points.
     """
     given = {s: res[f"parallelism_config_{s}"] for s in SIZES + ("sp_size",)}
-    if all(v is None for v in given.values()):
+    pipeline = {p: res[f"parallelism_config_{p}"] for p in PIPELINE}
+    if all(v is None for v in given.values()) and all(v is None for v in pipeline.values()):
         return
     sizes = {s: 1 if v is None else int(v) for s, v in given.items()}
-
-    def shown(size: str) -> str:
-        value = res.values[f"parallelism_config_{size}"]
-        where = f" ({value.source})" if value.value is not None else ""
-        return f"{size} {sizes[size]}{where}"
-
+    spelling = _LaunchSpelling(res, procs)
     if sizes["sp_size"] > 1:
-        raise HastenCLIError(f"{shown('sp_size')}: DeepSpeed sequence parallelism is not available in hasten; "
-                             f"drop {_flag('sp_size')} (or set it to 1) and use {_flag('cp_size')} on GPUs")
-    total = 1
-    for s in SIZES:
-        total *= sizes[s]
-    if total > 1 and total != procs:
-        product = " x ".join(shown(s) for s in SIZES if sizes[s] > 1)
-        count = res.values["num_processes"]
-        raise HastenCLIError(
-            f"parallelism sizes {product} = {total} processes, but the job runs {procs}: num_processes {procs} "
-            f"({count.source}); make the product of the sizes {procs}, or pass --num_processes {total}")
-    problem = _cp_problem(sizes, device, shown) or _replicate_problem(sizes, shown)
-    if problem:
-        raise HastenCLIError(problem)
-
-
-def _cp_problem(sizes: dict[str, int], device: str, shown) -> Optional[str]:
-    if sizes["cp_size"] == 1 or device == "cuda":
-        return None
-    return (f"{shown('cp_size')} needs GPUs (context parallelism runs attention with CUDA kernels), but this "
-            f"job runs on {device.upper()}; use {_flag('cp_size')} 1 and give those processes to "
-            f"{_flag('dp_shard_size')} {sizes['dp_shard_size'] * sizes['cp_size']} (with --use_fsdp)")
-
-
-def _replicate_problem(sizes: dict[str, int], shown) -> Optional[str]:
-    if not ((sizes["tp_size"] > 1 or sizes["cp_size"] > 1) and sizes["dp_replicate_size"] > 1
-            and sizes["dp_shard_size"] == 1):
-        return None
-    other = shown("tp_size") if sizes["tp_size"] > 1 else shown("cp_size")
-    return (f"{shown('dp_replicate_size')} with {other} and dp_shard_size 1: tensor/context parallelism composes "
-            f"with FSDP2, not with plain replication; pass {_flag('dp_shard_size')} {sizes['dp_replicate_size']} "
-            f"and {_flag('dp_replicate_size')} 1 (with --use_fsdp)")
+        raise HastenCLIError(f"{spelling.size('sp', sizes['sp_size'])}: DeepSpeed sequence parallelism is not "
+                             f"available in hasten; drop {_flag('sp_size')} (or set it to 1) and use "
+                             f"{_flag('cp_size')} on GPUs")
+    try:
+        layout = Layout.asked({s[:-len("_size")]: sizes[s] for s in SIZES}, procs)
+        if layout is not None:
+            layout.check(spelling, device)
+        check_pipeline(sizes["pp_size"], pipeline["pp_schedule"], pipeline["pp_microbatches"],
+                       pipeline["pp_stages_per_rank"], split_points(pipeline["pp_split_points"]))
+    except ValueError as error:
+        text = str(error).replace("ParallelismConfig: ", "", 1)
+        if text.startswith(spelling.prefix):
+            raise HastenCLIError(text) from None
+        sources = [f"{name} ({res.values[f'parallelism_config_{name}'].source})" for name in ("pp_size",) + PIPELINE
+                   if res[f"parallelism_config_{name}"] is not None]
+        raise HastenCLIError(f"{text} [{', '.join(sources)}]" if sources else text) from None

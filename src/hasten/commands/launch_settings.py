@@ -195,6 +195,12 @@ _PAR_HELP = {
     "parallelism_config_cp_size": "Processes a sequence is split over (context parallelism; GPUs only).",
     "parallelism_config_cp_backend": "torch.", "parallelism_config_cp_comm_strategy": "Stored for compatibility.",
     "parallelism_config_sp_size": "DeepSpeed sequence parallelism (not available; keep 1).",
+    "parallelism_config_pp_size": "Pipeline stages' processes (pipeline parallelism; the outermost mesh dimension).",
+    "parallelism_config_pp_schedule": "Pipeline schedule, torch's name: GPipe, 1F1B (default), Interleaved1F1B, "
+                                      "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.",
+    "parallelism_config_pp_microbatches": "Microbatches each batch is split into (at least the number of stages).",
+    "parallelism_config_pp_stages_per_rank": "Stages each pipeline process runs (2 for interleaved/V schedules).",
+    "parallelism_config_pp_split_points": "Module names that begin a stage, comma-separated (default: even split).",
 }
 # The sizes reach the processes as Accelerate's PARALLELISM_CONFIG_* variables (read by ParallelismConfig).
 _PAR = _section(_switch("use_parallelism_config", G_PAR, "Lay the processes out with the parallelism_config sizes."),

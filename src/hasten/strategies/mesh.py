@@ -12,36 +12,37 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..layout import AXES, Layout, Spelling
 from ..topology import DataParallel
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DIMS = AXES  # the mesh order, outermost first (hasten.layout)
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
+class _MeshSpelling(Spelling):
+    prefix = "the parallel layout "
+
+
 def check_layout(sizes: dict[str, int], world_size: int) -> None:
-    """Raise before any process-group work when ``sizes`` cannot lay out ``world_size`` processes."""
-    for name in DIMS:
-        value = sizes.get(name, 1)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}_size={value!r} must be a whole number >= 1")
-    product = 1
-    for name in DIMS:
-        product *= sizes.get(name, 1)
-    if product != world_size:
-        shown = " x ".join(f"{name}_size={sizes.get(name, 1)}" for name in DIMS if name != "pp" or sizes.get(name, 1) > 1)
-        raise ValueError(
-            f"the parallel layout {shown} = {product} processes, but this job runs {world_size}; make the product "
-            f"of the sizes equal the number of processes (e.g. dp_shard_size={world_size // max(1, product // sizes.get('dp_shard', 1))} "
-            "with the other sizes unchanged, when that divides)"
-        )
+    """Raise before any process-group work when ``sizes`` cannot lay out ``world_size`` processes
+    (``hasten.layout.Layout``'s product rule)."""
+    problem = Layout.from_sizes(sizes, world_size).mismatch(_MeshSpelling())
+    if problem:
+        raise ValueError(problem)
 
 
 def mesh_names_and_shape(sizes: dict[str, int], keep: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The torch mesh's dimension names and sizes: those of ``DIMS`` larger than 1 (or kept), in ``DIMS`` order."""
-    names = tuple(n for n in DIMS if sizes.get(n, 1) > 1 or n in keep) or ("dp_shard",)
-    return names, tuple(sizes.get(n, 1) for n in names)
+    return Layout.from_sizes({n: sizes.get(n, 1) for n in DIMS}, _product(sizes)).mesh_names_and_shape(keep)
+
+
+def _product(sizes: dict[str, int]) -> int:
+    total = 1
+    for name in DIMS:
+        total *= sizes.get(name, 1)
+    return total
 
 
 def flatten_joint(mesh: Any, sizes: dict[str, int]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ _EXPORTS = {
     "FullyShardedDataParallelPlugin": ".fsdp_plugin",
     "DeepSpeedPlugin": ".deepspeed_plugin",
     "ParallelismConfig": ".parallelism_config",
+    "MegatronLMPlugin": ".megatron_lm",
     **{name: ".environment" for name in (
         "get_env", "parse_flag", "parse_int", "parse_choice", "patch_environment", "clear_environment",
     )},

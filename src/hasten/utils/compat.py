@@ -9,8 +9,9 @@ with the reason and the alternative in ``REFUSED``. Nothing here imports torch.
 
 from __future__ import annotations
 
-_MEGATRON = ("Megatron-LM is not supported; for tensor parallelism use "
-             "Accelerator(parallelism_config=ParallelismConfig(tp_size=...)) (DTensor, with FSDP2 for the rest)")
+_MEGATRON = ("Megatron-LM's engine is not used: MegatronLMPlugin maps onto hasten's own layout; for tensor "
+             "parallelism use Accelerator(parallelism_config=ParallelismConfig(tp_size=...)) (DTensor, with FSDP2 "
+             "for the rest), for pipelines ParallelismConfig(pp_size=...)")
 _BNB = ("bitsandbytes quantisation is not supported (bitsandbytes needs a CUDA or XPU build; it has nothing for "
         "CPU); quantise when loading with transformers (from_pretrained(quantization_config=...)) or with torchao")
 _DS_WRAPPER = "an internal of Accelerate's prepare: accelerator.prepare(model, optimizer, scheduler) builds the DeepSpeed engine"
@@ -24,8 +25,14 @@ _XLA = "TPUs (torch_xla) are not supported by hasten; run on CPU or CUDA GPUs"
 # name -> why it cannot exist here, and what to use instead. prepare_pippy and rich are top-level names.
 TOP_LEVEL_ONLY = frozenset({"prepare_pippy", "rich"})
 REFUSED: dict[str, str] = {
-    **dict.fromkeys(("MegatronLMPlugin", "MegatronLMDummyDataLoader", "MegatronLMDummyScheduler", "AbstractTrainStep",
-                     "BertTrainStep", "GPTTrainStep", "T5TrainStep", "add_model_config_to_megatron_parser",
+    "MegatronLMDummyDataLoader": ("Megatron's dataset pipeline is not used (MegatronLMPlugin maps onto "
+                                  "ParallelismConfig); prepare a torch DataLoader with accelerator.prepare"),
+    "MegatronLMDummyScheduler": ("Megatron's scheduler is not used (MegatronLMPlugin maps onto ParallelismConfig); "
+                                 "pass a torch LR scheduler to accelerator.prepare"),
+    **dict.fromkeys(("AbstractTrainStep", "BertTrainStep", "GPTTrainStep", "T5TrainStep"),
+                    "Megatron's train step is not used (MegatronLMPlugin maps onto ParallelismConfig); compute the "
+                    "loss in your loop and call accelerator.backward(loss)"),
+    **dict.fromkeys(("add_model_config_to_megatron_parser",
                      "avg_losses_across_data_parallel_group", "MegatronEngine", "MegatronLMOptimizerWrapper",
                      "MegatronLMSchedulerWrapper", "gather_across_data_parallel_groups", "megatron_lm_initialize",
                      "megatron_lm_prepare_data_loader", "megatron_lm_prepare_model_optimizer_scheduler",
@@ -56,6 +63,10 @@ _SAVE_FSDP = ("adapter_only=True raises (save a peft adapter with save_pretraine
 
 # name -> how hasten's version differs from Accelerate's.
 DIFFERENT: dict[str, str] = {
+    "MegatronLMPlugin": ("mapped onto ParallelismConfig (tp_degree -> tp_size, pp_degree -> pp_size, num_micro_batches "
+                         "-> pp_microbatches, context_parallel_size -> cp_size) and run by hasten's own tensor "
+                         "parallelism and pipeline; Megatron's train step is not used, and its engine-only options "
+                         "(datasets, custom train step, distributed optimizer, sequence parallelism) raise"),
     "compile_regions": ("compiles in place (nn.Module.compile) and returns the same module; Accelerate returns a "
                         "copy holding torch.compile wrappers. State-dict keys keep no `_orig_mod.`"),
     "has_compiled_regions": "also counts blocks compiled in place, which is how hasten's compile_regions compiles",

@@ -52,6 +52,43 @@ def _size(name: str, value: Any) -> int:
     return number
 
 
+def split_points(value: Any) -> Any:
+    """``"a, b"`` (the launcher's and the environment's spelling) -> ``["a", "b"]``; other values as given."""
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    return value
+
+
+def check_pipeline(pp_size: int, schedule: Any = None, microbatches: Any = None, stages_per_rank: Any = None,
+                   points: Any = None) -> tuple[str, int, int, Optional[list[str]]]:
+    """The pipeline's rules, in one place (``ParallelismConfig`` and ``hasten launch`` call it): returns
+    ``(schedule, microbatches, stages_per_rank, split_points)`` with the defaults filled in, or raises
+    ``ValueError`` naming the value. ``points`` may be a comma-separated string (the launcher's form)."""
+    schedule = pp_schedule_name(schedule or "1F1B")
+    stages_per_rank = _size("pp_stages_per_rank", stages_per_rank or (2 if schedule in PP_MULTI_STAGE else 1))
+    if schedule in PP_V_SHAPED and stages_per_rank != 2:
+        raise ValueError(f"ParallelismConfig: pp_schedule={schedule!r} runs exactly 2 stages per process "
+                         f"(a V shape), not pp_stages_per_rank={stages_per_rank}; set it to 2")
+    if schedule not in PP_MULTI_STAGE and stages_per_rank != 1:
+        raise ValueError(f"ParallelismConfig: pp_schedule={schedule!r} runs one stage per process, not "
+                         f"pp_stages_per_rank={stages_per_rank}; use 'Interleaved1F1B' for several")
+    stages = pp_size * stages_per_rank
+    microbatches = _size("pp_microbatches", microbatches) if microbatches else stages
+    if pp_size > 1 and microbatches < stages:
+        raise ValueError(f"ParallelismConfig: pp_microbatches={microbatches} is fewer than the {stages} pipeline "
+                         f"stages (pp_size={pp_size} x pp_stages_per_rank={stages_per_rank}): the pipeline could "
+                         f"never be full; use pp_microbatches >= {stages} (more keeps the bubble smaller)")
+    if points is not None:
+        if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
+            raise ValueError(f"ParallelismConfig: pp_split_points={points!r} must be a list of module names "
+                             "(each begins a new stage), e.g. ['model.layers.4']")
+        points = list(points)
+        if pp_size > 1 and len(points) != stages - 1:
+            raise ValueError(f"ParallelismConfig: pp_split_points has {len(points)} names, but pp_size={pp_size} x "
+                             f"pp_stages_per_rank={stages_per_rank} = {stages} stages need {stages - 1}")
+    return schedule, microbatches, stages_per_rank, points
+
+
 @dataclass
 class ParallelismConfig:
     """How the processes of a job are laid out: data parallel (replicated and sharded), context and tensor parallel.
@@ -68,9 +105,9 @@ class ParallelismConfig:
             ParallelStyle or "colwise"/"rowwise"/...}``, used instead of the model's own plan
             (transformers' ``base_model_tp_plan``).
 
-    The product of the four sizes must equal the number of processes. Processes are laid out
-    row-major over (dp_replicate, dp_shard, cp, tp): the tensor-parallel ranks of one replica are
-    consecutive (one machine) and receive the same batches.
+    The product of the sizes must equal the number of processes (``hasten.layout.Layout`` holds that
+    rule). Processes are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp): the
+    tensor-parallel ranks of one replica are consecutive (one machine) and receive the same batches.
     """
 
     dp_replicate_size: Optional[int] = None
@@ -99,12 +136,9 @@ class ParallelismConfig:
         if self.sp_size > 1:
             raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} (DeepSpeed sequence parallelism) is not "
                              "available in hasten; use cp_size for context parallelism, or sp_size=1")
-        if (self.tp_size > 1 or self.cp_size > 1) and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
-            raise ValueError(
-                f"ParallelismConfig: dp_replicate_size={self.dp_replicate_size} with tp_size={self.tp_size}, "
-                f"cp_size={self.cp_size} and dp_shard_size=1: tensor/context parallelism composes with FSDP2, not "
-                f"with plain replication; use dp_shard_size={self.dp_replicate_size} and dp_replicate_size=1 "
-                "(with fsdp_plugin / --use_fsdp)")
+        problem = self.layout(self.total_size).composition_problem()  # one rule: hasten.layout
+        if problem:
+            raise ValueError(problem)
         if self.cp_size > 1 and self.cp_handler is None:  # as Accelerate: the handler holds the environment's choice
             from .parallel_configs import TorchContextParallelConfig
 
@@ -118,36 +152,13 @@ class ParallelismConfig:
         """The pipeline's schedule, microbatches, stages per process and split points, each from the
         ``PARALLELISM_CONFIG_PP_*`` environment when not given, checked before any process talks."""
         env = os.environ.get
-        self.pp_schedule = pp_schedule_name(self.pp_schedule or env("PARALLELISM_CONFIG_PP_SCHEDULE") or "1F1B")
-        default_stages = 2 if self.pp_schedule in PP_MULTI_STAGE else 1
-        stages = self.pp_stages_per_rank or env("PARALLELISM_CONFIG_PP_STAGES_PER_RANK") or default_stages
-        self.pp_stages_per_rank = _size("pp_stages_per_rank", stages)
-        if self.pp_schedule in PP_V_SHAPED and self.pp_stages_per_rank != 2:
-            raise ValueError(f"ParallelismConfig: pp_schedule={self.pp_schedule!r} runs exactly 2 stages per process "
-                             f"(a V shape), not pp_stages_per_rank={self.pp_stages_per_rank}; set it to 2")
-        if self.pp_schedule not in PP_MULTI_STAGE and self.pp_stages_per_rank != 1:
-            raise ValueError(f"ParallelismConfig: pp_schedule={self.pp_schedule!r} runs one stage per process, not "
-                             f"pp_stages_per_rank={self.pp_stages_per_rank}; use 'Interleaved1F1B' for several")
-        microbatches = self.pp_microbatches or env("PARALLELISM_CONFIG_PP_MICROBATCHES")
-        self.pp_microbatches = _size("pp_microbatches", microbatches) if microbatches else self.pp_stages
-        if self.pp_size > 1 and self.pp_microbatches < self.pp_stages:
-            raise ValueError(f"ParallelismConfig: pp_microbatches={self.pp_microbatches} is fewer than the "
-                             f"{self.pp_stages} pipeline stages (pp_size={self.pp_size} x pp_stages_per_rank="
-                             f"{self.pp_stages_per_rank}): the pipeline could never be full; use pp_microbatches >= "
-                             f"{self.pp_stages} (more keeps the bubble smaller)")
         points = self.pp_split_points
         if points is None and env("PARALLELISM_CONFIG_PP_SPLIT_POINTS"):
-            points = [p.strip() for p in env("PARALLELISM_CONFIG_PP_SPLIT_POINTS", "").split(",") if p.strip()]
-        if points is not None:
-            if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
-                raise ValueError(f"ParallelismConfig: pp_split_points={points!r} must be a list of module names "
-                                 "(each begins a new stage), e.g. ['model.layers.4']")
-            points = list(points)
-            if self.pp_size > 1 and len(points) != self.pp_stages - 1:
-                raise ValueError(f"ParallelismConfig: pp_split_points has {len(points)} names, but pp_size="
-                                 f"{self.pp_size} x pp_stages_per_rank={self.pp_stages_per_rank} = {self.pp_stages} "
-                                 f"stages need {self.pp_stages - 1}")
-        self.pp_split_points = points
+            points = split_points(env("PARALLELISM_CONFIG_PP_SPLIT_POINTS", ""))
+        (self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank, self.pp_split_points) = check_pipeline(
+            self.pp_size, self.pp_schedule or env("PARALLELISM_CONFIG_PP_SCHEDULE"),
+            self.pp_microbatches or env("PARALLELISM_CONFIG_PP_MICROBATCHES"),
+            self.pp_stages_per_rank or env("PARALLELISM_CONFIG_PP_STAGES_PER_RANK"), points)
 
     @property
     def pp_stages(self) -> int:
@@ -277,24 +288,23 @@ class ParallelismConfig:
         return mesh
 
     def _shown(self) -> str:
-        return ((f"pp_size={self.pp_size} x " if self.pp_size > 1 else "") + f"dp_replicate_size={self.dp_replicate_size} x "
-                f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x tp_size={self.tp_size}")
+        return self.layout(self.total_size).shown()
+
+    def layout(self, world_size: int) -> Any:
+        """This layout's sizes on a job of ``world_size`` processes (``hasten.layout.Layout``, torch-free)."""
+        from ..layout import Layout
+
+        return Layout.from_config(self, world_size)
 
     # -- checks before the process group ----------------------------------------------------------
     def check(self, world_size: int, sharded: bool, device_type: str) -> None:
         """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
-        shown = self._shown()
-        if self.total_size == 1 and world_size > 1:
+        from ..layout import Layout
+
+        layout = Layout.asked(self.sizes(), world_size)
+        if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
-        if self.total_size != world_size:
-            raise ValueError(f"ParallelismConfig: {shown} = {self.total_size} processes, but this job runs "
-                             f"{world_size}; make the product of the sizes equal the number of processes "
-                             "(hasten launch --num_processes, or change the sizes)")
-        if self.cp_size > 1 and device_type != "cuda":
-            raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} needs GPUs (context parallelism runs "
-                             f"attention with CUDA kernels); this job runs on the {device_type.upper()} with {shown}, "
-                             f"so use cp_size=1 and give those processes to dp_shard_size "
-                             f"(dp_shard_size={self.dp_shard_size * self.cp_size}, with fsdp_plugin)")
+        layout.check(device_type=device_type)  # the product, composition and device rules (hasten.layout)
         if self.cp_size > 1 and not sharded:
             raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} shards the model over dp_shard x cp with "
                              "FSDP2; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "

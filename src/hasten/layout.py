@@ -1,0 +1,180 @@
+"""The process layout of a job: every parallel axis, its size, and the rules that tie them together.
+
+One torch-free object (as torchtitan's ``ParallelDims``) that ``ParallelismConfig`` (in the processes),
+``strategies.mesh`` (when the torch mesh is made) and ``hasten launch`` (before any process starts) all
+check a layout with, so each rule and its message exist once. Only the wording of the sizes differs by
+who speaks: ``Spelling`` says ``tp_size=2`` for a Python argument, the launcher's says
+``tp_size 2 (command line --parallelism_config_tp_size)`` and asks for its flags.
+
+Mesh order (``AXES``, outermost first): ``pp, dp_replicate, dp_shard, cp, tp``. Ranks are laid out row-major,
+so the tensor-parallel ranks of one replica are consecutive (one machine, the most traffic) and the
+pipeline axis is outermost (only point-to-point activations between neighbouring stages cross machines).
+``ep`` (expert parallelism) is reserved: a field at 1, refused above 1, so adding it later is one more axis here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Axes with a place in the object but no implementation yet: size 1 only, and why.
+RESERVED = {"ep": "expert parallelism is not available in hasten; keep ep_size=1"}
+
+
+class Spelling:
+    """How a message names a size and asks for another one (a Python argument: ``tp_size=2``)."""
+
+    prefix = "ParallelismConfig: "
+    fsdp = "fsdp_plugin"
+    only_enabled = False  # show only the sizes above 1
+
+    def size(self, axis: str, value: int) -> str:
+        return f"{axis}_size={value}"
+
+    def use(self, axis: str, value: int) -> str:
+        return f"{axis}_size={value}"
+
+    def job(self, world_size: int) -> str:
+        return str(world_size)
+
+    def processes(self, count: int) -> str:
+        return f"hasten launch --num_processes {count}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of every axis of a job of ``world_size`` processes (each a whole number >= 1).
+
+    Built from a ``ParallelismConfig`` (``Layout.from_config``) or a ``{axis: size}`` mapping
+    (``Layout.from_sizes``); ``check()`` raises when the sizes cannot lay out the job.
+    """
+
+    world_size: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1  # reserved (RESERVED)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size",) + AXES + tuple(RESERVED):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                shown = name if name == "world_size" else f"{name}_size"
+                raise ValueError(f"{shown}={value!r} must be a whole number >= 1")
+        for name, why in RESERVED.items():
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}_size={getattr(self, name)}: {why}")
+
+    # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_sizes(cls, sizes: Mapping[str, Any], world_size: int) -> "Layout":
+        """``sizes``: size per axis name (missing axes are 1)."""
+        names = {f.name for f in fields(cls)} - {"world_size"}
+        unknown = sorted(set(sizes) - names)
+        if unknown:
+            raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(AXES)}")
+        return cls(world_size, **{name: sizes[name] for name in sizes})
+
+    @classmethod
+    def from_config(cls, config: Any, world_size: int) -> "Layout":
+        """The layout a ``ParallelismConfig`` asks for on ``world_size`` processes."""
+        return cls.from_sizes(config.sizes(), world_size)
+
+    @classmethod
+    def asked(cls, sizes: Mapping[str, Any], world_size: int) -> Optional["Layout"]:
+        """The layout ``sizes`` ask for, or None when they ask for nothing (every size 1 on several
+        processes: the strategy lays the job out itself, DDP replicas or FSDP2 over all)."""
+        layout = cls.from_sizes(sizes, world_size)
+        return None if layout.product == 1 and world_size > 1 else layout
+
+    # -- views ----------------------------------------------------------------------------------------
+    def sizes(self) -> dict[str, int]:
+        """Size per axis, in mesh order."""
+        return {name: getattr(self, name) for name in AXES}
+
+    @property
+    def product(self) -> int:
+        total = 1
+        for name in AXES:
+            total *= getattr(self, name)
+        return total
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The axes larger than 1, in mesh order."""
+        return tuple(name for name in AXES if getattr(self, name) > 1)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def mesh_names_and_shape(self, keep: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The torch mesh's dimension names and sizes: the axes larger than 1 (or kept), in mesh order."""
+        names = tuple(n for n in AXES if getattr(self, n) > 1 or n in keep) or ("dp_shard",)
+        return names, tuple(getattr(self, n) for n in names)
+
+    def shown(self, spelling: Optional[Spelling] = None) -> str:
+        """``pp_size=2 x dp_replicate_size=1 x ...`` (pp only when used)."""
+        spelling = spelling or Spelling()
+        names = [n for n in AXES if (getattr(self, n) > 1 if spelling.only_enabled else n != "pp" or self.pp > 1)]
+        return " x ".join(spelling.size(n, getattr(self, n)) for n in names or ["dp_shard"])
+
+    # -- the rules ------------------------------------------------------------------------------------
+    def mismatch(self, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """The product rule: the sizes multiply to the number of processes. The message, or None."""
+        if self.product == self.world_size:
+            return None
+        spelling = spelling or Spelling()
+        other = self.product // self.dp_shard
+        example = (f" (e.g. {spelling.use('dp_shard', self.world_size // other)}, the other sizes unchanged)"
+                   if self.world_size % other == 0 else "")
+        return (f"{spelling.prefix}{self.shown(spelling)} = {self.product} processes, but this job runs "
+                f"{spelling.job(self.world_size)}; make the product of the sizes {self.world_size}{example}, or run "
+                f"{self.product} processes ({spelling.processes(self.product)})")
+
+    def composition_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """Tensor/context parallelism composes with FSDP2, not with plain replication."""
+        if not ((self.tp > 1 or self.cp > 1) and self.dp_replicate > 1 and self.dp_shard == 1):
+            return None
+        s = spelling or Spelling()
+        other = s.size("tp", self.tp) if self.tp > 1 else s.size("cp", self.cp)
+        return (f"{s.prefix}{s.size('dp_replicate', self.dp_replicate)} with {other} and {s.size('dp_shard', 1)}: "
+                f"tensor/context parallelism composes with FSDP2, not with plain replication; use "
+                f"{s.use('dp_shard', self.dp_replicate)} and {s.use('dp_replicate', 1)} (with {s.fsdp})")
+
+    def device_problem(self, device_type: str, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """Context parallelism needs CUDA."""
+        if self.cp == 1 or device_type == "cuda":
+            return None
+        s = spelling or Spelling()
+        return (f"{s.prefix}{s.size('cp', self.cp)} needs GPUs (context parallelism runs attention with CUDA "
+                f"kernels); this job runs on the {device_type.upper()} with {self.shown(s)}, so use {s.use('cp', 1)} "
+                f"and give those processes to dp_shard_size ({s.use('dp_shard', self.dp_shard * self.cp)}, with "
+                f"{s.fsdp})")
+
+    def check(self, spelling: Optional[Spelling] = None, device_type: Optional[str] = None) -> "Layout":
+        """Raise ``ValueError`` with the first rule this layout breaks; return it otherwise."""
+        problem = (self.mismatch(spelling) or self.composition_problem(spelling)
+                   or (self.device_problem(device_type, spelling) if device_type else None))
+        if problem:
+            raise ValueError(problem)
+        return self
