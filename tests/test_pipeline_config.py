@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from scripts.launch_common import LEAKY_NAMES, LEAKY_PREFIXES, clean_env, hasten, script
+from scripts.launch_common import clean_env, hasten, script
 from test_cli import one_line_error, plan_for
 
 
@@ -99,16 +99,7 @@ def test_config_mesh_and_layout_share_one_product_rule():
 
 
 # -- hasten launch: flags, config keys, refusals ------------------------------------------------------
-@pytest.fixture
-def cli(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith(LEAKY_PREFIXES) or key in LEAKY_NAMES:
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("HASTEN_CONFIG_FILE", str(tmp_path / "absent.yaml"))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    return tmp_path
+from test_agree_and_launch_sizes import cli  # noqa: E402,F401 - the same clean launcher environment
 
 
 def test_pp_flags_reach_the_processes(cli):
