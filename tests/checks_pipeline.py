@@ -149,15 +149,25 @@ def _each_schedule(make, data, batch_size, forward, ref_loss, loss_fn=None):
     return {s: _compare(s, make, data, batch_size, forward, ref_loss, loss_fn) for s in SCHEDULES}
 
 
+def _world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
 def check_sequential_each_schedule_equals_one_process():
+    if _world() != 2:
+        return "skipped"
     return _each_schedule(_seq, _seq_data(), BATCH, _seq_forward, _seq_ref, nn.functional.mse_loss)
 
 
 def check_llama_each_schedule_equals_one_process():
+    if _world() != 2:
+        return "skipped"
     return _each_schedule(_llama, _lm_data(), BATCH // 2, _lm_forward, _lm_ref)
 
 
 def check_llama_split_points_and_logits():
+    if _world() != 2:
+        return "skipped"
     reset_state()
     acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2,
                                                            pp_split_points=["model.layers.1"]))
@@ -172,6 +182,8 @@ def check_llama_split_points_and_logits():
 
 
 def check_changed_loss_is_refused():
+    if _world() != 2:
+        return "skipped"
     reset_state()
     acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="1F1B", pp_microbatches=2))
     model = _seq()
@@ -187,6 +199,8 @@ def check_changed_loss_is_refused():
 
 
 def check_too_few_layers_is_refused():
+    if _world() != 2:
+        return "skipped"
     reset_state()
     acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B", pp_microbatches=4))
     model = _seq()[:3]
@@ -198,5 +212,52 @@ def check_too_few_layers_is_refused():
     raise AssertionError("3 layers over 4 stages were accepted")
 
 
-if os.environ.get("PIPELINE_ONLY"):  # debugging aid: run one check by name
-    pass
+
+def check_eval_under_no_grad_changes_no_gradient():
+    if _world() != 2:
+        return "skipped"
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="1F1B", pp_microbatches=2))
+    model = acc.prepare(_llama())
+    model.eval()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    ref = _llama()(input_ids=ids, labels=ids).loss
+    assert all(p.grad is None for _, p in model.named_stage_parameters())
+    return abs(float(out.loss) - float(ref))
+
+
+def check_pp_times_dp_equals_one_process():
+    """4 processes: 2 replicas x 2 stages; replica r reads every other batch, as DDP would."""
+    if _world() != 4:
+        return "skipped"
+    out = {}
+    for schedule in ("1F1B", "Interleaved1F1B"):
+        reset_state()
+        acc = Accelerator(gradient_accumulation_steps=ACCUM, parallelism_config=ParallelismConfig(
+            pp_size=2, dp_replicate_size=2, pp_schedule=schedule, pp_microbatches=MICRO))
+        model = _seq()
+        pipeline_loss(model, nn.functional.mse_loss)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = _seq_data()
+        model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=BATCH // 2))
+        losses, norms = [], []
+        for x, y in loader:
+            with acc.accumulate(model):
+                res = model(x, labels=y)
+                acc.backward(res.loss)
+                losses.append(float(res.loss))
+                if acc.sync_gradients:
+                    norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+                opt.step()
+                opt.zero_grad()
+        params = acc.strategy.model_state_dict(model, everyone=True)
+        pairs = list(torch.utils.data.DataLoader(data, batch_size=BATCH // 2))
+        batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(pairs[::2], pairs[1::2])]
+        _, ref_norms, _, ref_params = _reference(_seq, batches, _seq_ref)
+        norm_diff = max(abs(a - b) for a, b in zip(norms, ref_norms))
+        param_diff = _worst(params, ref_params)
+        assert len(norms) == len(ref_norms) == STEPS and norm_diff < 1e-5 and param_diff < 1e-5, (norms, ref_norms)
+        out[schedule] = {"norm": norm_diff, "param": param_diff, "replica": acc.strategy.mesh.data_parallel().rank}
+    return out

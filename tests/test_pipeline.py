@@ -62,6 +62,18 @@ def test_too_few_layers_is_refused(two):
         assert "3" in message and "4 stages" in message and "pp_split_points" in message
 
 
+def test_eval_under_no_grad_gives_the_loss_and_no_gradient(two):
+    assert all(diff < 1e-5 for diff in two.assert_passed("check_eval_under_no_grad_changes_no_gradient"))
+
+
+def test_pp_times_dp_on_four_processes_equals_one_process():
+    four = run_checks("checks_pipeline", world_size=4, timeout=300, only=["check_pp_times_dp_equals_one_process"])
+    ranks = four.assert_passed("check_pp_times_dp_equals_one_process")
+    for r in ranks:
+        assert all(v["norm"] < 1e-5 and v["param"] < 1e-5 for v in r.values())
+    assert [r["1F1B"]["replica"] for r in ranks] == [0, 1, 0, 1]  # pp outermost: ranks 0, 1 are stage 0
+
+
 # -- the split rule, in this process ------------------------------------------------------------
 def test_even_split_gives_earlier_stages_the_extra_layer():
     from hasten.pipeline.split import plan_stages

@@ -40,7 +40,6 @@ def test_every_rule_names_an_importable_strategy_class():
 
 
 def test_pipeline_rule_wins_when_pp_size_is_above_one():
-
     assert strategy_for(DistributedType.MULTI_CPU, ParallelismConfig(pp_size=2)).name == "pipeline"
     assert strategy_for(DistributedType.MULTI_CPU, ParallelismConfig(tp_size=2)).name == "tensor_parallel"
     assert strategy_for(DistributedType.MULTI_CPU, None).name == "ddp"

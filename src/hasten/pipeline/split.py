@@ -180,6 +180,3 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
         return create_causal_mask(config=config, input_embeds=hidden, attention_mask=None, cache_position=positions[0],
                                   past_key_values=None, position_ids=positions)
 
-
-def stage_parameter_names(stage: nn.Module) -> list[str]:
-    return [n for n, _ in stage.named_parameters()]
