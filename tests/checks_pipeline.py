@@ -145,8 +145,8 @@ def _lm_ref(model, batch):
     return model(input_ids=batch[0], labels=batch[1]).loss
 
 
-def _each_schedule(make, data, batch_size, forward, ref_loss, loss_fn=None):
-    return {s: _compare(s, make, data, batch_size, forward, ref_loss, loss_fn) for s in SCHEDULES}
+def _each_schedule(schedules, make, data, batch_size, forward, ref_loss, loss_fn=None):
+    return {s: _compare(s, make, data, batch_size, forward, ref_loss, loss_fn) for s in schedules}
 
 
 def _world() -> int:
@@ -156,13 +156,13 @@ def _world() -> int:
 def check_sequential_each_schedule_equals_one_process():
     if _world() != 2:
         return "skipped"
-    return _each_schedule(_seq, _seq_data(), BATCH, _seq_forward, _seq_ref, nn.functional.mse_loss)
+    return _each_schedule(SCHEDULES + ("LoopedBFS", "DualPipeV"), _seq, _seq_data(), BATCH, _seq_forward, _seq_ref, nn.functional.mse_loss)
 
 
 def check_llama_each_schedule_equals_one_process():
     if _world() != 2:
         return "skipped"
-    return _each_schedule(_llama, _lm_data(), BATCH // 2, _lm_forward, _lm_ref)
+    return _each_schedule(SCHEDULES, _llama, _lm_data(), BATCH // 2, _lm_forward, _lm_ref)
 
 
 def check_llama_split_points_and_logits():
@@ -178,7 +178,25 @@ def check_llama_split_points_and_logits():
     ref = _llama()(input_ids=ids, labels=ids)
     logits = None if out.logits is None else float((out.logits - ref.logits).abs().max())
     assert abs(float(out.loss) - float(ref.loss)) < 1e-5, (float(out.loss), float(ref.loss))
-    return {"names": sorted(k for k, _ in model.named_stage_parameters()), "logits": logits}
+    full = acc.get_state_dict(model)  # every stage gathered, under the original names
+    assert _worst(full, _llama().state_dict()) == 0.0
+    folder = os.path.join(os.environ["HASTEN_TEST_TMP"], "pp_model")
+    acc.save_model(model, folder)  # every process gathers; process 0 writes the full model's file
+    acc.wait_for_everyone()
+    from safetensors.torch import load_file
+
+    saved = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(folder, name)))
+    assert _worst(saved, _llama().state_dict()) == 0.0
+    try:
+        acc.save_state(os.path.join(os.environ["HASTEN_TEST_TMP"], "pp_ckpt"))
+    except ValueError as error:
+        refused = str(error)
+    else:
+        raise AssertionError("save_state under pipeline parallelism was accepted")
+    return {"names": sorted(k for k, _ in model.named_stage_parameters()), "logits": logits, "save": refused}
 
 
 def check_changed_loss_is_refused():

@@ -34,6 +34,10 @@ from .mesh import ParallelMesh
 class PipelineStrategy(Strategy):
     """``ParallelismConfig(pp_size=N[, dp_replicate_size=R])``: pipeline stages over N processes per replica."""
 
+    # Not "full": a save then takes the collective path on every process, which asks checkpoint_backend
+    # (refused below on every process alike) instead of process 0 gathering the stages alone.
+    checkpoint_format = "pipeline"
+
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
         self.gradient_state = plan.gradient_state
