@@ -231,6 +231,18 @@ def check_too_few_layers_is_refused():
 
 
 
+def check_sequential_without_a_loss_is_refused():
+    if _world() != 2:
+        return "skipped"
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2))
+    try:
+        acc.prepare(_seq())
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("an nn.Sequential without pipeline_loss was accepted")
+
+
 def check_eval_under_no_grad_changes_no_gradient():
     if _world() != 2:
         return "skipped"

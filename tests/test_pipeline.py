@@ -63,6 +63,11 @@ def test_too_few_layers_is_refused(two):
         assert "3" in message and "4 stages" in message and "pp_split_points" in message
 
 
+def test_a_sequential_without_its_loss_is_refused(two):
+    for message in two.assert_passed("check_sequential_without_a_loss_is_refused"):
+        assert "hasten.pipeline.pipeline_loss(model, loss_fn)" in message
+
+
 def test_eval_under_no_grad_gives_the_loss_and_no_gradient(two):
     assert all(diff < 1e-5 for diff in two.assert_passed("check_eval_under_no_grad_changes_no_gradient"))
 
@@ -116,3 +121,16 @@ def test_a_model_without_layers_is_refused():
 
     with pytest.raises(ValueError, match="pp_split_points"):
         plan_stages(nn.Linear(2, 2), 2)
+
+
+def test_weights_tied_across_stages_are_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hasten.pipeline.split import plan_stages
+    from hasten.strategies.pipeline import _refuse_shared_across_stages
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        _refuse_shared_across_stages(model, plan_stages(model, 2))

@@ -23,6 +23,7 @@ does in the other strategies), since its backward runs here.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -32,7 +33,8 @@ from torch import nn
 
 from .schedule import build_schedule
 
-_LOSS = "_hasten_pipeline_loss"
+# model -> the loss its last stage computes (``pipeline_loss``); weak: forgotten with the model.
+_LOSSES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
 
 def pipeline_loss(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> nn.Module:
@@ -44,12 +46,12 @@ def pipeline_loss(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch
     Returns ``model``."""
     if not callable(loss_fn):
         raise TypeError(f"pipeline_loss: loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
-    model.__dict__[_LOSS] = loss_fn  # a plain attribute: no parameter, no state dict entry
+    _LOSSES[model] = loss_fn  # beside the model: no attribute, parameter or state dict entry added to it
     return model
 
 
 def given_loss(model: nn.Module) -> Optional[Callable]:
-    return model.__dict__.get(_LOSS)
+    return _LOSSES.get(model)
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import types
 from typing import Any, Optional
 
 import torch
@@ -119,7 +118,7 @@ def _cuts_from_points(units: list[str], num_stages: int, points: list[str]) -> l
 
 
 # -- building one stage -------------------------------------------------------------------------
-def build_stage(model: nn.Module, units: list[str], first: bool, last: bool) -> nn.Module:
+def build_stage(model: nn.Module, units: list[str]) -> nn.Module:
     """A copy of ``model`` holding only ``units`` (sharing their parameters with ``model``), whose
     forward runs this stage: what the pipeline stage calls with the previous stage's output."""
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
@@ -140,16 +139,23 @@ def build_stage(model: nn.Module, units: list[str], first: bool, last: bool) -> 
             setattr(base, name, None)
     if parts["head"] not in keep:
         setattr(stage, parts["head"], None)
-    stage._hasten_pp = {"parts": parts, "first": first, "last": last}
-    stage.forward = types.MethodType(_decoder_stage_forward, stage)
+    stage.forward = _DecoderStageForward(stage, parts)  # what PipelineStage calls (module.__call__ -> forward)
     return stage
 
 
-def _decoder_stage_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+class _DecoderStageForward:
     """One stage of a decoder LM: token ids (first stage) or hidden states in; hidden states, or
     logits on the last stage, out. Rotary embeddings and the causal mask are recomputed on each stage
     (they hold no parameters) exactly as the model's own forward computes them for an unpadded batch."""
-    parts = self._hasten_pp["parts"]
+
+    def __init__(self, stage: nn.Module, parts: dict[str, Any]) -> None:
+        self.stage, self.parts = stage, parts
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _decoder_stage_forward(self.stage, self.parts, hidden)
+
+
+def _decoder_stage_forward(self: nn.Module, parts: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
     base = getattr(self, parts["prefix"])
     for name in parts["before"]:
         module = getattr(base, name)

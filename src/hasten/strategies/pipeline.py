@@ -83,7 +83,7 @@ class PipelineStrategy(Strategy):
                              "before accelerator.prepare(model) (loss_fn(output, target) -> mean over the samples)")
         pp_rank, pp_size = self.mesh.coordinates()["pp"], cfg.pp_size
         indices = local_stage_indices(cfg.pp_schedule, pp_rank, pp_size, cfg.pp_stages_per_rank)
-        local = [(i, build_stage(model, stages[i], i == 0, i == cfg.pp_stages - 1)) for i in indices]
+        local = [(i, build_stage(model, stages[i])) for i in indices]
         self._model_ids |= {id(p) for p in model.parameters()}
         self._local_ids |= {id(p) for _, m in local for p in m.parameters()}
         self.mesh.data_parallel()  # collective on first use: made by every process here, in the same order
