@@ -255,6 +255,12 @@ def check_eval_under_no_grad_changes_no_gradient():
         out = model(input_ids=ids, labels=ids)
     ref = _llama()(input_ids=ids, labels=ids).loss
     assert all(p.grad is None for _, p in model.named_stage_parameters())
+    try:
+        acc.backward(out.loss)
+    except ValueError as error:
+        assert "torch.no_grad()" in str(error), str(error)
+    else:
+        raise AssertionError("backward of a no_grad loss was accepted")
     return abs(float(out.loss) - float(ref))
 
 

@@ -86,6 +86,7 @@ class PipelinedModel(nn.Module):
         self._schedule = build_schedule(schedule, self._pipe_stages, microbatches, self._microbatch_loss)
         self._step: dict[str, Any] = {}
         self._last_loss: Optional[torch.Tensor] = None
+        self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
 
     # -- what the stages hold, under the original names ---------------------------------------
     def local_stages(self) -> list[tuple[int, nn.Module]]:
@@ -153,7 +154,9 @@ class PipelinedModel(nn.Module):
         first, last = 0 in self.stage_indices, self.num_stages - 1 in self.stage_indices
         if first and inputs is None:
             raise ValueError("the process that runs the first pipeline stage needs the inputs: model(inputs, labels=...)")
-        training = self.training and torch.is_grad_enabled()
+        # Backward runs whenever autograd is on (model.eval() only switches dropout off, as elsewhere);
+        # under torch.no_grad() the schedule's forward-only eval runs.
+        training = torch.is_grad_enabled()
         tokens = None
         if self._user_loss is None:
             tokens = (nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] != -100).sum()
@@ -172,10 +175,13 @@ class PipelinedModel(nn.Module):
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
         if training:
             self._after_backward(self)
-        self._last_loss = loss
+        self._last_loss, self._last_trained = loss, training
         self._step = {}
         return PipelineOutput(loss=loss, logits=out if last else None)
 
-    def owns_loss(self, loss: Any) -> bool:
-        """Whether ``loss`` is the very tensor the last ``forward`` returned."""
-        return self._last_loss is not None and loss is self._last_loss
+    def loss_kind(self, loss: Any) -> Optional[str]:
+        """"trained" when ``loss`` is the very tensor the last ``forward`` returned after running
+        backward, "evaluated" when that forward ran under ``torch.no_grad()``, else None."""
+        if self._last_loss is None or loss is not self._last_loss:
+            return None
+        return "trained" if self._last_trained else "evaluated"

@@ -121,8 +121,13 @@ class PipelineStrategy(Strategy):
     # -- a training step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, **kwargs: Any) -> None:
         """Nothing to do: the schedule ran backward inside ``model(...)``; checks ``loss`` is what it returned."""
-        if any(m.owns_loss(loss) for m in self._models):
+        kinds = {m.loss_kind(loss) for m in self._models}
+        if "trained" in kinds:
             return
+        if "evaluated" in kinds:
+            raise ValueError("accelerator.backward got the loss of a pipelined forward run under torch.no_grad(): the "
+                             "schedule ran forward only, so there is nothing to differentiate; call the model with "
+                             "autograd on (outside torch.no_grad()) to train")
         raise ValueError(
             "accelerator.backward got a loss that is not the outputs.loss the pipelined model returned: under pipeline "
             "parallelism backward already ran inside model(...) (torch's schedule) on the loss of the last stage, so "
