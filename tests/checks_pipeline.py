@@ -171,7 +171,10 @@ def check_llama_split_points_and_logits():
     reset_state()
     acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2,
                                                            pp_split_points=["model.layers.1"]))
-    model = acc.prepare(_llama())
+    original = _llama()
+    model = acc.prepare(original)
+    local = {id(p) for _, p in model.named_stage_parameters()}
+    assert all((p.numel() > 0) == (id(p) in local) for p in original.parameters())  # other stages: released
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     out = model(input_ids=ids, labels=ids)
     acc.backward(out.loss)

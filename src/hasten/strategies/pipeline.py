@@ -86,6 +86,7 @@ class PipelineStrategy(Strategy):
         local = [(i, build_stage(model, stages[i])) for i in indices]
         self._model_ids |= {id(p) for p in model.parameters()}
         self._local_ids |= {id(p) for _, m in local for p in m.parameters()}
+        _release_other_stages(model, self._local_ids)
         self.mesh.data_parallel()  # collective on first use: made by every process here, in the same order
         group = self.mesh["pp"].get_group()
         last_owner = stage_owner(cfg.pp_schedule, cfg.pp_stages - 1, pp_size, cfg.pp_stages_per_rank)
@@ -188,6 +189,16 @@ class PipelineStrategy(Strategy):
         if not isinstance(model, PipelinedModel):
             return super().load_model_state_dict(model, state_dict, strict)
         return model.load_stage_state_dict(state_dict, strict=strict)
+
+
+def _release_other_stages(model: nn.Module, local_ids: set[int]) -> None:
+    """Empty the parameters of ``model`` that no local stage holds: this process never computes with
+    them, and keeping them would cost every process the full model's weights (the point of a pipeline
+    is that it does not). The Parameter objects stay (an optimizer built on them is filtered by
+    identity afterwards); their data becomes an empty tensor of the same dtype and device."""
+    for param in model.parameters():
+        if id(param) not in local_ids:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _refuse_shared_across_stages(model: nn.Module, stages: list[list[str]]) -> None:
