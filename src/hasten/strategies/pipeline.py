@@ -37,6 +37,8 @@ class PipelineStrategy(Strategy):
     # Not "full": a save then takes the collective path on every process, which asks checkpoint_backend
     # (refused below on every process alike) instead of process 0 gathering the stages alone.
     checkpoint_format = "pipeline"
+    # prepare must not move the whole model to the GPU first: only this process's stages go there.
+    places_model_itself = True
 
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
@@ -87,6 +89,8 @@ class PipelineStrategy(Strategy):
         self._model_ids |= {id(p) for p in model.parameters()}
         self._local_ids |= {id(p) for _, m in local for p in m.parameters()}
         _release_other_stages(model, self._local_ids)
+        for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay
+            module.to(self.state.device)
         self.mesh.data_parallel()  # collective on first use: made by every process here, in the same order
         group = self.mesh["pp"].get_group()
         last_owner = stage_owner(cfg.pp_schedule, cfg.pp_stages - 1, pp_size, cfg.pp_stages_per_rank)
