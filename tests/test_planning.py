@@ -35,8 +35,14 @@ def test_every_rule_names_an_importable_strategy_class():
     for rule in RULES:
         cls = strategy_class(rule.name)
         assert issubclass(cls, Strategy) and cls.__name__ == rule.where.split(":")[1]
-    with pytest.raises(ValueError, match="no strategy named 'pipeline'"):
-        strategy_rule("pipeline")
+    with pytest.raises(ValueError, match="no strategy named 'zero_bubble'"):
+        strategy_rule("zero_bubble")
+
+
+def test_pipeline_rule_wins_when_pp_size_is_above_one():
+    assert strategy_for(DistributedType.MULTI_CPU, ParallelismConfig(pp_size=2)).name == "pipeline"
+    assert strategy_for(DistributedType.MULTI_CPU, ParallelismConfig(tp_size=2)).name == "tensor_parallel"
+    assert strategy_for(DistributedType.MULTI_CPU, None).name == "ddp"
 
 
 def test_distributed_type_for_prefers_deepspeed_then_fsdp_then_the_process_layout():

@@ -36,29 +36,38 @@ class StrategyRule:
     Attributes:
         name: the strategy's name in a plan (``Plan.strategy``).
         where: ``"module:Class"`` inside ``hasten.strategies``, imported only when chosen.
-        serves: ``serves(distributed_type, tp_size)``: whether this strategy runs such a job.
+        serves: ``serves(distributed_type, parallelism_config)``: whether this strategy runs such a job
+            (the config may be None: no layout asked for).
     """
 
     name: str
     where: str
-    serves: Callable[[DistributedType, int], bool]
+    serves: Callable[[DistributedType, Any], bool]
 
 
 # First match wins, so the order is the precedence: an engine the user asked for (FSDP2, which also
 # applies a tensor-parallel plan; DeepSpeed) before tensor parallelism alone, before plain DDP.
 RULES: tuple[StrategyRule, ...] = (
-    StrategyRule("single", "single:SingleDeviceStrategy", lambda kind, tp: kind == DistributedType.NO),
-    StrategyRule("fsdp2", "fsdp2:FSDP2Strategy", lambda kind, tp: kind == DistributedType.FSDP),
-    StrategyRule("deepspeed", "deepspeed:DeepSpeedStrategy", lambda kind, tp: kind == DistributedType.DEEPSPEED),
-    StrategyRule("tensor_parallel", "tensor_parallel:TensorParallelStrategy", lambda kind, tp: tp > 1),
-    StrategyRule("ddp", "ddp:DDPStrategy", lambda kind, tp: True),
+    StrategyRule("single", "single:SingleDeviceStrategy", lambda kind, cfg: kind == DistributedType.NO),
+    # Before the engines: it refuses FSDP/DeepSpeed with pp itself, naming the combination, rather
+    # than letting an engine silently ignore pp_size.
+    StrategyRule("pipeline", "pipeline:PipelineStrategy", lambda kind, cfg: _size(cfg, "pp_size") > 1),
+    StrategyRule("fsdp2", "fsdp2:FSDP2Strategy", lambda kind, cfg: kind == DistributedType.FSDP),
+    StrategyRule("deepspeed", "deepspeed:DeepSpeedStrategy", lambda kind, cfg: kind == DistributedType.DEEPSPEED),
+    StrategyRule("tensor_parallel", "tensor_parallel:TensorParallelStrategy", lambda kind, cfg: _size(cfg, "tp_size") > 1),
+    StrategyRule("ddp", "ddp:DDPStrategy", lambda kind, cfg: True),
 )
+
+
+def _size(parallelism_config: Optional[Any], name: str) -> int:
+    if parallelism_config is None:
+        return 1
+    return getattr(parallelism_config, name, None) or 1
 
 
 def strategy_for(distributed_type: DistributedType, parallelism_config: Optional[Any] = None) -> StrategyRule:
     """The rule of the strategy that runs a job of ``distributed_type`` with ``parallelism_config``."""
-    tp = parallelism_config.tp_size if parallelism_config is not None else 1
-    return next(rule for rule in RULES if rule.serves(distributed_type, tp))
+    return next(rule for rule in RULES if rule.serves(distributed_type, parallelism_config))
 
 
 def strategy_rule(name: str) -> StrategyRule:
