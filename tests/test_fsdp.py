@@ -48,7 +48,7 @@ def test_transformers_model_wrapped_by_layer(two):
 def test_bitwise_resume_and_manifest_layout(two):
     r = two.assert_passed("check_bitwise_resume")[0]
     assert r["layout"] == {"strategy": "FSDP2Strategy", "state_dict": "dcp",
-                           "mesh": {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
+                           "mesh": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}}
     assert r["metadata_reads"] == 1  # checked, then loaded, from one read of DCP's .metadata
     assert r["pickle_reads"] == 0  # with hasten's allow-list, never with DCP's pickle.load
 

@@ -92,7 +92,7 @@ def test_fsdp_on_one_process_checkpoint_is_sharded_dcp_and_restores_exactly(one_
     with open(os.path.join(folder, "manifest.json")) as f:
         layout = json.load(f)["layout"]
     assert layout == {"strategy": "FSDP2Strategy", "state_dict": "dcp",
-                      "mesh": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}}
+                      "mesh": {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}}
 
     acc.load_state(folder, continue_dataloaders=True)
     assert all(torch.equal(saved[k], v) for k, v in _full(acc, model).items())
