@@ -56,8 +56,9 @@ def given_loss(model: nn.Module) -> Optional[Callable]:
 
 @dataclass
 class PipelineOutput:
-    """What the pipelined model returns: ``loss`` (the global batch's, equal on every stage) and, on
-    the process that runs the last stage, ``logits`` (the last stage's output; None elsewhere)."""
+    """What the pipelined model returns: ``loss`` (the global batch's, equal on every stage) and
+    ``logits`` (the last stage's output): in training on the process that runs the last stage only
+    (None elsewhere), under ``torch.no_grad()`` on every process of the pipeline."""
 
     loss: torch.Tensor
     logits: Optional[torch.Tensor] = None
@@ -175,9 +176,21 @@ class PipelinedModel(nn.Module):
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
         if training:
             self._after_backward(self)
+        else:  # evaluation: every stage gets the predictions (gather_for_metrics then works as elsewhere)
+            out = self._share(out if last else None)
         self._last_loss, self._last_trained = loss, training
         self._step = {}
-        return PipelineOutput(loss=loss, logits=out if last else None)
+        return PipelineOutput(loss=loss, logits=out if last or not training else None)
+
+    def _share(self, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The last stage's output, broadcast to every process of the pipeline (shape and dtype first)."""
+        src = dist.get_global_rank(self._group, self._last_owner)
+        meta = [(tuple(out.shape), out.dtype) if out is not None else None]
+        dist.broadcast_object_list(meta, src=src, group=self._group)
+        shape, dtype = meta[0]
+        buf = out.detach().contiguous() if out is not None else torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(buf, src=src, group=self._group)
+        return buf
 
     def loss_kind(self, loss: Any) -> Optional[str]:
         """"trained" when ``loss`` is the very tensor the last ``forward`` returned after running

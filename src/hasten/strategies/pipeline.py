@@ -27,8 +27,11 @@ from ..pipeline.model import PipelinedModel, given_loss
 from ..pipeline.schedule import local_stage_indices, stage_owner
 from ..pipeline.split import build_stage, model_kind, plan_stages
 from ..utils.dataclasses import DistributedType
+from ..precision import Precision
 from .base import Params, Strategy
+from .dtensor import _finish, _local, _partial_norm, _replicas
 from .mesh import ParallelMesh
+from .tp_plan import _matches, check_divisible, model_plan, resolve_plan
 
 
 class PipelineStrategy(Strategy):
@@ -43,25 +46,35 @@ class PipelineStrategy(Strategy):
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
         self.gradient_state = plan.gradient_state
-        self._local_ids: set[int] = set()  # id() of the parameters this process's stages hold
+        self._local_ids: set[int] = set()  # id() of the parameters this process's stages hold (and their replacements)
         self._model_ids: set[int] = set()  # id() of every parameter of the prepared models
         self._models: list[PipelinedModel] = []
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
-        for name in ("tp_size", "cp_size", "dp_shard_size"):
-            if getattr(cfg, name) > 1:
-                raise ValueError(f"ParallelismConfig: pp_size={cfg.pp_size} with {name}={getattr(cfg, name)} is not "
-                                 f"supported yet; pipeline parallelism composes with dp_replicate_size only (set {name}=1)")
-        if plan.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise ValueError(f"ParallelismConfig: pp_size={cfg.pp_size} with {plan.distributed_type} is not supported "
-                             "yet; drop the FSDP/DeepSpeed plugin (use dp_replicate_size for data parallelism)")
-        if plan.mixed_precision != "no":
-            raise ValueError(f"pipeline parallelism with mixed_precision={plan.mixed_precision!r} is not supported yet; "
-                             "use mixed_precision='no' (or load the model in bfloat16)")
+        if cfg.cp_size > 1:
+            raise ValueError(f"ParallelismConfig: pp_size={cfg.pp_size} with cp_size={cfg.cp_size} is not supported "
+                             "yet; pipeline parallelism composes with dp_replicate_size, dp_shard_size (FSDP2) and "
+                             "tp_size (set cp_size=1)")
+        plugin = getattr(plan, "fsdp_plugin", None)
+        if plan.distributed_type == DistributedType.DEEPSPEED or (
+                plan.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 2) != 2):
+            raise ValueError(f"ParallelismConfig: pp_size={cfg.pp_size} with {plan.distributed_type} is not supported; "
+                             "use FullyShardedDataParallelPlugin(fsdp_version=2) with dp_shard_size, or "
+                             "dp_replicate_size, for data parallelism")
+        if plan.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"pipeline parallelism with mixed_precision={plan.mixed_precision!r} is not supported; "
+                             "use mixed_precision='bf16' (no loss scaling needed) or 'no'")
         if self.activation_checkpointing is not None:
             raise ValueError("pipeline parallelism with activation checkpointing is not supported yet; drop "
                              "ActivationCheckpointingKwargs")
+        self.fsdp_plugin = plugin
+        self._sharded = cfg.dp_shard_size > 1 or plan.distributed_type == DistributedType.FSDP
+        self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> its DTensor replacement
+        self._no_sync = 0  # depth of no_sync() blocks entered
+
+    def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
+        return _StagePrecision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
 
     def build_mesh(self) -> ParallelMesh:
         return ParallelMesh(self.parallelism_config.sizes(), self.state.process_index, self.state.num_processes,
@@ -87,10 +100,23 @@ class PipelineStrategy(Strategy):
         indices = local_stage_indices(cfg.pp_schedule, pp_rank, pp_size, cfg.pp_stages_per_rank)
         local = [(i, build_stage(model, stages[i])) for i in indices]
         self._model_ids |= {id(p) for p in model.parameters()}
-        self._local_ids |= {id(p) for _, m in local for p in m.parameters()}
+        originals = {name: p for _, m in local for name, p in m.named_parameters()}
+        self._local_ids |= {id(p) for p in originals.values()}
         _release_other_stages(model, self._local_ids)
         for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay
             module.to(self.state.device)
+        if self.mesh.sizes["tp"] > 1:
+            resolve_plan(model, getattr(cfg, "tp_plan", None))  # every key must name modules of the full model
+        for _, module in local:
+            self._compose(module, kind)
+        for name, p in (item for _, m in local for item in m.named_parameters()):
+            old = originals[name]
+            if p is not old:  # replaced by a DTensor parameter: optimizers built on ``old`` are re-pointed
+                self._new_params[id(old)] = p
+                self._local_ids.add(id(p))
+                old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+        for _, module in local:
+            self.precision.wrap_stage(module)
         self.mesh.data_parallel()  # collective on first use: made by every process here, in the same order
         group = self.mesh["pp"].get_group()
         last_owner = stage_owner(cfg.pp_schedule, cfg.pp_stages - 1, pp_size, cfg.pp_stages_per_rank)
@@ -106,21 +132,61 @@ class PipelineStrategy(Strategy):
     def release(self) -> None:
         self._models.clear()
 
+    def _compose(self, stage: nn.Module, kind: str) -> None:
+        """Tensor parallelism, then FSDP2, on one stage module (torchtitan's order), over the stage's sub-meshes."""
+        if self.mesh.sizes["tp"] > 1:
+            plan = getattr(self.parallelism_config, "tp_plan", None)
+            plan = plan if plan is not None else model_plan(stage)
+            names = [n for n, _ in stage.named_modules() if n]
+            here = {k: v for k, v in plan.items() if any(_matches(k, n) for n in names)}  # this stage's keys
+            if here:
+                resolved = resolve_plan(stage, here)
+                check_divisible(stage, resolved, self.mesh.sizes["tp"])
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(stage, self.mesh["tp"], resolved)
+        if self._sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            dims = ("dp_replicate", "dp_shard") if self.mesh.sizes["dp_replicate"] > 1 else "dp_shard"
+            # Not resharded after forward (torchtitan's choice under a pipeline): each microbatch's forward would
+            # all-gather the blocks again; they are resharded after the step's backward.
+            kwargs = dict(mesh=self.mesh[dims], reshard_after_forward=False)
+            for block in _blocks(stage, kind):
+                fully_shard(block, **kwargs)
+            fully_shard(stage, **kwargs)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """As DDP's: backward inside does not average gradients over the data-parallel replicas."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def off() -> Any:
+            self._no_sync += 1
+            try:
+                yield
+            finally:
+                self._no_sync -= 1
+
+        return off()
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep in ``optimizer`` only the parameters of this process's stages (and their state)."""
         for g, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:
-                if id(p) not in self._model_ids:
+                if id(p) not in self._model_ids and id(p) not in self._local_ids:
                     raise ValueError(f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "
                                      f"{list(p.shape)} belongs to no model prepared for pipeline parallelism; pass the "
                                      "model to prepare() together with its optimizer (accelerator.prepare(model, "
                                      "optimizer)), and build the optimizer from that model's parameters")
                 if id(p) in self._local_ids:
-                    kept.append(p)
+                    kept.append(self._new_params.get(id(p), p))
             group["params"] = kept
-        for p in [p for p in optimizer.state if id(p) not in self._local_ids]:
-            del optimizer.state[p]
+        for p in list(optimizer.state):
+            state = optimizer.state.pop(p)
+            if id(p) in self._local_ids:
+                optimizer.state[self._new_params.get(id(p), p)] = state
         return optimizer
 
     # -- a training step ------------------------------------------------------------------------
@@ -142,34 +208,34 @@ class PipelineStrategy(Strategy):
 
     def _average_over_replicas(self, model: PipelinedModel) -> None:
         """DDP's gradient average over the data-parallel replicas, on sync steps only."""
-        if self.mesh.dp_size == 1 or not self.gradient_state.sync_gradients:
-            return
+        if self.mesh.dp_size == 1 or self._sharded or self._no_sync or not self.gradient_state.sync_gradients:
+            return  # FSDP2 reduces its gradients itself
         group = self.mesh.data_parallel().group
         for _, param in model.named_stage_parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
-                param.grad.div_(self.mesh.dp_size)
+                grad = _local(param.grad)
+                dist.all_reduce(grad, group=group)
+                grad.div_(self.mesh.dp_size)
 
     def _total_norm(self, params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The norm over every stage and shard: each process adds its local shards, each element divided by
+        how many processes of its stage hold it (replicas, tp copies), then one all-reduce over the job."""
         grads = [p.grad for p in params if p.grad is not None]
         norm_type = float(norm_type)
-        if grads:
-            local = torch.nn.utils.get_total_norm(grads, norm_type=norm_type).to(self.state.device, torch.float32)
-        else:
-            local = torch.zeros((), device=self.state.device)
-        group = self.mesh["pp"].get_group()
-        if math.isinf(norm_type):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            return local
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, group=group)
-        return powered.pow(1.0 / norm_type)
+        per_stage = self.state.num_processes // self.parallelism_config.pp_size
+        total = _partial_norm(grads, [_replicas(g, per_stage) for g in grads], norm_type, self.state.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        return _finish(total, norm_type)
 
     def clip_grad_norm_(self, parameters: Params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage's gradients (the same total on every process, returned)."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         total = self._total_norm(params, norm_type)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                grad = _local(p.grad)
+                grad.mul_(coef.to(grad.device, grad.dtype))
         return total
 
     def grad_norm(self, parameters: Params, norm_type: float = 2.0) -> torch.Tensor:
@@ -181,7 +247,7 @@ class PipelineStrategy(Strategy):
         """The full model's state dict (original names), gathered from every stage, on CPU; collective."""
         if not isinstance(model, PipelinedModel):
             return super().model_state_dict(model, everyone)
-        mine = {k: v.detach().cpu() for k, v in model.stage_state_dict().items()}
+        mine = {k: _full(v).detach().cpu() for k, v in model.stage_state_dict().items()}
         parts: list = [None] * self.parallelism_config.pp_size
         dist.all_gather_object(parts, mine, group=self.mesh["pp"].get_group())
         full: dict[str, torch.Tensor] = {}
@@ -216,3 +282,27 @@ def _refuse_shared_across_stages(model: nn.Module, stages: list[list[str]]) -> N
                     raise ValueError(f"pipeline parallelism: the parameter {unit}.{name} is shared by stages {seen} and "
                                      f"{index} (tied weights, e.g. tie_word_embeddings=True); untie them or use "
                                      "pp_split_points that keep the tied modules on one stage")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2 / tensor-parallel shard) gathered whole (collective over its mesh); else as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _blocks(stage: nn.Module, kind: str) -> list[nn.Module]:
+    """The repeated blocks of a stage that FSDP2 shards as their own groups: an nn.Sequential's children, a
+    decoder's layers (the embedding, norm and head go with the stage's root group)."""
+    if kind == "sequential":
+        return list(stage.children())
+    return [layer for module in stage.modules() if isinstance(module, nn.ModuleDict) for layer in module.values()]
+
+
+class _StagePrecision(Precision):
+    """bf16 under a pipeline: autocast around each stage's forward (its output handed on in fp32, which is
+    exact for bf16 values), not around the whole schedule (which runs backward too)."""
+
+    def wrap_forward(self, model: nn.Module) -> None:
+        return None  # the full model is cut after this; its stages are wrapped instead
+
+    def wrap_stage(self, stage: nn.Module) -> None:
+        Precision.wrap_forward(self, stage)
