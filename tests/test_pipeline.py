@@ -72,6 +72,17 @@ def test_eval_under_no_grad_gives_the_loss_and_no_gradient(two):
     assert all(diff < 1e-5 for diff in two.assert_passed("check_eval_under_no_grad_changes_no_gradient"))
 
 
+def test_bf16_equals_one_process_bf16(two):
+    for r in two.assert_passed("check_bf16_equals_one_process_bf16"):
+        assert r["first_update_loss"] < 1e-5 and r["grad"] < 2 ** -7 and r["first_norm"] < 2 ** -7, r
+        assert r["loss"] < 1e-2 and r["param"] < 5e-2, r
+
+
+def test_fp16_is_refused_naming_bf16(two):
+    for message in two.assert_passed("check_fp16_is_refused"):
+        assert "mixed_precision='fp16' is not supported" in message and "'bf16'" in message
+
+
 def test_pp_times_dp_on_four_processes_equals_one_process():
     four = run_checks("checks_pipeline", world_size=4, timeout=300, only=["check_pp_times_dp_equals_one_process"])
     ranks = four.assert_passed("check_pp_times_dp_equals_one_process")
