@@ -11,7 +11,11 @@ over the stages:
 * ``clip_grad_norm_`` adds up the squared norms of every stage (all-reduce over ``pp``), so every
   process clips with, and returns, the same total norm as one process would;
 * with ``dp_replicate_size`` > 1, gradients are averaged over the replicas after the schedule step
-  of each sync step (DDP's result; accumulation micro-steps skip it, as DDP's ``no_sync``).
+  of each sync step (DDP's result; accumulation micro-steps and ``no_sync`` skip it, as DDP's);
+* with ``tp_size`` > 1 and/or ``dp_shard_size`` > 1 (FSDP2), each stage module gets the
+  tensor-parallel plan, then ``fully_shard`` per block and on the stage, over the stage's sub-meshes
+  (torchtitan's order); FSDP2 then reduces the gradients, and clipping counts each shard once;
+* ``mixed_precision="bf16"``: autocast around each stage's forward (fp16 is refused).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .tp_plan import _matches, check_divisible, model_plan, resolve_plan
 
 
 class PipelineStrategy(Strategy):
-    """``ParallelismConfig(pp_size=N[, dp_replicate_size=R])``: pipeline stages over N processes per replica."""
+    """``ParallelismConfig(pp_size=N[, dp_replicate_size, dp_shard_size, tp_size])``: pipeline stages over N processes."""
 
     # Not "full": a save then takes the collective path on every process, which asks checkpoint_backend
     # (refused below on every process alike) instead of process 0 gathering the stages alone.
