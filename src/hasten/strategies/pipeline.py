@@ -127,6 +127,9 @@ class PipelineStrategy(Strategy):
         pipelined = PipelinedModel(local, cfg.pp_stages, cfg.pp_schedule, cfg.pp_microbatches, group, last_owner,
                                    self.state.device, loss_fn, lambda: self.gradient_state.num_steps,
                                    self._average_over_replicas)
+        if self._sharded:
+            for stage in pipelined._pipe_stages:
+                _sync_only_when(stage, lambda: self.gradient_state.sync_gradients and not self._no_sync)
         self._models.append(pipelined)
         return pipelined
 
@@ -310,3 +313,24 @@ class _StagePrecision(Precision):
 
     def wrap_stage(self, stage: nn.Module) -> None:
         Precision.wrap_forward(self, stage)
+
+
+def _sync_only_when(stage: Any, syncing: Any) -> None:
+    """torch's ``PipelineStage.perform_reduce_grad`` runs FSDP2's post-backward with gradient sync forced on
+    after every step; on accumulation micro-steps and inside ``no_sync`` run it with the sync off instead
+    (FSDP2 keeps each process's unreduced sum beside the parameters until the sync step, as in its own
+    ``set_requires_gradient_sync(False)``)."""
+    original = stage.perform_reduce_grad
+
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        module = stage.submod
+        if syncing() or not hasattr(module, "set_requires_gradient_sync"):
+            return original(grad_scale_factor)
+        module.set_requires_gradient_sync(False)
+        module.set_requires_gradient_sync = lambda *args, **kwargs: None  # torch's call turns it on: ignored
+        try:
+            return original(grad_scale_factor)
+        finally:
+            del module.set_requires_gradient_sync
+
+    stage.perform_reduce_grad = perform_reduce_grad
