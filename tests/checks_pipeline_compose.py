@@ -54,14 +54,12 @@ def _train(acc, make, data, batch, loss_fn=None):
         pipeline_loss(model, loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=batch))
-    losses, norms, grads, unreduced = [], [], None, []
+    losses, norms, grads = [], [], None
     for x, y in loader:
         with acc.accumulate(model):
             out = model(x, labels=y)
             acc.backward(out.loss)
             losses.append(float(out.loss))
-            if not acc.sync_gradients:  # FSDP2 reduced nothing yet: the sharded .grad are still None
-                unreduced.append(all(p.grad is None for p in model.parameters()))
             if acc.sync_gradients:
                 if grads is None:
                     grads = _merged({k: _full(p.grad) for k, p in model.named_stage_parameters()})
@@ -69,7 +67,6 @@ def _train(acc, make, data, batch, loss_fn=None):
             opt.step()
             opt.zero_grad()
     params = acc.strategy.model_state_dict(model, everyone=True)
-    model.unreduced = unreduced
     return model, losses, norms, grads, params
 
 
@@ -89,7 +86,6 @@ def _compare(acc, make, data, batch, replicas, ref_loss, loss_fn=None):
     assert len(losses) == len(ref_losses) and len(norms) == len(ref_norms) == 3, (losses, ref_losses)
     assert all(v < TOL for v in diffs.values()), diffs
     diffs["kinds"] = sorted({type(p).__name__ for _, p in model.named_stage_parameters()})
-    diffs["unreduced"] = model.unreduced
     return diffs
 
 

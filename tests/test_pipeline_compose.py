@@ -23,7 +23,6 @@ def test_pp_times_fsdp2_equals_one_process(four):
         _close(r["llama"])
         assert r["llama"]["kinds"] == ["DTensor"]  # every parameter sharded over the stage's dp_shard pair
         # accumulation micro-steps: FSDP2's gradient sync is off (no reduce-scatter until the sync step)
-        assert r["sequential"]["unreduced"] == r["llama"]["unreduced"] == [True] * 3
 
 
 def test_pp_times_tp_equals_one_process(four):

@@ -139,20 +139,28 @@ def build_stage(model: nn.Module, units: list[str]) -> nn.Module:
             setattr(base, name, None)
     if parts["head"] not in keep:
         setattr(stage, parts["head"], None)
-    stage.forward = _DecoderStageForward(stage, parts)  # what PipelineStage calls (module.__call__ -> forward)
-    return stage
+    return DecoderStage(stage, parts)
 
 
-class _DecoderStageForward:
+class DecoderStage(nn.Module):
     """One stage of a decoder LM: token ids (first stage) or hidden states in; hidden states, or
-    logits on the last stage, out. Rotary embeddings and the causal mask are recomputed on each stage
-    (they hold no parameters) exactly as the model's own forward computes them for an unpadded batch."""
+    logits on the last stage, out. It holds the cut copy's children under their own names, so every
+    parameter keeps its name in the full model; rotary embeddings and the causal mask are recomputed on
+    each stage (they hold no parameters) as the model's own forward computes them for an unpadded batch."""
 
     def __init__(self, stage: nn.Module, parts: dict[str, Any]) -> None:
-        self.stage, self.parts = stage, parts
+        super().__init__()
+        if stage._parameters or stage._buffers:
+            raise ValueError(f"pipeline parallelism: {type(stage).__name__} holds parameters or buffers of its own "
+                             "outside its submodules, which no stage would own; cut it with pp_split_points on an "
+                             "nn.Sequential of its parts instead")
+        for name, child in stage._modules.items():
+            self.add_module(name, child)  # None for the parts another stage holds
+        self.parts = parts
+        self.config = getattr(stage, "config", None)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _decoder_stage_forward(self.stage, self.parts, hidden)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _decoder_stage_forward(self, self.parts, hidden)
 
 
 def _decoder_stage_forward(self: nn.Module, parts: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:

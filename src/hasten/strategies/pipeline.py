@@ -20,6 +20,8 @@ over the stages:
 
 from __future__ import annotations
 
+import warnings
+
 import math
 from typing import Any
 
@@ -109,10 +111,13 @@ class PipelineStrategy(Strategy):
         _release_other_stages(model, self._local_ids)
         for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay
             module.to(self.state.device)
+        plan: dict = {}
         if self.mesh.sizes["tp"] > 1:
-            resolve_plan(model, getattr(cfg, "tp_plan", None))  # every key must name modules of the full model
+            plan = getattr(cfg, "tp_plan", None)
+            plan = plan if plan is not None else model_plan(model)  # the full model's (a stage is no model class)
+            resolve_plan(model, plan)  # every key must name modules of the full model
         for _, module in local:
-            self._compose(module, kind)
+            self._compose(module, kind, plan)
         for name, p in (item for _, m in local for item in m.named_parameters()):
             old = originals[name]
             if p is not old:  # replaced by a DTensor parameter: optimizers built on ``old`` are re-pointed
@@ -127,9 +132,12 @@ class PipelineStrategy(Strategy):
         pipelined = PipelinedModel(local, cfg.pp_stages, cfg.pp_schedule, cfg.pp_microbatches, group, last_owner,
                                    self.state.device, loss_fn, lambda: self.gradient_state.num_steps,
                                    self._average_over_replicas)
-        if self._sharded:
-            for stage in pipelined._pipe_stages:
-                _sync_only_when(stage, lambda: self.gradient_state.sync_gradients and not self._no_sync)
+        if self._sharded and self.gradient_state.num_steps > 1:
+            warnings.warn("pipeline parallelism with FSDP2: gradients are reduce-scattered after every "
+                          f"accumulation step (gradient_accumulation_steps={self.gradient_state.num_steps}), not "
+                          "only at the sync step: torch's pipeline schedule turns FSDP2's gradient sync on for each "
+                          "step (PipelineStage.perform_reduce_grad). The numbers are the same; only the traffic grows",
+                          stacklevel=2)
         self._models.append(pipelined)
         return pipelined
 
@@ -139,11 +147,10 @@ class PipelineStrategy(Strategy):
     def release(self) -> None:
         self._models.clear()
 
-    def _compose(self, stage: nn.Module, kind: str) -> None:
-        """Tensor parallelism, then FSDP2, on one stage module (torchtitan's order), over the stage's sub-meshes."""
+    def _compose(self, stage: nn.Module, kind: str, plan: dict) -> None:
+        """Tensor parallelism (``plan``: the full model's), then FSDP2, on one stage module (torchtitan's order),
+        over the stage's sub-meshes."""
         if self.mesh.sizes["tp"] > 1:
-            plan = getattr(self.parallelism_config, "tp_plan", None)
-            plan = plan if plan is not None else model_plan(stage)
             names = [n for n, _ in stage.named_modules() if n]
             here = {k: v for k, v in plan.items() if any(_matches(k, n) for n in names)}  # this stage's keys
             if here:
@@ -313,24 +320,3 @@ class _StagePrecision(Precision):
 
     def wrap_stage(self, stage: nn.Module) -> None:
         Precision.wrap_forward(self, stage)
-
-
-def _sync_only_when(stage: Any, syncing: Any) -> None:
-    """torch's ``PipelineStage.perform_reduce_grad`` runs FSDP2's post-backward with gradient sync forced on
-    after every step; on accumulation micro-steps and inside ``no_sync`` run it with the sync off instead
-    (FSDP2 keeps each process's unreduced sum beside the parameters until the sync step, as in its own
-    ``set_requires_gradient_sync(False)``)."""
-    original = stage.perform_reduce_grad
-
-    def perform_reduce_grad(grad_scale_factor: int) -> None:
-        module = stage.submod
-        if syncing() or not hasattr(module, "set_requires_gradient_sync"):
-            return original(grad_scale_factor)
-        module.set_requires_gradient_sync(False)
-        module.set_requires_gradient_sync = lambda *args, **kwargs: None  # torch's call turns it on: ignored
-        try:
-            return original(grad_scale_factor)
-        finally:
-            del module.set_requires_gradient_sync
-
-    stage.perform_reduce_grad = perform_reduce_grad
