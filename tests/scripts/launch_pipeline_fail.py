@@ -2,8 +2,8 @@
 
 Usage: launch_pipeline_fail.py MODE OUT. `raise`: rank 1 raises ``RuntimeError("stage forward broke")``
 inside its stage's forward of microbatch 0 during the second call of the model; rank 0 (stage 0) is
-then left waiting for the gradients of stage 1. `hang`: rank 1 sleeps there instead (a stuck stage). Each rank writes OUT/hang<r> with the time (time.monotonic) just
-before step 2.
+then left waiting for the gradients of stage 1. `hang`: rank 1 sleeps there instead (a stuck stage).
+Each rank writes OUT/hang<r> with the time (time.monotonic) just before step 2.
 """
 
 import os

@@ -144,7 +144,8 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     gpu_ids = _gpu_ids(res, device)
     procs = _count_processes(res, device, gpus, gpu_ids, machines, env.get("CUDA_VISIBLE_DEVICES"))
     per_node = procs // machines
-    megatron_env, megatron_warnings = apply_megatron(res, cfg, label, procs)  # Accelerate's Megatron-LM: the native layout
+    # Accelerate's Megatron-LM settings become the native layout before it is checked.
+    megatron_env, megatron_warnings = apply_megatron(res, cfg, label, procs)
     check_layout(res, procs, device)  # a layout that cannot fit: refused here, not in every rank
     backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
     tee, log_dir, restarts = res["tee"], res["log_dir"], res["max_restarts"]

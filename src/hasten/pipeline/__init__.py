@@ -2,8 +2,8 @@
 
 ``split`` cuts a model into stages, ``schedule`` builds torch's schedule and places stages on
 processes, ``model`` is the prepared model whose forward runs a schedule step, ``tracking`` tells the
-hang and failure reports which stage, step and action (forward/backward of microbatch k) a process is in. The strategy that
-ties them to the Accelerator is ``hasten.strategies.pipeline``. See docs/pipeline.md.
+hang and failure reports which stage, step and action (forward/backward of microbatch k) a process is in.
+The strategy that ties them to the Accelerator is ``hasten.strategies.pipeline``. See docs/pipeline.md.
 """
 
 from .model import PipelinedModel, PipelineOutput, pipeline_loss
