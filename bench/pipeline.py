@@ -16,7 +16,8 @@ Each configuration is one launch of 2 processes (``--warmup`` untimed steps, the
 ones: forward + backward + ``optimizer.step`` + ``zero_grad``, median); the launches of a round run
 in rotating order and rounds repeat (``--rounds``), so the machine's load drifts over all alike.
 Reported: median step time per configuration (median over rounds of each launch's median) and the
-ratio PP / DDP (below 1: PP faster).
+ratio PP / DDP (below 1: PP faster), and each rank's CPU time per step (``time.process_time``: this
+process's threads, gloo's included; less sensitive than wall time to other jobs on the machine).
 
 Bubble: inside each process, the schedule's compute actions are timed, i.e. torch's
 ``PipelineStage.forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk`` (the
@@ -147,12 +148,14 @@ def worker(out: str, args: argparse.Namespace) -> None:
     dist.barrier()
     rss_before = _procs.rss_mb()
     reset = _procs.reset_peak_rss()
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     result = {"config": config, "rank": rank, "step_s": statistics.median(times), "steps": len(times),
+              "cpu_s": statistics.median(cpu),
               "rss_start_mb": rss_start, "rss_before_steps_mb": rss_before,
               "peak_steps_mb": _procs.peak_rss_mb() if reset else None}
     import resource
@@ -204,6 +207,7 @@ def main() -> None:
         row = {"config": "DDP=2 (torch)" if config == "ddp" else f"PP=2 {config.split(':')[0]}",
                "microbatches": None if config == "ddp" else int(config.split(":")[1]),
                "step_ms": step * 1e3, "ratio_to_ddp": step / ddp,
+               "cpu_ms": [statistics.median(run[k]["cpu_s"] for run in runs[config]) * 1e3 for k in (0, 1)],
                "peak_process_mb": [max(run[k]["peak_process_mb"] for run in runs[config]) for k in (0, 1)],
                "steps_add_mb": [statistics.median(run[k]["peak_steps_mb"] - run[k]["rss_before_steps_mb"]
                                                   for run in runs[config]) if runs[config][0][k]["peak_steps_mb"]
@@ -216,7 +220,8 @@ def main() -> None:
         rows.append(row)
     print(f"\n{args.blocks} x Linear({args.width}, {args.width}) + Tanh, global batch {args.batch}, SGD, 2 processes "
           f"(gloo, 1 thread each); median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'configuration':<24}{'m':>3}{'step ms':>10}{'vs DDP':>8}{'bubble r0/r1 (mean)':>24}{'theory':>8}"
+    print(f"{'configuration':<24}{'m':>3}{'step ms':>10}{'vs DDP':>8}{'CPU ms r0/r1':>14}{'bubble r0/r1 (mean)':>24}"
+          f"{'theory':>8}"
           f"{'peak RSS MB r0/r1':>20}{'steps add MB r0/r1':>21}")
     for row in rows:
         bubble = ""
@@ -226,8 +231,9 @@ def main() -> None:
         theo = f"{row['bubble_theory']:.2f}" if "bubble_theory" in row else ""
         peak = "/".join(f"{v:.0f}" for v in row["peak_process_mb"])
         add = "/".join("?" if v is None else f"{v:.0f}" for v in row["steps_add_mb"])
+        cpu_ms = "/".join(f"{v:.0f}" for v in row["cpu_ms"])
         print(f"{row['config']:<24}{row['microbatches'] or '':>3}{row['step_ms']:>10.1f}{row['ratio_to_ddp']:>8.2f}"
-              f"{bubble:>24}{theo:>8}{peak:>20}{add:>21}")
+              f"{cpu_ms:>14}{bubble:>24}{theo:>8}{peak:>20}{add:>21}")
     payload = {"model": {"blocks": args.blocks, "width": args.width, "batch": args.batch},
                "rounds": args.rounds, "steps": args.steps, "rows": rows}
     print("\nJSON: " + json.dumps(payload))
