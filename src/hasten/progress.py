@@ -34,7 +34,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Progress:
     """Counters and the current phase of this process (read by the heartbeat thread)."""
 
-    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout", "device_timer")
+    __slots__ = ("ticks", "steps", "batches", "where", "sync_s", "sync_since", "ddp", "hang_timeout", "device_timer",
+                 "pipeline")
 
     def __init__(self) -> None:
         self.ticks = 0  # any progress mark: the watchdog's sign of life
@@ -46,6 +47,9 @@ class Progress:
         self.ddp = False  # a prepared model all-reduces its gradients in backward
         self.hang_timeout: Optional[float] = None  # set by the script; overrides the launcher's
         self.device_timer: Optional[DeviceWorkTimer] = None  # on CUDA: own work timed by the device
+        # Inside a pipelined model's schedule step: where ("pipeline stage 1 of 2, schedule 1F1B, step 3:
+        # forward of microbatch 2"), set by hasten.pipeline.model; None outside it.
+        self.pipeline: Optional[str] = None
 
 
 class DeviceWorkTimer:
@@ -187,6 +191,13 @@ def ddp_wrapped() -> None:
     STATE.ddp = True
 
 
+def pipeline_at(text: Optional[str]) -> None:
+    """Where this process is inside a pipeline schedule step (an action started or ended: progress too);
+    ``None`` once the step is over. Shown by the hang report next to the rank's position."""
+    STATE.pipeline = text
+    STATE.ticks += 1
+
+
 def set_hang_timeout(seconds: Union[float, timedelta, None]) -> None:
     """Ask ``hasten launch`` to report a hang after ``seconds`` without progress (0 disables it).
 
@@ -207,5 +218,5 @@ def snapshot() -> dict[str, Any]:
     now, since, timer = perf_counter(), s.sync_since, s.device_timer
     sync = s.sync_s + (now - since if since is not None else 0.0)  # a wait under way counts already
     return {"ticks": s.ticks, "steps": s.steps, "batches": s.batches, "where": s.where, "sync_s": sync,
-            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout,
+            "t": now, "ddp": s.ddp, "hang_timeout": s.hang_timeout, "pipeline": s.pipeline,
             "work_s": timer.work_s if timer is not None else None}

@@ -273,7 +273,9 @@ def main(argv: list) -> None:
     except BaseException as exc:  # noqa: BLE001 - report, then fail like Python does
         tb = _skip_runner_frames(exc.__traceback__)
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+        parts = traceback.format_exception_only(type(exc), exc)
+        notes = len(getattr(exc, "__notes__", None) or ())  # e.g. hasten's pipeline position: not the error itself
+        summary = "".join(parts[:len(parts) - notes] if notes < len(parts) else parts).strip().splitlines()[-1]
         write_record("exception", summary, text, is_peer_failure(exc), 1)
         if _under_launcher() and _restarts_left():
             # The agent restarts the job and the launcher reports only the last attempt: one line here.

@@ -122,7 +122,9 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
         if not found:
             print(f"hasten: error: a process failed: {err}", file=sys.stderr)
             return 1
-        print(failure_report.report(found, quiet=plan.quiet), file=sys.stderr)
+        beats = hangs.read_beats(watchdog.folder)  # where the other ranks were (a pipeline stage's action)
+        positions = {rank: b["pipeline"] for rank, b in beats.items() if b.get("pipeline")}
+        print(failure_report.report(found, quiet=plan.quiet, positions=positions), file=sys.stderr)
         if plan.res["log_dir"]:
             print(f"hasten: every failed rank's traceback: {logs.root_log_dir}/attempt_*/<local rank>/traceback.log",
                   file=sys.stderr)

@@ -170,8 +170,12 @@ def exit_status(failure: Failure) -> int:
     return 1
 
 
-def report(failures: list[Failure], quiet: bool = False) -> str:
-    """The text printed when a job fails: the first failure with its traceback, then the others."""
+def report(failures: list[Failure], quiet: bool = False, positions: Optional[Mapping[int, str]] = None) -> str:
+    """The text printed when a job fails: the first failure with its traceback, then the others.
+
+    ``positions``: rank -> where its last heartbeat was (e.g. inside a pipeline stage's schedule
+    step), shown after the other ranks' endings."""
+    positions = positions or {}
     first = first_failure(failures)
     full = bool(first.traceback) and not quiet
     lines = [f"hasten: rank {first.rank} ({first.where()}) {first.what(with_summary=not full)}" + (":" if full else "")]
@@ -183,9 +187,19 @@ def report(failures: list[Failure], quiet: bool = False) -> str:
         for f in others:
             why = "stopped by the launcher" if f.signal_name in ("SIGTERM", "SIGINT", "SIGHUP") else (
                 f"its collective broke: {_short(f.summary)}" if f.consequence else f.what())
-            parts.append(f"rank {f.rank} ({why})")
+            where = _raised_in(f.traceback) or positions.get(f.rank)
+            at = f"; it was in {where}" if where else ""
+            parts.append(f"rank {f.rank} ({why}{at})")
         lines.append(f"hasten: after rank {first.rank} failed: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def _raised_in(text: str) -> Optional[str]:
+    """The position hasten noted on an exception raised inside a pipelined step (``pipeline.tracking``)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("hasten: raised in "):
+            return line[len("hasten: raised in "):]
+    return None
 
 
 # "[/__w/pytorch/.../pair.cc:553] " before a native library's message: where in C++, not what happened.

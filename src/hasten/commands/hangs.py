@@ -128,6 +128,8 @@ def describe_rank(beat: dict, idle_s: float, now: float) -> tuple[str, Optional[
     else:
         what, found = "elsewhere (not in a collective)", None
     frame = _user_frame(at)
+    if beat.get("pipeline"):  # inside a pipelined model's schedule step: stage, schedule, action
+        what += f", in {beat['pipeline']}"
     line = f"rank {beat['rank']} (pid {beat.get('pid')}): {position}: {what} for {idle_s:.0f} s" + (
         f"; at {frame}" if frame else "")
     silent = now - float(beat.get("beat_t", now))

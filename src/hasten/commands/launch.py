@@ -22,13 +22,14 @@ from .config_schema import default_config_path, read_config
 from .errors import HastenCLIError
 from .hardware import cpu_count, cuda_device_count
 from .launch_layout import check_layout
+from .launch_megatron import apply_megatron
 from .launch_settings import (
     CONFIG, DEFAULT, FLAG, FLAGS_GIVEN, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve,
 )
 from .plan import Plan
 
 _TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
-_UNSUPPORTED_TYPES = ("XLA", "MEGATRON_LM")
+_UNSUPPORTED_TYPES = ("XLA",)
 _OTHER_ACCELERATORS = {"MULTI_XPU": "xpu", "MULTI_NPU": "npu", "MULTI_MLU": "mlu", "MULTI_MUSA": "musa",
                        "MULTI_HPU": "hpu"}
 
@@ -143,6 +144,8 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     gpu_ids = _gpu_ids(res, device)
     procs = _count_processes(res, device, gpus, gpu_ids, machines, env.get("CUDA_VISIBLE_DEVICES"))
     per_node = procs // machines
+    # Accelerate's Megatron-LM settings become the native layout before it is checked.
+    megatron_env, megatron_warnings = apply_megatron(res, cfg, label, procs)
     check_layout(res, procs, device)  # a layout that cannot fit: refused here, not in every rank
     backend, ip, port, rdzv_configs = _rendezvous(res, machines, machine_rank, procs, notes)
     tee, log_dir, restarts = res["tee"], res["log_dir"], res["max_restarts"]
@@ -167,6 +170,9 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
     else:
         distributed_type = "NO"
     child_env = _child_env(res, device, per_node, gpu_ids, direct)
+    child_env.update(megatron_env)
+    for warning in megatron_warnings:  # once, here: the processes get the native layout, not the plugin
+        print(warning, file=sys.stderr)
     if backend == "c10d" and restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
         child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = env.get("SLURM_JOB_ID") or f"hasten-{port}"

@@ -206,7 +206,26 @@ _PAR_HELP = {
 _PAR = _section(_switch("use_parallelism_config", G_PAR, "Lay the processes out with the parallelism_config sizes."),
                 "parallelism_config", _PAR_HELP, str.upper)
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _FP8 + _PAR}
+G_MEG = "Megatron-LM (Accelerate's flags, mapped onto the parallelism_config layout)"
+_MEG_HELP = {
+    "tp_degree": ("int", "Tensor-parallel degree (-> parallelism_config_tp_size)."),
+    "pp_degree": ("int", "Pipeline-parallel degree (-> parallelism_config_pp_size)."),
+    "num_micro_batches": ("int", "Microbatches of the pipeline (-> parallelism_config_pp_microbatches)."),
+    "sequence_parallelism": ("bool", "Megatron's sequence parallelism: refused (use parallelism_config_cp_size)."),
+    "recompute_activations": ("bool", "Megatron's activation recomputation: refused (use activation checkpointing)."),
+    "use_distributed_optimizer": ("bool", "Megatron's distributed optimizer: refused (use FSDP2)."),
+    "gradient_clipping": ("float", "Megatron's train-step clipping: not applied (call accelerator.clip_grad_norm_)."),
+}
+# Accelerate's --use_megatron_lm / ACCELERATE_USE_MEGATRON_LM and --megatron_lm_* / MEGATRON_LM_* / the
+# megatron_lm_config section; commands/launch_megatron.py maps them onto the parallelism_config settings.
+_MEG = [_s("use_megatron_lm", G_MEG, "Accelerate's Megatron-LM launch: hasten runs its layout natively (tensor "
+           "parallelism, pipeline) with the script's own loop.", kind="bool", default=False, store_true=True,
+           config=None, env=env_names("USE_MEGATRON_LM"))] + [
+    _s(f"megatron_lm_{key}", G_MEG, help, kind=kind, config=("megatron_lm_config", f"megatron_lm_{key}"),
+       env=(f"MEGATRON_LM_{key.upper()}",), minimum=1 if kind == "int" else None)
+    for key, (kind, help) in _MEG_HELP.items()]
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _CORE + _FSDP + _DS + _FP8 + _PAR + _MEG}
 
 
 @dataclass

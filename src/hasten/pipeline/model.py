@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .schedule import build_schedule
+from .tracking import StepTracker
 
 # model -> the loss its last stage computes (``pipeline_loss``); weak: forgotten with the model.
 _LOSSES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
@@ -85,6 +86,9 @@ class PipelinedModel(nn.Module):
         self._user_loss, self._accumulation_steps, self._after_backward = loss_fn, accumulation_steps, after_backward
         self._pipe_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
         self._schedule = build_schedule(schedule, self._pipe_stages, microbatches, self._microbatch_loss)
+        self._tracker = StepTracker(self.stage_indices, num_stages, dist.get_rank(group), dist.get_world_size(group),
+                                    schedule)
+        self._tracker.instrument(self._pipe_stages)  # hang and failure reports name the stage and the action
         self._step: dict[str, Any] = {}
         self._last_loss: Optional[torch.Tensor] = None
         self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
@@ -167,13 +171,21 @@ class PipelinedModel(nn.Module):
         losses: list = []
         step_kwargs = {"target": labels, "losses": losses} if last else {}
         run = self._schedule.step if training else self._schedule.eval
-        out = run(*step_args, **step_kwargs)
-        if last:  # the unscaled global-batch loss: the sum of the microbatches' parts torch differentiated
-            loss = torch.stack([self._step["parts"][id(scaled)][1] for scaled in losses]).sum()
-        else:
-            loss = torch.zeros((), device=self._device)
-        loss = loss.detach().to(self._device, torch.float32)
-        dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
+        self._tracker.begin()
+        try:
+            out = run(*step_args, **step_kwargs)
+            if last:  # the unscaled global-batch loss: the sum of the microbatches' parts torch differentiated
+                loss = torch.stack([self._step["parts"][id(scaled)][1] for scaled in losses]).sum()
+            else:
+                loss = torch.zeros((), device=self._device)
+            loss = loss.detach().to(self._device, torch.float32)
+            self._tracker.doing("broadcasting the loss from the last stage")
+            dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
+        except BaseException as error:
+            self._tracker.annotate(error)
+            raise
+        finally:
+            self._tracker.end()
         if training:
             self._after_backward(self)
         else:  # evaluation: every stage gets the predictions (gather_for_metrics then works as elsewhere)

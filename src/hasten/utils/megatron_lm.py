@@ -59,6 +59,7 @@ _REFUSED = {
                                         "ParallelismConfig(pp_split_points=[...])",
     "other_megatron_args": "Megatron's own arguments are not used; set the layout with ParallelismConfig",
 }
+LAUNCHER_WARNED = "HASTEN_MEGATRON_MAPPED"  # set by hasten launch for its processes once it has warned
 _MAPPED = ("tp_degree", "pp_degree", "num_micro_batches", "context_parallel_size")
 _warned = False
 
@@ -163,6 +164,8 @@ def _set(plugin: MegatronLMPlugin, name: str) -> bool:
     default = next(f.default for f in fields(MegatronLMPlugin) if f.name == name)
     if name.startswith("expert_"):
         return value not in (None, 1)
+    if name == "gradient_clipping":  # 1.0 is what __post_init__ fills in (Accelerate's default)
+        return value not in (None, 1.0)
     return value not in (None, False, {}, []) and value != default
 
 
@@ -190,14 +193,27 @@ def parallelism_from_megatron(plugin: Any, parallelism_config: Any = None) -> An
                                cp_size=plugin.context_parallel_size or 1,
                                pp_microbatches=plugin.num_micro_batches if plugin.pp_degree > 1 else None)
     global _warned
-    if not _warned:
+    # Under `hasten launch --use_megatron_lm` the launcher printed this warning once for the job.
+    if not _warned and not os.environ.get(LAUNCHER_WARNED):
         _warned = True
         unused = [f.name for f in fields(MegatronLMPlugin) if f.name not in _REFUSED
                   and f.name not in _MAPPED and _set(plugin, f.name)]
-        warnings.warn(
-            f"MegatronLMPlugin mapped to ParallelismConfig(tp_size={config.tp_size}, pp_size={config.pp_size}, "
-            + (f"cp_size={config.cp_size}, " if config.cp_size > 1 else "") +
-            f"pp_microbatches={config.pp_microbatches}, pp_schedule={config.pp_schedule!r}); Megatron's own train "
-            "step is not used" + (f" (not applied: {', '.join(unused)})" if unused else ""), UserWarning,
-            stacklevel=4)
+        warnings.warn(mapping_message(config.tp_size, config.pp_size, config.cp_size, config.pp_microbatches,
+                                      config.pp_schedule, unused), UserWarning, stacklevel=4)
     return config
+
+
+def mapping_message(tp_size: int, pp_size: int, cp_size: int, microbatches: Any, schedule: Any,
+                    unused: list[str], dp_replicate_size: int = 1) -> str:
+    """The one warning of a Megatron-LM layout run natively (the Accelerator's and ``hasten launch``'s)."""
+    return (f"MegatronLMPlugin mapped to ParallelismConfig("
+            + (f"dp_replicate_size={dp_replicate_size}, " if dp_replicate_size > 1 else "") +
+            f"tp_size={tp_size}, pp_size={pp_size}, "
+            + (f"cp_size={cp_size}, " if cp_size > 1 else "") +
+            f"pp_microbatches={microbatches}, pp_schedule={schedule!r}); Megatron's own train "
+            "step is not used" + (f" (not applied: {', '.join(unused)})" if unused else ""))
+
+
+def refusal(name: str) -> Optional[str]:
+    """Why the plugin field ``name`` cannot be honoured, naming the native option (None: it can)."""
+    return _REFUSED.get(name)
