@@ -53,7 +53,6 @@ import _procs  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
-ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 def theory(schedule: str, m: int, p: int = 2) -> float:
@@ -67,24 +66,6 @@ def build(blocks: int, width: int):
 
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])
-
-
-def _time_actions(stages, busy: list) -> None:
-    """Wrap the compute actions of torch's PipelineStage objects, adding their time to ``busy[0]``."""
-    for stage in stages:
-        for name in ACTIONS:
-            fn = getattr(stage, name, None)
-            if fn is None:
-                continue
-
-            def timed(*args, _fn=fn, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    busy[0] += time.perf_counter() - start
-
-            setattr(stage, name, timed)
 
 
 def worker(out: str, args: argparse.Namespace) -> None:
@@ -141,8 +122,8 @@ def worker(out: str, args: argparse.Namespace) -> None:
 
     for _ in range(args.warmup):
         step()
-    busy = [0.0]
-    _time_actions(stages, busy)
+    tracker = getattr(model, "_tracker", None)  # hasten's record of the schedule's compute actions (pipeline/tracking.py)
+    busy_before = tracker.busy if tracker is not None else 0.0
     if timed_part is not None:
         timed_part[0] = 0.0
     dist.barrier()
@@ -163,8 +144,9 @@ def worker(out: str, args: argparse.Namespace) -> None:
     result["peak_process_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
     if timed_part is not None:
         result["schedule_s"] = timed_part[0]
-        result["busy_s"] = busy[0]
-        result["bubble"] = 1 - busy[0] / timed_part[0]
+        busy = tracker.busy - busy_before
+        result["busy_s"] = busy
+        result["bubble"] = 1 - busy / timed_part[0]
         result["params_mb"] = sum(p.numel() * p.element_size() for s in stages for p in s.submod.parameters()) / 1e6
     _procs.write_result(out, result)
     dist.barrier()

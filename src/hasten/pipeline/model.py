@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .schedule import build_schedule
-from .tracking import StepTracker
+from .tracking import StepTracker, TrackedStage
 
 # model -> the loss its last stage computes (``pipeline_loss``); weak: forgotten with the model.
 _LOSSES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
@@ -77,18 +77,17 @@ class PipelinedModel(nn.Module):
                  group: Any, last_owner: int, device: torch.device, loss_fn: Optional[Callable],
                  accumulation_steps: Callable[[], int], after_backward: Callable[["PipelinedModel"], None]) -> None:
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage
-
         self.stage_modules = nn.ModuleList([module for _, module in stages])
         self.stage_indices = [index for index, _ in stages]
         self.num_stages, self.microbatches, self.schedule_name = num_stages, microbatches, schedule
         self._group, self._last_owner, self._device = group, last_owner, device
         self._user_loss, self._accumulation_steps, self._after_backward = loss_fn, accumulation_steps, after_backward
-        self._pipe_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
-        self._schedule = build_schedule(schedule, self._pipe_stages, microbatches, self._microbatch_loss)
+        # hang and failure reports name the stage and the action (TrackedStage: torch's PipelineStage, reporting)
         self._tracker = StepTracker(self.stage_indices, num_stages, dist.get_rank(group), dist.get_world_size(group),
                                     schedule)
-        self._tracker.instrument(self._pipe_stages)  # hang and failure reports name the stage and the action
+        self._pipe_stages = [TrackedStage(self._tracker, module, index, num_stages, device, group=group)
+                             for index, module in stages]
+        self._schedule = build_schedule(schedule, self._pipe_stages, microbatches, self._microbatch_loss)
         self._step: dict[str, Any] = {}
         self._last_loss: Optional[torch.Tensor] = None
         self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
