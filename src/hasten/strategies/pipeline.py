@@ -34,9 +34,9 @@ from .mesh import ParallelMesh
 class PipelineStrategy(Strategy):
     """``ParallelismConfig(pp_size=N[, dp_replicate_size=R])``: pipeline stages over N processes per replica."""
 
-    # Not "full": a save then takes the collective path on every process, which asks checkpoint_backend
-    # (refused below on every process alike) instead of process 0 gathering the stages alone.
-    checkpoint_format = "pipeline"
+    # Each process writes its own stages' parameters and optimizer state as DCP shards, under the
+    # original names (``hasten.checkpointing.sharded`` asks the PipelinedModel for them): any layout reads them.
+    checkpoint_format = "dcp"
     # prepare must not move the whole model to the GPU first: only this process's stages go there.
     places_model_itself = True
 
@@ -46,6 +46,7 @@ class PipelineStrategy(Strategy):
         self._local_ids: set[int] = set()  # id() of the parameters this process's stages hold
         self._model_ids: set[int] = set()  # id() of every parameter of the prepared models
         self._models: list[PipelinedModel] = []
+        self._names: dict[int, str] = {}  # id() of every parameter of the prepared models -> its original name
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
@@ -66,11 +67,6 @@ class PipelineStrategy(Strategy):
     def build_mesh(self) -> ParallelMesh:
         return ParallelMesh(self.parallelism_config.sizes(), self.state.process_index, self.state.num_processes,
                             self.state.device.type)
-
-    def checkpoint_backend(self) -> Any:
-        raise ValueError("save_state/load_state under pipeline parallelism (pp_size > 1) are not supported yet: each "
-                         "process holds other stages and optimizer states. Save the weights with "
-                         "accelerator.get_state_dict(model) (gathers every stage under the original names) on process 0")
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -97,6 +93,8 @@ class PipelineStrategy(Strategy):
         pipelined = PipelinedModel(local, cfg.pp_stages, cfg.pp_schedule, cfg.pp_microbatches, group, last_owner,
                                    self.state.device, loss_fn, lambda: self.gradient_state.num_steps,
                                    self._average_over_replicas)
+        pipelined.full_state_names = set(model.state_dict())
+        self._names.update({id(p): n for n, p in model.named_parameters()})
         self._models.append(pipelined)
         return pipelined
 
@@ -108,6 +106,9 @@ class PipelineStrategy(Strategy):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep in ``optimizer`` only the parameters of this process's stages (and their state)."""
+        from ..pipeline.model import record_group_names
+
+        record_group_names(optimizer, [[self._names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups])
         for g, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:

@@ -1,0 +1,141 @@
+"""Checkpoints under pipeline parallelism on real gloo processes (see distributed.py and
+test_pipeline_ckpt.py): save_state/load_state at pp_size=2 (DCP shards under the original parameter
+names), a one-process checkpoint loaded at pp_size=2, and load_checkpoint_in_model into the stages.
+
+Every check runs on 2 processes (pp_size=2, GPipe, 2 microbatches) with ``PPCK_TMP`` shared with the test.
+"""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import reset_state
+from hasten import Accelerator
+from hasten.pipeline import pipeline_loss
+from hasten.utils.parallelism_config import ParallelismConfig
+
+WIDTH, SAMPLES, BATCH = 8, 48, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, WIDTH, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sin())
+
+
+def _loader():
+    return torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=True)
+
+
+def _setup(seed: int = 0):
+    reset_state()
+    # step_scheduler_with_optimizer=False: one scheduler step per optimizer step on any layout (Accelerate's
+    # rule would advance it num_processes=2 times per step under pp_size=2, unlike one process)
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2),
+                      step_scheduler_with_optimizer=False)
+    model = pipeline_loss(_model(), nn.functional.mse_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, loader, sched = acc.prepare(model, opt, _loader(), sched)
+    return acc, model, opt, loader, sched
+
+
+def _run(acc, model, opt, sched, batches, steps, folder=None, save_at=None):
+    losses = []
+    for i in range(steps):
+        x, y = next(batches)
+        out = model(x, labels=y)
+        acc.backward(out.loss)
+        acc.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+        if save_at is not None and i + 1 == save_at:
+            acc.save_state(folder)
+    return losses
+
+
+def _gather(named: dict) -> dict:
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.detach().cpu().clone() for k, v in named.items()})
+    out = {}
+    for part in parts:
+        assert not set(part) & set(out), sorted(set(part) & set(out))
+        out.update(part)
+    return out
+
+
+def _params(model) -> dict:
+    return _gather(dict(model.named_stage_parameters()))
+
+
+def _moments(model, opt) -> dict:
+    """The optimizer state of every stage, ``{name.key: tensor}`` under the original names."""
+    names = {id(p): n for n, p in model.named_stage_parameters()}
+    return _gather({f"{names[id(p)]}.{k}": v for p, s in opt.state.items() for k, v in s.items()
+                    if isinstance(v, torch.Tensor)})
+
+
+def _lists(d: dict) -> dict:
+    return {k: v.tolist() for k, v in d.items()}
+
+
+def check_mid_epoch_resume():
+    folder = os.path.join(os.environ["PPCK_TMP"], "resume")
+    acc, model, opt, loader, sched = _setup()
+    whole = _run(acc, model, opt, sched, iter(loader), 6, folder, save_at=3)
+    final = _params(model)
+    acc, model, opt, loader, sched = _setup()
+    acc.load_state(folder, continue_dataloaders=True)
+    at_save, moments = _params(model), _moments(model, opt)
+    lr = opt.param_groups[0]["lr"]
+    rest = _run(acc, model, opt, sched, iter(loader), 3)
+    again = _params(model)
+    assert rest == whole[3:], (rest, whole[3:])
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    return {"layout": manifest["layout"], "at_save": _lists(at_save), "moments": _lists(moments), "lr": lr,
+            "saved_losses": whole[3:], "files": sorted(manifest["files"])}
+
+
+def check_single_process_checkpoint_into_pp():
+    folder = os.environ["PPCK_SINGLE"]
+    with open(os.path.join(os.environ["PPCK_TMP"], "single.json")) as f:
+        expected = json.load(f)
+    acc, model, opt, loader, sched = _setup()
+    acc.load_state(folder, continue_dataloaders=True)
+    params, moments = _params(model), _moments(model, opt)
+    assert set(params) == set(expected["params"]) and set(moments) == set(expected["moments"])
+    assert all(torch.equal(params[k], torch.tensor(v)) for k, v in expected["params"].items())
+    assert all(torch.equal(moments[k], torch.tensor(v)) for k, v in expected["moments"].items())
+    rest = _run(acc, model, opt, sched, iter(loader), 2)
+    assert max(abs(a - b) for a, b in zip(rest, expected["rest"])) < 1e-6, (rest, expected["rest"])
+    return rest
+
+
+def check_load_checkpoint_in_model():
+    from safetensors.torch import save_file
+
+    from hasten.model_loading import load_checkpoint_in_model
+
+    torch.manual_seed(5)
+    other = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+    path = os.path.join(os.environ["PPCK_TMP"], "weights.safetensors")
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in other.state_dict().items()}, path)
+    dist.barrier()
+    acc, model, opt, loader, sched = _setup()
+    load_checkpoint_in_model(model, path)
+    mine = dict(model.named_stage_parameters())
+    assert mine and all(torch.equal(p.detach().cpu(), other.state_dict()[k]) for k, p in mine.items())
+    return sorted(mine)
