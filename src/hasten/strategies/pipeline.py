@@ -47,6 +47,7 @@ class PipelineStrategy(Strategy):
         self._model_ids: set[int] = set()  # id() of every parameter of the prepared models
         self._models: list[PipelinedModel] = []
         self._names: dict[int, str] = {}  # id() of every parameter of the prepared models -> its original name
+        self._params_by_name: dict[str, nn.Parameter] = {}
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
@@ -95,6 +96,7 @@ class PipelineStrategy(Strategy):
                                    self._average_over_replicas)
         pipelined.full_state_names = set(model.state_dict())
         self._names.update({id(p): n for n, p in model.named_parameters()})
+        self._params_by_name.update(dict(model.named_parameters()))
         self._models.append(pipelined)
         return pipelined
 
@@ -194,6 +196,28 @@ class PipelineStrategy(Strategy):
         if not isinstance(model, PipelinedModel):
             return super().load_model_state_dict(model, state_dict, strict)
         return model.load_stage_state_dict(state_dict, strict=strict)
+
+    def saved_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: Any) -> Any:
+        """A full optimizer state saved by one process (parameters numbered over the whole model, as
+        the optimizer was built) cut to this process's parameters, numbered as its groups now hold them."""
+        from ..pipeline.model import group_names
+
+        full = group_names(optimizer)
+        if (full is None or not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved
+                or [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in full]):
+            return saved  # not a state of this optimizer's full model: restorer.check_optimizer says what differs
+        index = {name: pid for names, group in zip(full, saved["param_groups"])
+                 for name, pid in zip(names, group["params"])}
+        state, groups, at = {}, [], 0
+        for names, live, group in zip(full, optimizer.param_groups, saved["param_groups"]):
+            ids = {id(p) for p in live["params"]}
+            mine = [n for n in names if id(self._params_by_name.get(n)) in ids]
+            for j, name in enumerate(mine):
+                if index[name] in saved["state"]:
+                    state[at + j] = saved["state"][index[name]]
+            groups.append(dict(group, params=list(range(at, at + len(mine)))))
+            at += len(mine)
+        return {"state": state, "param_groups": groups}
 
 
 def _release_other_stages(model: nn.Module, local_ids: set[int]) -> None:
