@@ -135,7 +135,8 @@ def check_load_checkpoint_in_model():
         save_file({k: v.contiguous() for k, v in other.state_dict().items()}, path)
     dist.barrier()
     acc, model, opt, loader, sched = _setup()
-    load_checkpoint_in_model(model, path)
+    result = load_checkpoint_in_model(model, path, strict=True)  # the other stages' tensors are not unexpected
+    assert list(result[0]) == [] and list(result[1]) == [], result
     mine = dict(model.named_stage_parameters())
     assert mine and all(torch.equal(p.detach().cpu(), other.state_dict()[k]) for k, p in mine.items())
     return sorted(mine)

@@ -263,6 +263,38 @@ def load_checkpoint_in_model(
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
+    if hasattr(model, "local_stages") and hasattr(model, "full_state_names"):  # a prepared pipeline
+        return _load_stages(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
+    return _load_plain(model, checkpoint, device_map, offload_folder, dtype, offload_buffers, keep_in_fp32_modules,
+                       strict)
+
+
+def _load_stages(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                 keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
+    """A model prepared for pipeline parallelism: each of this process's stages (the full model's
+    names) takes its own tensors from the checkpoint; the other stages' are not unexpected."""
+    given = {"device_map": device_map, "offload_folder": offload_folder}
+    unsupported = [k for k, v in given.items() if v]
+    if unsupported:
+        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a model prepared for "
+                         "pipeline parallelism, whose stages prepare() placed; leave them out, or load before preparing")
+    missing: list[str] = []
+    unexpected: Optional[list[str]] = None
+    for _, stage in model.local_stages():
+        result = _load_plain(stage, checkpoint, None, None, dtype, False, keep_in_fp32_modules, strict,
+                             known=model.full_state_names)
+        missing += result[0]
+        unexpected = list(result[1]) if unexpected is None else unexpected
+    return LoadResult(missing, unexpected or [])
+
+
+def _load_plain(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                offload_buffers: bool, keep_in_fp32_modules: Any, strict: bool,
+                known: Any = frozenset()) -> LoadResult:
+    """``load_checkpoint_in_model`` of an unsharded model; names in ``known`` are not unexpected
+    (a pipeline stage: the other stages hold them)."""
+    import torch
+
     # With weights going to disk, memory holds one file's bytes at a time (each is read twice: checked
     # first, then read again at its turn and required to be the same bytes); else every file is read once.
     disk = any(str(d) == "disk" for d in (device_map or {}).values()) if isinstance(device_map, Mapping) else False
@@ -282,7 +314,7 @@ def load_checkpoint_in_model(
         for member in group:
             ties[member] = group
     missing = [k for k in expected if k not in shapes and not (ties.get(k, set()) & shapes.keys())]
-    unexpected = [k for k in shapes if k not in expected]
+    unexpected = [k for k in shapes if k not in expected and k not in known]
     mismatched = [
         f"{k}: checkpoint {list(shapes[k])} vs model {list(expected[k].shape)}"
         for k in shapes
