@@ -140,3 +140,27 @@ def check_load_checkpoint_in_model():
     mine = dict(model.named_stage_parameters())
     assert mine and all(torch.equal(p.detach().cpu(), other.state_dict()[k]) for k, p in mine.items())
     return sorted(mine)
+
+
+def check_pp_checkpoint_into_fsdp2():
+    """The pp_size=2 checkpoint of check_mid_epoch_resume read by FSDP2 over the same 2 processes
+    (DCP reshards): the same parameters and Adam state, gathered in full."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
+    folder = os.path.join(os.environ["PPCK_TMP"], "resume")
+    reset_state()
+    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), step_scheduler_with_optimizer=False)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    assert type(acc.strategy).__name__ == "FSDP2Strategy"
+    acc.load_state(folder)
+    params = {k: v.detach().cpu() for k, v in acc.strategy.model_state_dict(model, everyone=True).items()}
+    full = get_optimizer_state_dict(model, getattr(opt, "optimizer", opt),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    moments = {f"{n}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+               for n, s in full["state"].items() for k, v in s.items()}
+    return {"params": _lists(params), "moments": _lists(moments), "lr": opt.param_groups[0]["lr"]}

@@ -107,3 +107,12 @@ def test_load_checkpoint_in_model_fills_each_stage(two):
     first, last = two.assert_passed("check_load_checkpoint_in_model")
     assert first == ["0.0.bias", "0.0.weight", "1.0.bias", "1.0.weight"]
     assert last == ["2.0.bias", "2.0.weight", "3.0.bias", "3.0.weight"]
+
+
+def test_pp2_checkpoint_loads_under_fsdp2(two):
+    saved = two.assert_passed("check_mid_epoch_resume")[0]
+    for got in two.assert_passed("check_pp_checkpoint_into_fsdp2"):
+        assert got["params"] == saved["at_save"]
+        assert set(got["moments"]) == set(saved["moments"])
+        assert all(got["moments"][k] == v for k, v in saved["moments"].items())
+        assert got["lr"] == saved["lr"]
