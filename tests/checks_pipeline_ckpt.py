@@ -35,14 +35,22 @@ def _loader():
     return torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=True)
 
 
-def _setup(seed: int = 0):
+def _groups(model):
+    """Two parameter groups (biases without weight decay): groups are mapped back by name."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 5e-3}]
+
+
+def _setup(schedule: str = "GPipe", microbatches: int = 2, groups: bool = False):
     reset_state()
     # step_scheduler_with_optimizer=False: one scheduler step per optimizer step on any layout (Accelerate's
     # rule would advance it num_processes=2 times per step under pp_size=2, unlike one process)
-    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2),
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule=schedule,
+                                                           pp_microbatches=microbatches),
                       step_scheduler_with_optimizer=False)
     model = pipeline_loss(_model(), nn.functional.mse_loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(_groups(model) if groups else model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     model, opt, loader, sched = acc.prepare(model, opt, _loader(), sched)
     return acc, model, opt, loader, sched
@@ -164,3 +172,26 @@ def check_pp_checkpoint_into_fsdp2():
     moments = {f"{n}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                for n, s in full["state"].items() for k, v in s.items()}
     return {"params": _lists(params), "moments": _lists(moments), "lr": opt.param_groups[0]["lr"]}
+
+
+def check_interleaved_two_groups_resume():
+    """Interleaved1F1B (two stages per process: 0, 2 and 1, 3) and an optimizer with two parameter
+    groups: the mid-epoch resume is exact, and a blocking=False save gives the same checkpoint."""
+    folder = os.path.join(os.environ["PPCK_TMP"], "interleaved")
+    acc, model, opt, loader, sched = _setup("Interleaved1F1B", 4, groups=True)
+    assert [s for s, _ in model.local_stages()] == [dist.get_rank(), dist.get_rank() + 2]
+    batches = iter(loader)
+    first = _run(acc, model, opt, sched, batches, 3)
+    acc.save_state(folder, blocking=False)  # staged copies, written in the background
+    whole = first + _run(acc, model, opt, sched, batches, 3)
+    acc.wait_for_checkpoint()
+    final = _params(model)
+    acc, model, opt, loader, sched = _setup("Interleaved1F1B", 4, groups=True)
+    acc.load_state(folder, continue_dataloaders=True)
+    lrs = [g["lr"] for g in opt.param_groups]
+    decay = [g["weight_decay"] for g in opt.param_groups]
+    rest = _run(acc, model, opt, sched, iter(loader), 3)
+    again = _params(model)
+    assert rest == whole[3:], (rest, whole[3:])
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    return {"lrs": lrs, "decay": decay, "sizes": [len(g["params"]) for g in opt.param_groups]}

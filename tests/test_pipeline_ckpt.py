@@ -116,3 +116,9 @@ def test_pp2_checkpoint_loads_under_fsdp2(two):
         assert set(got["moments"]) == set(saved["moments"])
         assert all(got["moments"][k] == v for k, v in saved["moments"].items())
         assert got["lr"] == saved["lr"]
+
+
+def test_interleaved_stages_and_two_parameter_groups_resume_exactly(two):
+    for r in two.assert_passed("check_interleaved_two_groups_resume"):
+        assert r["decay"] == [0.1, 0.0] and r["sizes"] == [2, 2]  # each process: 2 weights, 2 biases
+        assert r["lrs"] == [1e-2 * 0.5, 5e-3 * 0.5]  # StepLR(step_size=2) after 3 steps
