@@ -195,3 +195,24 @@ def check_interleaved_two_groups_resume():
     assert rest == whole[3:], (rest, whole[3:])
     assert all(torch.equal(final[k], again[k]) for k in final)
     return {"lrs": lrs, "decay": decay, "sizes": [len(g["params"]) for g in opt.param_groups]}
+
+
+def check_save_inside_accumulation_window_is_refused():
+    reset_state()
+    acc = Accelerator(gradient_accumulation_steps=2,
+                      parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2))
+    model = pipeline_loss(_model(), nn.functional.mse_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, loader = acc.prepare(model, opt, _loader())
+    x, y = next(iter(loader))
+    with acc.accumulate(model):
+        acc.backward(model(x, labels=y).loss)
+    assert not acc.sync_gradients
+    folder = os.path.join(os.environ["PPCK_TMP"], "window")
+    try:
+        acc.save_state(folder)
+    except RuntimeError as e:  # every process raises every process's ValueError; nothing committed
+        message = str(e)
+    else:
+        raise AssertionError("save_state inside an accumulation window was accepted")
+    return {"message": message, "written": os.path.exists(os.path.join(folder, "manifest.json"))}

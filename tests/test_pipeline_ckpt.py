@@ -122,3 +122,8 @@ def test_interleaved_stages_and_two_parameter_groups_resume_exactly(two):
     for r in two.assert_passed("check_interleaved_two_groups_resume"):
         assert r["decay"] == [0.1, 0.0] and r["sizes"] == [2, 2]  # each process: 2 weights, 2 biases
         assert r["lrs"] == [1e-2 * 0.5, 5e-3 * 0.5]  # StepLR(step_size=2) after 3 steps
+
+
+def test_save_inside_an_accumulation_window_is_refused(two):
+    for r in two.assert_passed("check_save_inside_accumulation_window_is_refused"):
+        assert "nothing was committed" in r["message"] and "pipeline stages" in r["message"] and "sync_gradients" in r["message"] and not r["written"]

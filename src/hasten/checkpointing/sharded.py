@@ -398,8 +398,9 @@ def refuse(blocking: bool, mid_window: bool) -> None:
     """What sharded checkpoints do not support, named before anything is written."""
     if mid_window:
         raise ValueError("save_state inside a gradient-accumulation window (accelerator.sync_gradients is False): "
-                         "with a sharded model (FSDP2, tensor parallel) the partial gradients of the window live "
-                         "in FSDP's unsharded buffers or as DTensor shards, which a checkpoint does not hold; call "
+                         "with a sharded model (FSDP2, tensor parallel, pipeline stages) the partial gradients of the "
+                         "window live in FSDP's unsharded buffers, as DTensor shards or on each stage's process, which "
+                         "a checkpoint does not hold; call "
                          "save_state after the window's last micro-step (`if accelerator.sync_gradients: "
                          "accelerator.save_state()`)")
 
