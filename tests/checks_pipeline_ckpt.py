@@ -216,3 +216,42 @@ def check_save_inside_accumulation_window_is_refused():
     else:
         raise AssertionError("save_state inside an accumulation window was accepted")
     return {"message": message, "written": os.path.exists(os.path.join(folder, "manifest.json"))}
+
+
+def _llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def check_llama_load_checkpoint_in_model():
+    """A Llama's weights folder (model.safetensors of another seed, written by process 0) into a prepared 2-stage
+    pipeline: every stage equals the saved weights, and the pipelined loss equals the saved model's."""
+    from hasten.model_loading import load_checkpoint_in_model
+
+    folder = os.path.join(os.environ["PPCK_TMP"], "llama_weights")
+    source = _llama(7)
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in source.state_dict().items()},
+                  os.path.join(folder, "model.safetensors"))
+    dist.barrier()
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2))
+    model = acc.prepare(_llama(0))
+    missing, unexpected = load_checkpoint_in_model(model, folder, strict=True)
+    assert list(missing) == [] and list(unexpected) == []
+    expected = source.state_dict()
+    mine = model.stage_state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in mine.items())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+        ref = float(source(input_ids=ids, labels=ids).loss)
+    assert abs(loss - ref) < 1e-5, (loss, ref)
+    return sorted(mine)

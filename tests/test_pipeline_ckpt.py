@@ -127,3 +127,8 @@ def test_interleaved_stages_and_two_parameter_groups_resume_exactly(two):
 def test_save_inside_an_accumulation_window_is_refused(two):
     for r in two.assert_passed("check_save_inside_accumulation_window_is_refused"):
         assert "nothing was committed" in r["message"] and "pipeline stages" in r["message"] and "sync_gradients" in r["message"] and not r["written"]
+
+
+def test_llama_weights_load_into_the_stages(two):
+    first, last = two.assert_passed("check_llama_load_checkpoint_in_model")
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last and not set(first) & set(last)
