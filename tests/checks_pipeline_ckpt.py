@@ -255,3 +255,36 @@ def check_llama_load_checkpoint_in_model():
         ref = float(source(input_ids=ids, labels=ids).loss)
     assert abs(loss - ref) < 1e-5, (loss, ref)
     return sorted(mine)
+
+
+def check_gpipe_checkpoint_into_interleaved():
+    """The GPipe checkpoint of check_mid_epoch_resume (stages 0 | 1, two blocks each) read by an
+    Interleaved1F1B run (stages 0, 2 | 1, 3): another cut of the same model, same names."""
+    acc, model, opt, loader, sched = _setup("Interleaved1F1B", 4)
+    acc.load_state(os.path.join(os.environ["PPCK_TMP"], "resume"))
+    return {"params": _lists(_params(model)), "moments": _lists(_moments(model, opt)),
+            "lr": opt.param_groups[0]["lr"]}
+
+
+def check_checkpoint_of_another_model_changes_nothing():
+    """A pp_size=2 checkpoint read into a pipeline of another shape: every process raises, naming the
+    difference, before any parameter or optimizer state changed."""
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="GPipe", pp_microbatches=2))
+    torch.manual_seed(0)
+    widths = [WIDTH, WIDTH + 2, WIDTH, WIDTH, WIDTH]  # blocks 0 and 1 (process 0's stage) differ
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(widths[i], widths[i + 1]), nn.Tanh()) for i in range(4)])
+    pipeline_loss(model, nn.functional.mse_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, loader, sched = acc.prepare(model, opt, _loader(), sched)
+    before = {k: v.clone() for k, v in model.stage_state_dict().items()}
+    try:
+        acc.load_state(os.path.join(os.environ["PPCK_TMP"], "resume"))
+    except Exception as e:  # noqa: BLE001
+        message = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError("a checkpoint of another model was loaded")
+    assert all(torch.equal(v, before[k]) for k, v in model.stage_state_dict().items())
+    assert not opt.state
+    return message

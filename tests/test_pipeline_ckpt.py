@@ -132,3 +132,14 @@ def test_save_inside_an_accumulation_window_is_refused(two):
 def test_llama_weights_load_into_the_stages(two):
     first, last = two.assert_passed("check_llama_load_checkpoint_in_model")
     assert "model.embed_tokens.weight" in first and "lm_head.weight" in last and not set(first) & set(last)
+
+
+def test_gpipe_checkpoint_loads_into_another_cut(two):
+    saved = two.assert_passed("check_mid_epoch_resume")[0]
+    for got in two.assert_passed("check_gpipe_checkpoint_into_interleaved"):
+        assert got["params"] == saved["at_save"] and got["moments"] == saved["moments"] and got["lr"] == saved["lr"]
+
+
+def test_checkpoint_of_another_model_is_refused_before_any_change(two):
+    for message in two.assert_passed("check_checkpoint_of_another_model_changes_nothing"):
+        assert "0.0.weight" in message and "shape" in message, message
