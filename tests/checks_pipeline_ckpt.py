@@ -288,3 +288,33 @@ def check_checkpoint_of_another_model_changes_nothing():
     assert all(torch.equal(v, before[k]) for k, v in model.stage_state_dict().items())
     assert not opt.state
     return message
+
+
+def check_pp_times_dp_resume():
+    """4 processes: pp_size=2 x dp_replicate_size=2 (run alone, by test_pipeline_ckpt's ``four``). Both
+    replicas hold every stage's keys (DCP stores each once); the mid-epoch resume is bitwise exact."""
+    if dist.get_world_size() != 4:
+        return "skipped"
+    folder = os.path.join(os.environ["PPCK_TMP"], "pp_dp")
+
+    def setup():
+        reset_state()
+        acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_schedule="GPipe",
+                                                               pp_microbatches=2),
+                          step_scheduler_with_optimizer=False)
+        model = pipeline_loss(_model(), nn.functional.mse_loss)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return (acc, *acc.prepare(model, opt, _loader(), sched))
+
+    acc, model, opt, loader, sched = setup()
+    whole = _run(acc, model, opt, sched, iter(loader), 6, folder, save_at=3)
+    final = {k: v.detach().clone() for k, v in model.stage_state_dict().items()}
+    acc, model, opt, loader, sched = setup()
+    acc.load_state(folder, continue_dataloaders=True)
+    rest = _run(acc, model, opt, sched, iter(loader), 3)
+    assert rest == whole[3:], (rest, whole[3:])
+    assert all(torch.equal(v, final[k]) for k, v in model.stage_state_dict().items())
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    return {"layout": manifest["layout"], "files": sorted(n for n in manifest["files"] if n.startswith("sharded/"))}

@@ -143,3 +143,10 @@ def test_gpipe_checkpoint_loads_into_another_cut(two):
 def test_checkpoint_of_another_model_is_refused_before_any_change(two):
     for message in two.assert_passed("check_checkpoint_of_another_model_changes_nothing"):
         assert "0.0.weight" in message and "shape" in message, message
+
+
+def test_pp_times_dp_mid_epoch_resume_is_exact(tmp_path):
+    report = run_checks("checks_pipeline_ckpt", world_size=4, timeout=400, env={"PPCK_TMP": str(tmp_path)},
+                        only=["check_pp_times_dp_resume"])
+    ranks = report.assert_passed("check_pp_times_dp_resume")
+    assert ranks[0]["layout"]["mesh"]["pp"] == 2 and ranks[0]["layout"]["mesh"]["dp_replicate"] == 2
