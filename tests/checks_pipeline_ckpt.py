@@ -147,6 +147,36 @@ def check_load_checkpoint_in_model():
     assert list(result[0]) == [] and list(result[1]) == [], result
     mine = dict(model.named_stage_parameters())
     assert mine and all(torch.equal(p.detach().cpu(), other.state_dict()[k]) for k, p in mine.items())
+    # two stages on each process (0, 2 | 1, 3): both filled, from one pass over the file
+    acc, model, opt, loader, sched = _setup("Interleaved1F1B", 4)
+    ids = {id(p) for p in model.parameters()}
+    result = load_checkpoint_in_model(model, path, strict=True)
+    assert list(result[0]) == [] and list(result[1]) == [], result
+    assert {id(p) for p in model.parameters()} == ids  # in place: the optimizer's parameters
+    two = dict(model.named_stage_parameters())
+    assert len(two) == 4 and all(torch.equal(p.detach().cpu(), other.state_dict()[k]) for k, p in two.items())
+    # strict and a key of stage 3 (process 1's second stage) missing: process 1 raises, its stage 1 unchanged
+    from hasten.saving import CheckpointMismatchError
+
+    lacking = os.path.join(os.environ["PPCK_TMP"], "lacking.safetensors")
+    if dist.get_rank() == 0:
+        torch.manual_seed(6)
+        save_file({k: torch.randn(v.shape) for k, v in other.state_dict().items() if k != "3.0.weight"}, lacking)
+    dist.barrier()
+    before = {k: v.detach().clone() for k, v in model.named_stage_parameters()}
+    try:
+        load_checkpoint_in_model(model, lacking, strict=True)
+    except CheckpointMismatchError as e:
+        assert dist.get_rank() == 1 and "3.0.weight" in str(e), str(e)
+        assert all(torch.equal(p, before[k]) for k, p in model.named_stage_parameters())
+    else:
+        assert dist.get_rank() == 0
+    try:
+        load_checkpoint_in_model(model, path, dtype=torch.float64)
+    except ValueError as e:
+        assert "dtype" in str(e)
+    else:
+        raise AssertionError("a dtype for a prepared pipeline was accepted")
     return sorted(mine)
 
 
