@@ -105,6 +105,7 @@ class PipelineStrategy(Strategy):
 
     def release(self) -> None:
         self._models.clear()
+        self._params_by_name.clear()  # references to every parameter of the prepared models
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep in ``optimizer`` only the parameters of this process's stages (and their state)."""
