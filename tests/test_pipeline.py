@@ -50,7 +50,7 @@ def test_split_points_and_logits_on_the_last_stage(two):
     assert {n.split(".")[2] for n in first["names"] if n.startswith("model.layers.")} == {"0"}
     assert {n.split(".")[2] for n in last["names"] if n.startswith("model.layers.")} == {"1", "2", "3"}
     assert first["logits"] is None and last["logits"] < 1e-5
-    assert all("not supported yet" in r["save"] and "get_state_dict" in r["save"] for r in (first, last))
+    assert first["restored"] and last["restored"]  # save_state/load_state of a llama at pp_size=2
 
 
 def test_a_changed_loss_is_refused_by_backward(two):

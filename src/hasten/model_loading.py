@@ -263,6 +263,66 @@ def load_checkpoint_in_model(
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return _load_sharded(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
     del offload_state_dict, full_state_dict, broadcast_from_rank0  # see the docstring
+    if hasattr(model, "local_stages") and hasattr(model, "full_state_names"):  # a prepared pipeline
+        return _load_stages(model, checkpoint, device_map, offload_folder, dtype, keep_in_fp32_modules, strict)
+    return _load_plain(model, checkpoint, device_map, offload_folder, dtype, offload_buffers, keep_in_fp32_modules,
+                       strict)
+
+
+def _load_stages(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                 keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
+    """A model prepared for pipeline parallelism: this process's stages (the full model's names) take
+    their own tensors from the checkpoint, in place, in one pass over its files (all stages checked
+    before any changes); the other stages' names are not unexpected."""
+    given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
+             "keep_in_fp32_modules": keep_in_fp32_modules}
+    unsupported = [k for k, v in given.items() if v]
+    if unsupported:
+        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a model prepared for "
+                         "pipeline parallelism, whose stages prepare() placed (and whose parameters its optimizer "
+                         "and schedule hold); leave them out (the model's dtype wins), or load before preparing")
+    return _load_plain(_stages_view(model), checkpoint, None, None, None, False, None, strict,
+                       known=model.full_state_names)
+
+
+def _stages_view(model: "torch.nn.Module") -> "torch.nn.Module":
+    """One module holding every local stage's modules under their names in the full model: plain
+    containers down to the modules that hold parameters or buffers themselves, which are the stages'
+    own (so what is loaded into the view is loaded into the stages)."""
+    import torch
+
+    root = torch.nn.Module()
+
+    def attach(path: str, module: "torch.nn.Module") -> None:
+        if not path:  # a stage's root: its own tensors (the same objects) on the view's root
+            root._parameters.update(module._parameters)
+            root._buffers.update(module._buffers)
+            root._non_persistent_buffers_set |= module._non_persistent_buffers_set
+        elif module._parameters or module._buffers or not module._modules:
+            parent, _, leaf = path.rpartition(".")
+            holder = root
+            for part in parent.split(".") if parent else []:
+                if part not in holder._modules:
+                    holder._modules[part] = torch.nn.Module()
+                holder = holder._modules[part]
+            holder._modules[leaf] = module
+            return
+        for name, child in module._modules.items():
+            if child is not None:
+                attach(f"{path}.{name}" if path else name, child)
+
+    for _, stage in model.local_stages():
+        attach("", stage)
+    return root
+
+
+def _load_plain(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                offload_buffers: bool, keep_in_fp32_modules: Any, strict: bool,
+                known: Any = frozenset()) -> LoadResult:
+    """``load_checkpoint_in_model`` of an unsharded model; names in ``known`` are not unexpected
+    (a pipeline stage: the other stages hold them)."""
+    import torch
+
     # With weights going to disk, memory holds one file's bytes at a time (each is read twice: checked
     # first, then read again at its turn and required to be the same bytes); else every file is read once.
     disk = any(str(d) == "disk" for d in (device_map or {}).values()) if isinstance(device_map, Mapping) else False
@@ -282,7 +342,7 @@ def load_checkpoint_in_model(
         for member in group:
             ties[member] = group
     missing = [k for k in expected if k not in shapes and not (ties.get(k, set()) & shapes.keys())]
-    unexpected = [k for k in shapes if k not in expected]
+    unexpected = [k for k in shapes if k not in expected and k not in known]
     mismatched = [
         f"{k}: checkpoint {list(shapes[k])} vs model {list(expected[k].shape)}"
         for k in shapes

@@ -275,6 +275,7 @@ def _read_states(acc: Any, reader: restorer.Reader, manifest: dict, models: list
             out["optimizers"].append(None)
             continue
         state, _ = reader.state(entry["file"])
+        state = acc.strategy.saved_optimizer_state(getattr(opt, "optimizer", opt), state)
         problems.extend(("mismatch", p) for p in restorer.check_optimizer(state, opt, i))
         out["optimizers"].append(state)
     out["schedulers"] = [reader.state(e["file"])[0] for e in contents["schedulers"]]

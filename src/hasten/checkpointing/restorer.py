@@ -187,9 +187,10 @@ def check_model(view: SafetensorsView, model: torch.nn.Module, index: int) -> li
 
 def check_shapes(shapes: dict[str, tuple], model: torch.nn.Module, label: str) -> list[str]:
     """What differs between saved tensor names/shapes and ``model``'s state (one line per kind)."""
-    live = model.state_dict(keep_vars=True)
+    pipelined = hasattr(model, "stage_state_dict")  # a pipeline's stages: the full model's names, other stages elsewhere
+    live = model.stage_state_dict() if pipelined else model.state_dict(keep_vars=True)
     missing = [k for k in live if k not in shapes]
-    unexpected = [k for k in shapes if k not in live]
+    unexpected = [k for k in shapes if k not in (model.full_state_names if pipelined else live)]
     wrong = [f"{k} (checkpoint {list(shapes[k])}, model {list(live[k].shape)})" for k in shapes
              if k in live and isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(shapes[k])]
     problems = []

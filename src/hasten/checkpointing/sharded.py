@@ -41,6 +41,8 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     a state by taking a zero step (Adam would then resume at step 1)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if _pipelined(model):
+        return _stage_optimizer_state(model, optimizer)
     if optimizer.state:
         return get_optimizer_state_dict(model, optimizer)
     names = _names(model)
@@ -49,7 +51,70 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"state": {}, "param_groups": groups}
 
 
+def _pipelined(model: nn.Module) -> bool:
+    """A ``PipelinedModel``: this process's stages, whose state is stored under the full model's names."""
+    return hasattr(model, "named_stage_parameters") and hasattr(model, "stage_state_dict")
+
+
+def _model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict keyed by the plain model's names; a pipelined model's holds its own
+    stages' entries only (the live tensors: DCP reads into them), the other processes hold the rest."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return model.stage_state_dict() if _pipelined(model) else get_model_state_dict(model)
+
+
+def _stage_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer state of this process's stages keyed by the original parameter names (each
+    process a disjoint part), and the parameter groups with the names of *every* stage's parameters
+    (recorded when the optimizer was prepared), the same on every process: DCP stores them once and
+    any layout (one process, another pipeline) maps its groups back by name."""
+    from ..pipeline.model import group_names
+
+    names = {id(p): n for n, p in model.named_stage_parameters()}
+    full = group_names(optimizer) or [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items() if s}
+    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=list(n))
+              for g, n in zip(optimizer.param_groups, full)]
+    return {"state": state, "param_groups": groups}
+
+
+def _stage_optimizer_target(model: nn.Module, optimizer: Any, saved: dict[str, Any], name: str) -> dict[str, Any]:
+    """What DCP reads this process's part of optimizer ``name`` into: a tensor of the stored shape and
+    dtype for each state entry of a local parameter, a placeholder for everything else it stored."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    local = {n for n, _ in model.named_stage_parameters()}
+    prefix = f"{name}.state."
+    state: dict[str, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if not key.startswith(prefix):
+            continue
+        param, _, field = key[len(prefix):].rpartition(".")
+        if param in local:
+            state.setdefault(param, {})[field] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                                                  if isinstance(meta, TensorStorageMetadata) else None)
+    groups = _saved_groups(saved, name)[1]
+    return {"state": state, "param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
+
+
+def _load_stage_optimizer_state(model: nn.Module, optimizer: Any, stored: dict[str, Any]) -> None:
+    """``stored`` (by name) into ``optimizer`` with ``Optimizer.load_state_dict`` (its casts and checks),
+    numbered as this process's groups hold the parameters; the saved hyperparameters."""
+    names = {id(p): n for n, p in model.named_stage_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {i: stored["state"][n] for i, n in enumerate(order) if n in stored["state"]}
+    groups, at = [], 0
+    for live, saved in zip(optimizer.param_groups, stored["param_groups"]):
+        count = len(live["params"])
+        groups.append(dict({k: v for k, v in saved.items() if k != "params"}, params=list(range(at, at + count))))
+        at += count
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def _names(model: nn.Module) -> dict[int, str]:
+    if _pipelined(model):
+        return {id(p): n for n, p in model.named_stage_parameters()}
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name.replace("_checkpoint_wrapped_module.", ""))
@@ -57,11 +122,9 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _targets(models: list[nn.Module], optimizers: list[Any], with_optimizers: list[bool]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
-        state[f"model_{i}"] = get_model_state_dict(model)
+        state[f"model_{i}"] = _model_state(model)
     for i, (opt, wanted) in enumerate(zip(optimizers, with_optimizers)):
         if wanted:
             inner = getattr(opt, "optimizer", opt)
@@ -192,16 +255,17 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
     """Differences between the stored shards and the live models/optimizers (reads only);
     ``metadata``: the folder's ``read_metadata`` when the caller has it already."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     saved = (metadata if metadata is not None else read_metadata(folder)).state_dict_metadata
     problems = []
     for i, model in enumerate(models):
         prefix = f"model_{i}."
-        live = get_model_state_dict(model)
+        live = _model_state(model)
         stored = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
         missing = [k for k in live if k not in stored]
-        unexpected = [k for k in stored if k not in live]
+        # a pipeline stage holds part of the model: what is stored must belong to the full model
+        known = model.full_state_names if _pipelined(model) else live
+        unexpected = [k for k in stored if k not in known]
         wrong = [f"{k} (checkpoint {list(stored[k].size)}, model {list(v.shape)})" for k, v in live.items()
                  if k in stored and isinstance(stored[k], TensorStorageMetadata) and isinstance(v, torch.Tensor)
                  and tuple(stored[k].size) != tuple(v.shape)]
@@ -220,13 +284,21 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
         if len(groups) != len(inner.param_groups):
             problems.append(f"optimizer {i}: {len(groups)} parameter groups saved, {len(inner.param_groups)} in "
                             "this run")
-        names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in _owner(models, inner).named_parameters()}
+        owner = _owner(models, inner)
+        if _pipelined(owner):
+            names = dict(owner.named_stage_parameters())
+            others = owner.full_state_names  # stored for the other stages: read there
+        else:
+            names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in owner.named_parameters()}
+            others = set()
         prefix = f"{entry['dcp']}.state."
         for key, meta in saved.items():
             if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata) or len(meta.size) == 0:
                 continue
             name = key[len(prefix):].rsplit(".", 1)[0]
             param = names.get(name)
+            if param is None and name in others:
+                continue
             if param is None:
                 problems.append(f"optimizer {i}: state for parameter {name!r}, which this run's model does not have")
             elif tuple(meta.size) != tuple(param.shape):
@@ -258,7 +330,9 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
             continue
         inner = getattr(opt, "optimizer", opt)
         has_state, groups = _saved_groups(saved, name)
-        if has_state:
+        if _pipelined(_owner(models, inner)):
+            state[name] = _stage_optimizer_target(_owner(models, inner), inner, saved, name)
+        elif has_state:
             state[name] = get_optimizer_state_dict(_owner(models, inner), inner)
         else:  # only hyperparameters were stored: read them as they were saved
             state[name] = {"param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
@@ -279,11 +353,16 @@ def load(folder: str, contents: dict[str, Any], models: list[nn.Module], optimiz
     except CheckpointException as e:
         raise wrapped(os.path.join(folder, SUBDIR), e) from None
     for i, model in enumerate(models):
-        set_model_state_dict(model, state[f"model_{i}"])
+        if _pipelined(model):
+            model.load_stage_state_dict(state[f"model_{i}"])
+        else:
+            set_model_state_dict(model, state[f"model_{i}"])
     for entry, opt in zip(contents["optimizers"], optimizers):
         name = entry.get("dcp")
         inner = getattr(opt, "optimizer", opt)
-        if name in stateless:
+        if name and _pipelined(_owner(models, inner)):
+            _load_stage_optimizer_state(_owner(models, inner), inner, state[name])
+        elif name in stateless:
             _load_groups(inner, state[name]["param_groups"])
         elif name:
             set_optimizer_state_dict(_owner(models, inner), inner, state[name])
@@ -319,8 +398,9 @@ def refuse(blocking: bool, mid_window: bool) -> None:
     """What sharded checkpoints do not support, named before anything is written."""
     if mid_window:
         raise ValueError("save_state inside a gradient-accumulation window (accelerator.sync_gradients is False): "
-                         "with a sharded model (FSDP2, tensor parallel) the partial gradients of the window live "
-                         "in FSDP's unsharded buffers or as DTensor shards, which a checkpoint does not hold; call "
+                         "with a sharded model (FSDP2, tensor parallel, pipeline stages) the partial gradients of the "
+                         "window live in FSDP's unsharded buffers, as DTensor shards or on each stage's process, which "
+                         "a checkpoint does not hold; call "
                          "save_state after the window's last micro-step (`if accelerator.sync_gradients: "
                          "accelerator.save_state()`)")
 

@@ -165,7 +165,7 @@ def collective_cause(acc: Any) -> Optional[str]:
     if kind == "deepspeed":
         return "this run's state is sharded by DeepSpeed (every process writes its own engine files)"
     if kind != "full":
-        return ("this run's state is sharded (FSDP2, tensor parallelism or a model you sharded: every process "
+        return ("this run's state is sharded (FSDP2, tensor parallelism, pipeline stages or a model you sharded: every process "
                 "writes its own shards)")
     if pc.automatic_checkpoint_naming:
         return ("ProjectConfiguration(automatic_checkpoint_naming=True) numbers the checkpoint with every "

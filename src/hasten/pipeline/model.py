@@ -36,6 +36,19 @@ from .tracking import StepTracker, TrackedStage
 
 # model -> the loss its last stage computes (``pipeline_loss``); weak: forgotten with the model.
 _LOSSES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+# optimizer -> the original names of every parameter of each of its groups in the full model (recorded
+# before prepare keeps only this process's): what a checkpoint stores as the groups' ``params``, the
+# same on every process, so any layout maps the groups back (``hasten.checkpointing.sharded``).
+_GROUP_NAMES: "weakref.WeakKeyDictionary[Any, list[list[str]]]" = weakref.WeakKeyDictionary()
+
+
+def record_group_names(optimizer: Any, names: list[list[str]]) -> None:
+    _GROUP_NAMES[optimizer] = names
+
+
+def group_names(optimizer: Any) -> Optional[list[list[str]]]:
+    """The full model's parameter names of each group of ``optimizer`` (None: not prepared for a pipeline)."""
+    return _GROUP_NAMES.get(optimizer)
 
 
 def pipeline_loss(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> nn.Module:
@@ -91,6 +104,7 @@ class PipelinedModel(nn.Module):
         self._step: dict[str, Any] = {}
         self._last_loss: Optional[torch.Tensor] = None
         self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
+        self.full_state_names: set[str] = set()  # every state dict key of the full model (set by the strategy)
 
     # -- what the stages hold, under the original names ---------------------------------------
     def local_stages(self) -> list[tuple[int, nn.Module]]:

@@ -231,6 +231,11 @@ class Strategy:
 
         return type(self).load_model_state_dict is Strategy.load_model_state_dict and not is_sharded(model)
 
+    def saved_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: Any) -> Any:
+        """A full, numbered optimizer state from a checkpoint file, numbered as ``optimizer`` holds
+        its parameters in this run (unchanged here; a pipeline keeps its stages' part)."""
+        return saved
+
     def load_full_optimizer_state(self, model: Optional[nn.Module], optimizer: torch.optim.Optimizer,
                                   saved: dict[str, Any]) -> bool:
         """Load a full (numbered) optimizer state into ``optimizer`` of the sharded ``model``; False

@@ -43,9 +43,9 @@ from .tp_plan import _matches, check_divisible, model_plan, resolve_plan
 class PipelineStrategy(Strategy):
     """``ParallelismConfig(pp_size=N[, dp_replicate_size, dp_shard_size, tp_size])``: pipeline stages over N processes."""
 
-    # Not "full": a save then takes the collective path on every process, which asks checkpoint_backend
-    # (refused below on every process alike) instead of process 0 gathering the stages alone.
-    checkpoint_format = "pipeline"
+    # Each process writes its own stages' parameters and optimizer state as DCP shards, under the
+    # original names (``hasten.checkpointing.sharded`` asks the PipelinedModel for them): any layout reads them.
+    checkpoint_format = "dcp"
     # prepare must not move the whole model to the GPU first: only this process's stages go there.
     places_model_itself = True
 
@@ -55,6 +55,8 @@ class PipelineStrategy(Strategy):
         self._local_ids: set[int] = set()  # id() of the parameters this process's stages hold (and their replacements)
         self._model_ids: set[int] = set()  # id() of every parameter of the prepared models
         self._models: list[PipelinedModel] = []
+        self._names: dict[int, str] = {}  # id() of every parameter of the prepared models -> its original name
+        self._params_by_name: dict[str, nn.Parameter] = {}
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
@@ -85,11 +87,6 @@ class PipelineStrategy(Strategy):
     def build_mesh(self) -> ParallelMesh:
         return ParallelMesh(self.parallelism_config.sizes(), self.state.process_index, self.state.num_processes,
                             self.state.device.type)
-
-    def checkpoint_backend(self) -> Any:
-        raise ValueError("save_state/load_state under pipeline parallelism (pp_size > 1) are not supported yet: each "
-                         "process holds other stages and optimizer states. Save the weights with "
-                         "accelerator.get_state_dict(model) (gathers every stage under the original names) on process 0")
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -138,6 +135,9 @@ class PipelineStrategy(Strategy):
                           "only at the sync step: torch's pipeline schedule turns FSDP2's gradient sync on for each "
                           "step (PipelineStage.perform_reduce_grad). The numbers are the same; only the traffic grows",
                           stacklevel=2)
+        pipelined.full_state_names = set(model.state_dict())
+        self._names.update({id(p): n for n, p in model.named_parameters()})
+        self._params_by_name.update(dict(model.named_parameters()))
         self._models.append(pipelined)
         return pipelined
 
@@ -146,6 +146,7 @@ class PipelineStrategy(Strategy):
 
     def release(self) -> None:
         self._models.clear()
+        self._params_by_name.clear()  # references to every parameter of the prepared models
 
     def _compose(self, stage: nn.Module, kind: str, plan: dict) -> None:
         """Tensor parallelism (``plan``: the full model's), then FSDP2, on one stage module (torchtitan's order),
@@ -186,6 +187,9 @@ class PipelineStrategy(Strategy):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep in ``optimizer`` only the parameters of this process's stages (and their state)."""
+        from ..pipeline.model import record_group_names
+
+        record_group_names(optimizer, [[self._names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups])
         for g, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:
@@ -273,6 +277,28 @@ class PipelineStrategy(Strategy):
         if not isinstance(model, PipelinedModel):
             return super().load_model_state_dict(model, state_dict, strict)
         return model.load_stage_state_dict(state_dict, strict=strict)
+
+    def saved_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: Any) -> Any:
+        """A full optimizer state saved by one process (parameters numbered over the whole model, as
+        the optimizer was built) cut to this process's parameters, numbered as its groups now hold them."""
+        from ..pipeline.model import group_names
+
+        full = group_names(optimizer)
+        if (full is None or not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved
+                or [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in full]):
+            return saved  # not a state of this optimizer's full model: restorer.check_optimizer says what differs
+        index = {name: pid for names, group in zip(full, saved["param_groups"])
+                 for name, pid in zip(names, group["params"])}
+        state, groups, at = {}, [], 0
+        for names, live, group in zip(full, optimizer.param_groups, saved["param_groups"]):
+            ids = {id(p) for p in live["params"]}
+            mine = [n for n in names if id(self._params_by_name.get(n)) in ids]
+            for j, name in enumerate(mine):
+                if index[name] in saved["state"]:
+                    state[at + j] = saved["state"][index[name]]
+            groups.append(dict(group, params=list(range(at, at + len(mine)))))
+            at += len(mine)
+        return {"state": state, "param_groups": groups}
 
 
 def _release_other_stages(model: nn.Module, local_ids: set[int]) -> None:
