@@ -44,11 +44,10 @@ def _groups(model):
 
 def _setup(schedule: str = "GPipe", microbatches: int = 2, groups: bool = False):
     reset_state()
-    # step_scheduler_with_optimizer=False: one scheduler step per optimizer step on any layout (Accelerate's
-    # rule would advance it num_processes=2 times per step under pp_size=2, unlike one process)
+    # the default scheduler rule: under pp_size=2 on 2 processes one batch per step, so one scheduler step, as
+    # on one process
     acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule=schedule,
-                                                           pp_microbatches=microbatches),
-                      step_scheduler_with_optimizer=False)
+                                                           pp_microbatches=microbatches))
     model = pipeline_loss(_model(), nn.functional.mse_loss)
     opt = torch.optim.AdamW(_groups(model) if groups else model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -330,8 +329,7 @@ def check_pp_times_dp_resume():
     def setup():
         reset_state()
         acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_schedule="GPipe",
-                                                               pp_microbatches=2),
-                          step_scheduler_with_optimizer=False)
+                                                               pp_microbatches=2))
         model = pipeline_loss(_model(), nn.functional.mse_loss)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

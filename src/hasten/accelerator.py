@@ -254,7 +254,7 @@ class Accelerator(SettingsViewsMixin, CheckpointMixin, ProcessControlMixin, Trac
         target = getattr(scheduler, "optimizer", None)
         owners = [o for o in self._optimizers if target is o or target is o.optimizer] or self._optimizers
         prepared = AcceleratedScheduler(scheduler, owners, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                        split_batches=self.split_batches)
+                                        split_batches=self.split_batches, stages=self.strategy.mesh.sizes["pp"])
         return self._prepared.add(scheduler, prepared, "schedulers")
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: Optional[bool] = None,

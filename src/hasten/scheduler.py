@@ -5,7 +5,9 @@ without ``split_batches`` each optimizer step consumes one batch *per process*, 
 advances ``num_processes`` steps per optimizer step. A schedule written for the single-process
 number of batches (e.g. ``num_training_steps = epochs * len(train_dataloader_before_prepare)``)
 therefore ends exactly when the data runs out, on any number of processes. With ``split_batches``
-the global batch is fixed, and the scheduler advances one step per optimizer step. Steps on
+the global batch is fixed, and the scheduler advances one step per optimizer step. Under pipeline
+parallelism the stages of one replica read the same batches, so a step consumes one batch per
+process of one stage: ``num_processes / pp_size`` (Accelerate has no pipeline to compare with). Steps on
 accumulation micro-steps and steps whose optimizer update was skipped (fp16 overflow) do not count.
 
 That last rule costs one read of the device per ``step()`` under fp16 (a host sync on CUDA): the
@@ -28,10 +30,11 @@ class AcceleratedScheduler:
     """Wraps an LR scheduler so that ``step()`` follows the optimizer's real updates."""
 
     def __init__(self, scheduler: Any, optimizers: Union[AcceleratedOptimizer, Sequence[AcceleratedOptimizer]],
-                 step_with_optimizer: bool = True, split_batches: bool = False) -> None:
+                 step_with_optimizer: bool = True, split_batches: bool = False, stages: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.split_batches = split_batches
+        self.stages = stages  # pipeline stages' processes reading the same batches (pp_size)
         self.step_with_optimizer = step_with_optimizer
         self.gradient_state = GradientState()
 
@@ -49,7 +52,7 @@ class AcceleratedScheduler:
             return
         if _any_skipped(self.optimizers):
             return
-        repeats = 1 if self.split_batches else PartialState().num_processes
+        repeats = 1 if self.split_batches else PartialState().num_processes // self.stages
         total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its end
         for _ in range(repeats):
             if total is not None and self.scheduler._step_count > total:
