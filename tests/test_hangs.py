@@ -10,15 +10,11 @@ A thread per launch records when it ended, so the time to the report is measured
 
 import json
 import os
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
 from hasten.commands import hangs
-from scripts.launch_common import clean_env, hasten, ranks, script
+from scripts.launch_common import BackgroundLaunch, clean_env, hasten, ranks
 
 MARGIN_S = 25  # heartbeat + check interval + stack dumps + shutdown, on a loaded 2-core machine
 
@@ -39,34 +35,17 @@ def env(tmp_path):
     return clean_env(tmp_path / "absent.yaml", TMPDIR=tmp_path / "tmp")
 
 
-class Launch:
+class Launch(BackgroundLaunch):
     """One scenario's `hasten launch --cpu --num_processes 2 launch_hang.py MODE OUT`, started now."""
 
     def __init__(self, root, mode):
         flags, extra = SCENARIOS[mode]
-        self.tmp, self.out = root / "tmp", root / "out"
-        self.tmp.mkdir()
-        self.out.mkdir()
-        env = clean_env(root / "absent.yaml", TMPDIR=self.tmp, **extra)
-        self.proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes",
-                                      "2", *flags, script("launch_hang.py"), mode, str(self.out)],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.err, self.ended = "", None
-        self.thread = threading.Thread(target=self._wait, daemon=True)
-        self.thread.start()
-
-    def _wait(self):
-        _, self.err = self.proc.communicate()
-        self.ended = time.monotonic()
+        super().__init__(root, "launch_hang.py", mode, flags, **extra)
 
     def result(self, timeout=300):
         """(exit status, stderr, the OUT folder, when the launcher exited)."""
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            self.proc.kill()
-            self.thread.join(30)
-            pytest.fail(f"the launch did not end within {timeout} s: {self.err[-3000:]}")
-        return self.proc.returncode, self.err, self.out, self.ended
+        rc, err = self.finish(timeout)
+        return rc, err, self.out, self.ended
 
 
 @pytest.fixture(scope="module")

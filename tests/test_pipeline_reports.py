@@ -5,45 +5,24 @@ stage's forward at step 2, by raising (a failure report) or by never returning (
 launches start together (on first use), so the module costs about the longer one.
 """
 
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
 from hasten.commands import failures, hangs
-from scripts.launch_common import clean_env, script
+from scripts.launch_common import BackgroundLaunch
 
 HANG_TIMEOUT = 6
 MARGIN_S = 25  # heartbeat + check interval + stack dumps + shutdown, on a loaded 2-core machine
 
 
-class Launch:
+class Launch(BackgroundLaunch):
     def __init__(self, root, mode):
-        self.out = root / "out"
-        self.out.mkdir()
-        (root / "tmp").mkdir()
-        env = clean_env(root / "absent.yaml", TMPDIR=root / "tmp")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes",
-                                      "2", "--hang_timeout", str(HANG_TIMEOUT), script("launch_pipeline_fail.py"), mode,
-                                      str(self.out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.err, self.ended = "", None
-        self.thread = threading.Thread(target=self._wait, daemon=True)
-        self.thread.start()
-
-    def _wait(self):
-        _, self.err = self.proc.communicate()
-        self.ended = time.monotonic()
+        super().__init__(root, "launch_pipeline_fail.py", mode, ("--hang_timeout", str(HANG_TIMEOUT)))
 
     def result(self, timeout=120):
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            self.proc.kill()
-            self.thread.join(30)
-            pytest.fail(f"the launch did not end within {timeout} s: {self.err[-3000:]}")
+        rc, err = self.finish(timeout)
         start = min(float((self.out / f"hang{r}").read_text()) for r in (0, 1) if (self.out / f"hang{r}").exists())
-        return self.proc.returncode, self.err, self.ended - start
+        return rc, err, self.ended - start
 
 
 @pytest.fixture(scope="module")

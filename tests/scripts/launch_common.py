@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,3 +52,34 @@ def hasten(args, env, cwd=None, timeout=120):
 
 def script(name):
     return os.path.join(HERE, name)
+
+
+class BackgroundLaunch:
+    """``hasten launch --cpu --num_processes 2 FLAGS SCRIPT MODE OUT`` started now, in ``root`` (its ``tmp`` and
+    ``out`` folders); ``finish(timeout)`` waits for it and gives (exit status, stderr). ``ended`` is when it exited."""
+
+    def __init__(self, root, script_name, mode, flags=(), **extra_env):
+        self.tmp, self.out = root / "tmp", root / "out"
+        self.tmp.mkdir()
+        self.out.mkdir()
+        env = clean_env(root / "absent.yaml", TMPDIR=self.tmp, **extra_env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "hasten.commands.cli", "launch", "--cpu", "--num_processes",
+                                      "2", *flags, script(script_name), mode, str(self.out)],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err, self.ended = "", None
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self):
+        _, self.err = self.proc.communicate()
+        self.ended = time.monotonic()
+
+    def finish(self, timeout):
+        import pytest
+
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.proc.kill()
+            self.thread.join(30)
+            pytest.fail(f"the launch did not end within {timeout} s: {self.err[-3000:]}")
+        return self.proc.returncode, self.err
