@@ -306,7 +306,7 @@ def check_pp_times_dp_equals_one_process():
 
 
 def _bf16_lm_ref(model, batch):
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # what Precision("bf16") puts around one process's forward
+    with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):  # what Precision("bf16") puts around a forward
         return model(input_ids=batch[0], labels=batch[1]).loss.float()
 
 
