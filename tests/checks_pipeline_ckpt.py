@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checks_pipeline import _gather  # every rank's {name: tensor} merged
 from distributed import reset_state
 from hasten import Accelerator
 from hasten.pipeline import pipeline_loss
@@ -69,16 +70,6 @@ def _run(acc, model, opt, sched, batches, steps, folder=None, save_at=None):
         if save_at is not None and i + 1 == save_at:
             acc.save_state(folder)
     return losses
-
-
-def _gather(named: dict) -> dict:
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: v.detach().cpu().clone() for k, v in named.items()})
-    out = {}
-    for part in parts:
-        assert not set(part) & set(out), sorted(set(part) & set(out))
-        out.update(part)
-    return out
 
 
 def _params(model) -> dict:

@@ -10,6 +10,18 @@ import torch
 from distributed import reset_state, run_checks
 
 
+def _step(acc, model, opt, sched, batches) -> float:
+    """One plain (one-process) training step with clipping and the scheduler; its loss."""
+    x, y = next(batches)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    acc.backward(loss)
+    acc.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
 def _single_run(folder: str) -> dict:
     """One process: 3 steps, save_state, 2 more steps; what a pp_size=2 load must reproduce."""
     import checks_pipeline_ckpt as c
@@ -24,23 +36,13 @@ def _single_run(folder: str) -> dict:
     model, opt, loader, sched = acc.prepare(model, opt, c._loader(), sched)
     batches = iter(loader)
 
-    def step():
-        x, y = next(batches)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        return float(loss.detach())
-
     for _ in range(3):
-        step()
+        _step(acc, model, opt, sched, batches)
     acc.save_state(folder)
     names = {id(p): n for n, p in model.named_parameters()}
     expected = {"params": {k: v.tolist() for k, v in model.state_dict().items()},
                 "moments": {f"{names[id(p)]}.{k}": v.tolist() for p, s in opt.state.items() for k, v in s.items()},
-                "rest": [step(), step()]}
+                "rest": [_step(acc, model, opt, sched, batches) for _ in range(2)]}
     reset_state()
     return expected
 
@@ -88,14 +90,7 @@ def test_pp2_checkpoint_loads_into_one_process(two, fresh_state):
     batches = iter(loader)
     rest = []
     for _ in range(3):
-        x, y = next(batches)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        rest.append(float(loss.detach()))
+        rest.append(_step(acc, model, opt, sched, batches))
     assert max(abs(a - b) for a, b in zip(rest, r["saved_losses"])) < 1e-6, (rest, r["saved_losses"])
 
 

@@ -203,16 +203,21 @@ def _tensors(source: Source, wanted: Any) -> Iterator[tuple[str, Any]]:
             yield name, view.tensor(name)
 
 
-def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
-                  keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
-    """A prepared model (FSDP2, tensor parallel): each process reads the slices of its shards."""
+def _refuse_placement(device_map: Any, offload_folder: Any, dtype: Any, keep_in_fp32_modules: Any, model: str) -> None:
+    """Placement and dtype options cannot apply to a model ``prepare()`` already laid out (``model`` says which)."""
     given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
              "keep_in_fp32_modules": keep_in_fp32_modules}
     unsupported = [k for k, v in given.items() if v]
     if unsupported:
-        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a prepared (sharded) "
-                         "model, whose layout and dtype prepare() fixed; leave them out (the model's dtype wins), "
-                         "or load before preparing")
+        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to {model}; leave them "
+                         "out (the model's dtype wins), or load before preparing")
+
+
+def _load_sharded(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any, offload_folder: Any, dtype: Any,
+                  keep_in_fp32_modules: Any, strict: bool) -> LoadResult:
+    """A prepared model (FSDP2, tensor parallel): each process reads the slices of its shards."""
+    _refuse_placement(device_map, offload_folder, dtype, keep_in_fp32_modules,
+                      "a prepared (sharded) model, whose layout and dtype prepare() fixed")
     return load_into_sharded(model, checkpoint, strict)
 
 
@@ -274,13 +279,9 @@ def _load_stages(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any
     """A model prepared for pipeline parallelism: this process's stages (the full model's names) take
     their own tensors from the checkpoint, in place, in one pass over its files (all stages checked
     before any changes); the other stages' names are not unexpected."""
-    given = {"device_map": device_map, "offload_folder": offload_folder, "dtype": dtype,
-             "keep_in_fp32_modules": keep_in_fp32_modules}
-    unsupported = [k for k, v in given.items() if v]
-    if unsupported:
-        raise ValueError(f"load_checkpoint_in_model: {', '.join(unsupported)} cannot apply to a model prepared for "
-                         "pipeline parallelism, whose stages prepare() placed (and whose parameters its optimizer "
-                         "and schedule hold); leave them out (the model's dtype wins), or load before preparing")
+    _refuse_placement(device_map, offload_folder, dtype, keep_in_fp32_modules,
+                      "a model prepared for pipeline parallelism, whose stages prepare() placed (and whose parameters "
+                      "its optimizer and schedule hold)")
     return _load_plain(_stages_view(model), checkpoint, None, None, None, False, None, strict,
                        known=model.full_state_names)
 
