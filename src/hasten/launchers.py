@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from .commands import failures as failure_report
 from .commands.config_schema import MIXED_PRECISION
 from .commands.hardware import cpu_count, cuda_device_count
+from .commands.ports import free_port, port_in_use
 from .topology import DEFAULT_PORT
 from .utils.environment import patch_environment
 from .utils.versions import elastic_launch_config
@@ -109,8 +110,6 @@ def _forked(function: Callable, threads: int) -> Callable:
 
 
 def _port(use_port: Any, master_addr: str, num_nodes: int, node_rank: int) -> int:
-    from .commands.launch import _port_in_use, free_port
-
     try:
         port = int(use_port)
     except (TypeError, ValueError):
@@ -122,7 +121,7 @@ def _port(use_port: Any, master_addr: str, num_nodes: int, node_rank: int) -> in
         if num_nodes > 1:
             raise ValueError("use_port=0 (pick a free port) works on one machine only; give every node the same port")
         return free_port(master_addr if master_addr in ("127.0.0.1", "localhost") else "")
-    if node_rank == 0 and _port_in_use(port):
+    if node_rank == 0 and port_in_use(port):
         raise ValueError(f"port {port} is already in use on this machine; pass another use_port, "
                          "or use_port='0' for a free one")
     return port

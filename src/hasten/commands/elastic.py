@@ -5,6 +5,7 @@ The only module of the CLI that imports torch, and only when processes are reall
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import failures as failure_report
 from . import hangs, run_summary
+from .ports import free_port
 from ..utils.versions import elastic_launch_config
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,6 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # The wrapper each python child runs in, so that a failure can be traced to the rank that failed first.
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
+# Launches on a port the launcher picked itself, when other programs keep taking it first.
+PORT_TRIES = 3
 # Seconds between SIGTERM and SIGKILL when the agent stops the other processes after a failure.
 SHUTDOWN_GRACE_S = 5
 
@@ -56,13 +60,22 @@ def run_elastic(plan: "Plan") -> int:
     tee, log_dir = plan.res["tee"], plan.res["log_dir"]
     logs = DefaultLogsSpecs(log_dir=log_dir, tee=Std.from_str(tee) if tee else Std.NONE)
     grace: Optional[int] = None if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else SHUTDOWN_GRACE_S
-    config = elastic_launch_config(
-        min_nodes=plan.num_machines, max_nodes=plan.num_machines, nproc_per_node=plan.nproc_per_node,
-        run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=f"{plan.main_ip}:{plan.main_port}",
-        rdzv_configs=dict(plan.rdzv_configs), max_restarts=plan.res["max_restarts"],
-        monitor_interval=plan.res["monitor_interval"], logs_specs=logs, start_method="spawn", shutdown_timeout=grace,
-        role="hasten", log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:"),
-    )
+    rdzv_configs = dict(plan.rdzv_configs)
+    if plan.port_picked and plan.rdzv_backend == "c10d":
+        # Host the store or fail: on a port another program took meanwhile, torch would otherwise connect to
+        # that program's store as a client and share it.
+        rdzv_configs.setdefault("is_host", "1")
+
+    def config_for(port: int):
+        return elastic_launch_config(
+            min_nodes=plan.num_machines, max_nodes=plan.num_machines, nproc_per_node=plan.nproc_per_node,
+            run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=f"{plan.main_ip}:{port}",
+            rdzv_configs=dict(rdzv_configs), max_restarts=plan.res["max_restarts"],
+            monitor_interval=plan.res["monitor_interval"], logs_specs=logs, start_method="spawn",
+            shutdown_timeout=grace, role="hasten",
+            log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:"),
+        )
+
     entrypoint, args = worker_command(plan)
     node = plan.machine_rank if plan.rdzv_backend == "static" else None
     records = tempfile.mkdtemp(prefix="hasten-failures-")
@@ -72,7 +85,17 @@ def run_elastic(plan: "Plan") -> int:
     os.environ[run_summary.SUMMARY_ENV] = figures_file  # a ThroughputMonitor in the script writes there
     started = time.monotonic()
     try:
-        status = _run_agent(plan, config, entrypoint, args, node, records, logs, watchdog)
+        port = plan.main_port
+        for attempt in range(PORT_TRIES):
+            try:
+                status = _run_agent(plan, config_for(port), entrypoint, args, node, records, logs, watchdog,
+                                    retry_port=plan.port_picked and attempt + 1 < PORT_TRIES)
+                break
+            except _PortTaken:  # no process was started yet: the rendezvous store could not bind
+                taken, port = port, free_port(plan.main_ip)
+                if bool(plan.res["debug"]):
+                    print(f"hasten: port {taken} was taken before the rendezvous bound it; trying {port}",
+                          file=sys.stderr)
         if status == 0 and watchdog.report is None and not plan.quiet:
             figures = run_summary.read_summary(figures_file)
             processes = (figures or {}).get("processes") or plan.nproc_per_node * plan.num_machines
@@ -101,8 +124,21 @@ def _start_watchdog(plan: "Plan") -> hangs.Watchdog:
                           stop=lambda: os.kill(launcher, signal.SIGTERM)).start()  # the agent then stops the processes
 
 
+class _PortTaken(Exception):
+    """The rendezvous port the launcher picked was bound by another program before the store could bind it."""
+
+
+def _address_in_use(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE or "address already in use" in str(exc).lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional[int], records: str, logs,
-               watchdog: hangs.Watchdog) -> int:
+               watchdog: hangs.Watchdog, retry_port: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
@@ -142,8 +178,15 @@ def _run_agent(plan: "Plan", config, entrypoint: str, args: list, node: Optional
         print(_interrupted(plan), file=sys.stderr)
         return 130
     except Exception as exc:  # rendezvous and store errors: one line, no traceback unless --debug
+        if retry_port and _address_in_use(exc):
+            raise _PortTaken() from exc
         if debug:
             raise
+        if _address_in_use(exc):
+            print(f"hasten: error: port {config.rdzv_endpoint.rpartition(':')[2]} was taken by another program before "
+                  "the rendezvous could bind it; pass --main_process_port 0 to pick a free port, or another number",
+                  file=sys.stderr)
+            return 1
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"hasten: error: the launch failed ({type(exc).__name__}: {text}); rerun with --debug for details",
               file=sys.stderr)

@@ -12,7 +12,6 @@ import importlib.machinery
 import os
 import re
 import shutil
-import socket
 import sys
 from typing import Any, Mapping, Optional
 
@@ -27,6 +26,7 @@ from .launch_settings import (
     CONFIG, DEFAULT, FLAG, FLAGS_GIVEN, SETTINGS, Resolved, add_launch_arguments, pick_winner, resolve,
 )
 from .plan import Plan
+from .ports import PICKED_PORT, free_port, port_in_use
 
 _TEE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
 _UNSUPPORTED_TYPES = ("XLA",)
@@ -84,20 +84,6 @@ def _config(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Optio
     return None, {}, "config file"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return True
-    return False
 
 
 def _fmt(value: Any) -> str:
@@ -177,7 +163,8 @@ def build_plan(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = 
         child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = env.get("SLURM_JOB_ID") or f"hasten-{port}"
     return Plan(res, device, distributed_type, procs, per_node, machines, machine_rank, ip, port, backend, rdzv_configs,
-                run_id, entrypoint, cmd_args, child_env, direct, notes)
+                run_id, entrypoint, cmd_args, child_env, direct, notes,
+                port_picked=res.values["main_process_port"].source.endswith(PICKED_PORT))
 
 
 def _src(res: Resolved, name: str) -> str:
@@ -300,11 +287,11 @@ def _rendezvous(res: Resolved, machines: int, machine_rank: int, procs: int,
         if machines == 1:
             port = free_port()
             value = res.values["main_process_port"]
-            res.set("main_process_port", port, f"{value.source}: a free port picked now", value.rank)
+            res.set("main_process_port", port, f"{value.source}: {PICKED_PORT}", value.rank)
         else:
             port = DEFAULT_PORT
             res.set("main_process_port", port, "default", DEFAULT)
-    elif (machines == 1 or (machine_rank == 0 and backend == "static")) and procs > 1 and _port_in_use(port):
+    elif (machines == 1 or (machine_rank == 0 and backend == "static")) and procs > 1 and port_in_use(port):
         raise HastenCLIError(f"port {port} ({_src(res, 'main_process_port')}) is already in use on this machine "
                              "(another job?); pass --main_process_port 0 to pick a free port, or another number")
     configs: dict[str, Any] = {}

@@ -32,6 +32,9 @@ class Plan:
     child_env: dict[str, str]
     direct: bool
     notes: dict[str, str] = field(default_factory=dict)
+    # The launcher chose main_port itself (one machine, no port given): if another program binds it
+    # before the rendezvous does, the launch may simply pick another (elastic.run_elastic).
+    port_picked: bool = False
 
     @property
     def quiet(self) -> bool:
