@@ -169,6 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
+        _procs.end_worker()
         return
     _procs.header()
     configs = ["ddp"] + [f"{s}:{m}" for m in args.microbatches for s in args.schedules]

@@ -261,6 +261,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.way, args.strategy, args.job, args.size, args.steps)
+        _procs.end_worker()
         return
     if args.quick:
         args.size, args.rounds, args.steps = "quick", 1, 2

@@ -224,6 +224,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
+        _procs.end_worker()
         return
     if args.quick:
         args.processes, args.rounds, args.steps = 1, 2, 20
