@@ -29,6 +29,14 @@ from torch import nn
 
 from .compilation import is_repeated_blocks
 
+# What torch's CheckpointWrapper adds to the names of the parameters of the block it wraps.
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def strip_checkpoint_prefix(name: str) -> str:
+    """A parameter's or module's name as the model has it, without the checkpoint wrappers' part."""
+    return name.replace(_WRAPPED, "")
+
 
 # -- which modules are the blocks ---------------------------------------------------------------
 def find_blocks(model: nn.Module, class_names: Optional[Sequence[str]] = None) -> list[nn.Module]:

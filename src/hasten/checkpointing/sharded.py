@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..activation_checkpointing import strip_checkpoint_prefix
 from ..files import unpickling
 from ..files.reading import file_checksum
 SUBDIR = "sharded"
@@ -117,7 +118,7 @@ def _names(model: nn.Module) -> dict[int, str]:
         return {id(p): n for n, p in model.named_stage_parameters()}
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
-        names.setdefault(id(p), name.replace("_checkpoint_wrapped_module.", ""))
+        names.setdefault(id(p), strip_checkpoint_prefix(name))
     return names
 
 
@@ -289,7 +290,7 @@ def check(folder: str, contents: dict[str, Any], models: list[nn.Module], optimi
             names = dict(owner.named_stage_parameters())
             others = owner.full_state_names  # stored for the other stages: read there
         else:
-            names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in owner.named_parameters()}
+            names = {strip_checkpoint_prefix(n): p for n, p in owner.named_parameters()}
             others = set()
         prefix = f"{entry['dcp']}.state."
         for key, meta in saved.items():

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..activation_checkpointing import strip_checkpoint_prefix
 from .schedule import build_schedule
 from .tracking import StepTracker, TrackedStage
 
@@ -111,9 +112,10 @@ class PipelinedModel(nn.Module):
         return list(zip(self.stage_indices, self.stage_modules))
 
     def named_stage_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This process's parameters under their names in the full model."""
+        """This process's parameters under their names in the full model (without checkpoint wrappers' part)."""
         for module in self.stage_modules:
-            yield from module.named_parameters()
+            for name, param in module.named_parameters():
+                yield strip_checkpoint_prefix(name), param
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This process's part of the full model's state dict (original names)."""

@@ -11,7 +11,7 @@ else.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from ..precision import Precision
 from ..prepared import PrepareCall
 from ..state import PartialState
 from ..utils.dataclasses import AutocastKwargs, DistributedType, GradScalerKwargs
+from .layout_steps import Target, lay_out
 from .mesh import ParallelMesh
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -122,22 +123,33 @@ class Strategy:
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return the model as it should be trained (``model`` is already on the device, unless
-        ``places_model_itself``)."""
-        self.checkpoint_activations(model)
+        ``places_model_itself``): here the layout steps it needs, and no engine."""
+        lay_out(self.layout_target(model))
         return model
+
+    def layout_target(self, module: nn.Module, whole: Optional[nn.Module] = None) -> Target:
+        """``module`` (``whole``, or a pipeline stage cut from ``whole``) as the layout steps see it
+        (``layout_steps``): this strategy's mesh and config, its activation checkpointing where the
+        module is trained, and its engine's sharding."""
+        setting = self.activation_checkpointing
+        checkpoint = self.checkpoint_activations if setting is not None and any(
+            p.requires_grad for p in module.parameters()) else None
+        return Target(module, self.mesh, getattr(self, "parallelism_config", None), whole if whole is not None else module,
+                      checkpoint=checkpoint, shard=self.sharding())
+
+    def sharding(self) -> Optional[Callable[[nn.Module], None]]:
+        """The engine's sharding step (FSDP2's ``fully_shard`` per block, then the root); None: none."""
+        return None
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever ``wrap_model`` returned."""
         return model
 
     def checkpoint_activations(self, model: nn.Module) -> None:
-        """Wrap ``model``'s blocks for activation checkpointing, in place, as the plan says (nothing
-        when it says nothing, or when no parameter of ``model`` is trained: no backward to save for).
-        Each strategy calls this where wrapping is correct for it: before DDP, after the
-        tensor-parallel plan (it matches the module names the wrapper changes), before ``fully_shard``."""
+        """Wrap ``model``'s blocks for activation checkpointing, in place, as the plan says: the
+        ``activation_checkpointing`` layout step (``layout_target`` gives it only for a trained
+        module: no backward, nothing to save for)."""
         setting = self.activation_checkpointing
-        if setting is None or not any(p.requires_grad for p in model.parameters()):
-            return
         from ..activation_checkpointing import checkpoint_blocks
 
         checkpoint_blocks(model, self.checkpoint_targets(model), setting.mode, setting.every, setting.offload)

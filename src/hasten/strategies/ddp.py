@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import progress
 from ..utils.dataclasses import DistributedDataParallelKwargs
 from .base import Strategy
+from .layout_steps import lay_out
 
 
 class DDPStrategy(Strategy):
@@ -27,7 +28,7 @@ class DDPStrategy(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model  # DDP refuses frozen models; nothing to synchronise anyway (e.g. eval-only)
-        self.checkpoint_activations(model)  # inside DDP: its hooks stay outside the recomputed blocks
+        lay_out(self.layout_target(model))  # inside DDP: its hooks stay outside the recomputed blocks
         device = self.state.device
         device_ids = [device.index] if device.type in ("cuda", "xpu") else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,

@@ -1,6 +1,7 @@
 """What FSDP2 and tensor parallelism share: a model laid out on a ``ParallelMesh`` with DTensor parameters.
 
-Both apply the context- and tensor-parallel plans over the mesh, replace parameters with DTensor
+Both lay the model out with the layout steps (``layout_steps``: cp, the tensor plan, activation
+checkpointing, sharding) over the mesh, replace parameters with DTensor
 ones (so optimizers built on the originals are re-pointed), can fill a model built on ``meta`` from
 process 0's weights, clip gradients by their norm over every shard, and store checkpoints as
 torch.distributed.checkpoint (DCP) shards. ``FSDP2Strategy`` adds ``fully_shard`` over the
@@ -16,22 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..activation_checkpointing import strip_checkpoint_prefix
 from .base import Params, Strategy
 from .mesh import ParallelMesh
 from .sharded_state import full_state_dict, load_full_state_dict
-from .tp_plan import apply_tensor_parallel
+from .layout_steps import lay_out
 
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
-
-
-def strip_checkpoint_prefix(name: str) -> str:
-    """A parameter's name without the activation-checkpoint wrapper's part."""
-    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 class DTensorStrategy(Strategy):
     """A model laid out on the mesh of ``plan.parallelism_config`` (default: every process one
-    ``dp_shard``); subclasses say how the data-parallel dimensions hold it (``shard``)."""
+    ``dp_shard``); subclasses say how the data-parallel dimensions hold it (``sharding``)."""
 
     checkpoint_format = "dcp"
 
@@ -63,9 +59,6 @@ class DTensorStrategy(Strategy):
         """Whether sharded parameters live in host memory."""
         return False
 
-    def shard(self, model: nn.Module) -> None:
-        """Lay ``model`` out over the data-parallel dimensions (after the tensor-parallel plan)."""
-
     def pending_grads(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> gradient accumulated but not yet in ``.grad`` (see ``grad_norm``)."""
         return {}
@@ -85,14 +78,7 @@ class DTensorStrategy(Strategy):
         efficient = efficient and not _rank0_on_meta(on_meta, self.state)
         full = _rank0_weights(model, self.state) if efficient else None
         before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-        if self.mesh.sizes["cp"] > 1:
-            from .context_parallel import prepare_model
-
-            prepare_model(model, getattr(self.parallelism_config, "cp_handler", None))
-        if self.mesh.sizes["tp"] > 1:
-            apply_tensor_parallel(model, self.mesh["tp"], getattr(self.parallelism_config, "tp_plan", None))
-        self.checkpoint_activations(model)  # after the plan (it matches names the wrapper changes), before sharding
-        self.shard(model)
+        lay_out(self.layout_target(model))  # cp, the tensor plan, activation checkpointing, the engine's sharding
         if efficient:
             _fill_from_rank0(model, full, self.state, self.offloads_to_cpu())
         return self._remember_params(model, before)

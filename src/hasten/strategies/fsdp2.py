@@ -125,8 +125,12 @@ class FSDP2Strategy(DTensorStrategy):
             self._fp8_models.append(weakref.ref(model))
         return model
 
+    def sharding(self) -> Any:
+        return self.shard
+
     def shard(self, model: nn.Module) -> None:
-        """``fully_shard`` each chosen layer, then the root, over the data-parallel dimensions."""
+        """``fully_shard`` each chosen layer, then the root, over the data-parallel dimensions (the
+        ``sharding`` layout step, after the tensor plan and activation checkpointing)."""
         from torch.distributed.fsdp import fully_shard
 
         layers = self._layers(model)  # after activation checkpointing: the layers inside the wrappers

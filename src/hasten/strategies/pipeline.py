@@ -31,13 +31,15 @@ from torch import nn
 
 from ..pipeline.model import PipelinedModel, given_loss
 from ..pipeline.schedule import local_stage_indices, stage_owner
-from ..pipeline.split import build_stage, model_kind, plan_stages
+from ..pipeline.split import DecoderStage, build_stage, model_kind, plan_stages
 from ..utils.dataclasses import DistributedType
 from ..precision import Precision
 from .base import Params, Strategy
+from ..activation_checkpointing import strip_checkpoint_prefix
 from .dtensor import _finish, _local, _partial_norm, _replicas
+from .layout_steps import lay_out
 from .mesh import ParallelMesh
-from .tp_plan import _matches, check_divisible, model_plan, resolve_plan
+from .tp_plan import resolve_plan
 
 
 class PipelineStrategy(Strategy):
@@ -73,9 +75,6 @@ class PipelineStrategy(Strategy):
         if plan.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"pipeline parallelism with mixed_precision={plan.mixed_precision!r} is not supported; "
                              "use mixed_precision='bf16' (no loss scaling needed) or 'no'")
-        if self.activation_checkpointing is not None:
-            raise ValueError("pipeline parallelism with activation checkpointing is not supported yet; drop "
-                             "ActivationCheckpointingKwargs")
         self.fsdp_plugin = plugin
         self._sharded = cfg.dp_shard_size > 1 or plan.distributed_type == DistributedType.FSDP
         self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> its DTensor replacement
@@ -108,15 +107,12 @@ class PipelineStrategy(Strategy):
         _release_other_stages(model, self._local_ids)
         for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay
             module.to(self.state.device)
-        plan: dict = {}
         if self.mesh.sizes["tp"] > 1:
-            plan = getattr(cfg, "tp_plan", None)
-            plan = plan if plan is not None else model_plan(model)  # the full model's (a stage is no model class)
-            resolve_plan(model, plan)  # every key must name modules of the full model
-        for _, module in local:
-            self._compose(module, kind, plan)
+            resolve_plan(model, getattr(cfg, "tp_plan", None))  # every key must name modules of the full model
+        for _, module in local:  # the layout steps each stage needs: tensor plan, checkpointing, FSDP2
+            lay_out(self.layout_target(module, whole=model))
         for name, p in (item for _, m in local for item in m.named_parameters()):
-            old = originals[name]
+            old = originals[strip_checkpoint_prefix(name)]
             if p is not old:  # replaced by a DTensor parameter: optimizers built on ``old`` are re-pointed
                 self._new_params[id(old)] = p
                 self._local_ids.add(id(p))
@@ -148,28 +144,30 @@ class PipelineStrategy(Strategy):
         self._models.clear()
         self._params_by_name.clear()  # references to every parameter of the prepared models
 
-    def _compose(self, stage: nn.Module, kind: str, plan: dict) -> None:
-        """Tensor parallelism (``plan``: the full model's), then FSDP2, on one stage module (torchtitan's order),
-        over the stage's sub-meshes."""
-        if self.mesh.sizes["tp"] > 1:
-            names = [n for n, _ in stage.named_modules() if n]
-            here = {k: v for k, v in plan.items() if any(_matches(k, n) for n in names)}  # this stage's keys
-            if here:
-                resolved = resolve_plan(stage, here)
-                check_divisible(stage, resolved, self.mesh.sizes["tp"])
-                from torch.distributed.tensor.parallel import parallelize_module
+    def sharding(self) -> Any:
+        """FSDP2 on each stage (with ``dp_shard_size`` > 1 or an FSDP plugin): per block, then the stage, over
+        the stage's data-parallel sub-mesh. Not resharded after forward (torchtitan's choice under a
+        pipeline): each microbatch's forward would all-gather the blocks again; they are resharded after
+        the step's backward."""
+        if not self._sharded:
+            return None
 
-                parallelize_module(stage, self.mesh["tp"], resolved)
-        if self._sharded:
+        def shard_stage(stage: nn.Module) -> None:
             from torch.distributed.fsdp import fully_shard
 
             dims = ("dp_replicate", "dp_shard") if self.mesh.sizes["dp_replicate"] > 1 else "dp_shard"
-            # Not resharded after forward (torchtitan's choice under a pipeline): each microbatch's forward would
-            # all-gather the blocks again; they are resharded after the step's backward.
             kwargs = dict(mesh=self.mesh[dims], reshard_after_forward=False)
-            for block in _blocks(stage, kind):
+            for block in stage_blocks(stage):
                 fully_shard(block, **kwargs)
             fully_shard(stage, **kwargs)
+
+        return shard_stage
+
+    def checkpoint_targets(self, model: nn.Module) -> list[nn.Module]:
+        """A stage's blocks (an nn.Sequential's children, a decoder's layers), unless block classes are named."""
+        if self.activation_checkpointing.block_classes:
+            return super().checkpoint_targets(model)
+        return stage_blocks(model)
 
     def no_sync(self, model: nn.Module) -> Any:
         """As DDP's: backward inside does not average gradients over the data-parallel replicas."""
@@ -329,10 +327,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _blocks(stage: nn.Module, kind: str) -> list[nn.Module]:
-    """The repeated blocks of a stage that FSDP2 shards as their own groups: an nn.Sequential's children, a
-    decoder's layers (the embedding, norm and head go with the stage's root group)."""
-    if kind == "sequential":
+def stage_blocks(stage: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a stage, which FSDP2 shards as their own groups and activation checkpointing
+    wraps: an nn.Sequential's children, a decoder's layers (the embedding, norm and head stay with the stage)."""
+    if not isinstance(stage, DecoderStage):
         return list(stage.children())
     return [layer for module in stage.modules() if isinstance(module, nn.ModuleDict) for layer in module.values()]
 

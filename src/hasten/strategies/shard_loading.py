@@ -24,7 +24,8 @@ from torch import nn
 
 from ..weights_sources import checkpoint_sources, fit_problems, log_partial_load
 from ..saving import CheckpointMismatchError, LoadResult, _listing
-from .dtensor import _move_buffers, strip_checkpoint_prefix
+from ..activation_checkpointing import strip_checkpoint_prefix
+from .dtensor import _move_buffers
 
 
 class _Slot(NamedTuple):

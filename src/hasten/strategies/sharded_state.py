@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..activation_checkpointing import strip_checkpoint_prefix
+
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 or tensor parallel)."""
@@ -42,7 +44,7 @@ def optimizer_fqn_state(model: nn.Module, optimizer: torch.optim.Optimizer, save
     """``optimizer.state_dict()``-style ``saved`` (parameters numbered) keyed by parameter names instead."""
     names = {}
     for name, p in model.named_parameters():
-        names.setdefault(id(p), name.replace("_checkpoint_wrapped_module.", ""))
+        names.setdefault(id(p), strip_checkpoint_prefix(name))
     order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     if any(n is None for n in order):
         raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters of more than one model; a full "

@@ -7,8 +7,8 @@ Plan keys may use ``*`` for one name part (``layers.*.mlp.up_proj``); they are e
 module names they match, and a key that matches nothing is an error. Sizes that ``tp`` does not
 divide (attention heads, split dimensions) are named before any communication.
 
-Used by ``TensorParallelStrategy`` (tensor parallelism alone) and by ``FSDP2Strategy`` (``dp_shard``
-x ``tp``: the plan is applied before sharding).
+Applied by the ``tensor_plan`` layout step (``layout_steps``), under every engine that lays a model out
+over ``tp``: alone, before FSDP2's sharding, on each pipeline stage.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches(pattern: str, name: str) -> bool:
+    """Whether a plan key (``*`` for one name part) names the module ``name``."""
     parts, names = pattern.split("."), name.split(".")
     return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
 
@@ -73,7 +74,7 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     for pattern, style in plan.items():
-        names = [n for n in modules if n and _matches(pattern, n)]
+        names = [n for n in modules if n and matches(pattern, n)]
         if not names:
             raise ValueError(f"tp_plan key {pattern!r} matches no module of {type(model).__name__}; module names "
                              f"look like {[n for n in modules if n][:6]}")
@@ -82,11 +83,12 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[
     return out
 
 
-def check_divisible(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
-    """Name the heads / split sizes that ``tp`` does not divide (before any communication)."""
+def check_divisible(model: nn.Module, plan: dict[str, Any], tp: int, config: Any = None) -> None:
+    """Name the heads / split sizes that ``tp`` does not divide (before any communication); ``config``:
+    the model config holding the head counts (default ``model.config``; a pipeline stage passes its model's)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    config = getattr(model, "config", None)
+    config = config if config is not None else getattr(model, "config", None)
     for attr in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, attr, None)
         if isinstance(heads, int) and heads % tp:
@@ -103,12 +105,3 @@ def check_divisible(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
                                  "evenly, so pick a tp_size that divides it or leave the layer out of tp_plan")
         elif isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel) and module.num_embeddings % tp:
             raise ValueError(f"tp_size={tp} does not divide {name}.num_embeddings={module.num_embeddings}")
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, user_plan: Optional[dict[str, Any]]) -> None:
-    """Split ``model``'s planned layers over ``tp_mesh`` in place."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    plan = resolve_plan(model, user_plan)
-    check_divisible(model, plan, tp_mesh.size())
-    parallelize_module(model, tp_mesh, plan)
