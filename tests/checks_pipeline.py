@@ -51,9 +51,9 @@ def _lm_data():
     return torch.utils.data.TensorDataset(ids, labels)
 
 
-def _accelerator(schedule: str) -> Accelerator:
+def _accelerator(schedule: str, handlers=None) -> Accelerator:
     reset_state()
-    return Accelerator(gradient_accumulation_steps=ACCUM,
+    return Accelerator(gradient_accumulation_steps=ACCUM, kwargs_handlers=handlers,
                        parallelism_config=ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=MICRO))
 
 
@@ -90,8 +90,8 @@ def _reference(make, batches, loss_of):
     return losses, norms, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None):
-    acc = _accelerator(schedule)
+def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None, handlers=None):
+    acc = _accelerator(schedule, handlers)
     model = make()
     if loss_fn is not None:
         pipeline_loss(model, loss_fn)
@@ -114,8 +114,8 @@ def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None):
     return acc, model, losses, norms, grads, params
 
 
-def _compare(schedule, make, data, batch_size, forward, ref_loss, loss_fn=None):
-    acc, model, losses, norms, grads, params = _pipelined(schedule, make, data, batch_size, forward, loss_fn)
+def _compare(schedule, make, data, batch_size, forward, ref_loss, loss_fn=None, handlers=None):
+    acc, model, losses, norms, grads, params = _pipelined(schedule, make, data, batch_size, forward, loss_fn, handlers)
     batches = list(torch.utils.data.DataLoader(data, batch_size=batch_size))
     ref_losses, ref_norms, ref_grads, ref_params = _reference(make, batches, ref_loss)
     assert len(losses) == len(ref_losses) == ACCUM * STEPS, (losses, ref_losses)
@@ -125,7 +125,8 @@ def _compare(schedule, make, data, batch_size, forward, ref_loss, loss_fn=None):
     assert loss_diff < 1e-5 and norm_diff < 1e-5, (losses, ref_losses, norms, ref_norms)
     assert grad_diff < 1e-5 and param_diff < 1e-5, (grad_diff, param_diff)
     stages = [s for s, _ in model.local_stages()]
-    return {"loss": loss_diff, "norm": norm_diff, "grad": grad_diff, "param": param_diff, "stages": stages,
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for _, stage in model.local_stages() for m in stage.modules())
+    return {"wrapped": wrapped, "loss": loss_diff, "norm": norm_diff, "grad": grad_diff, "param": param_diff, "stages": stages,
             "names": sorted(k for k, _ in model.named_stage_parameters())}
 
 
@@ -361,3 +362,19 @@ def check_fp16_is_refused():
     except ValueError as error:
         return str(error)
     raise AssertionError("fp16 under pipeline parallelism was accepted")
+
+
+def check_activation_checkpointing_equals_one_process():
+    """The checkpoint wrappers go around each stage's blocks (the layout steps run per stage): the numbers
+    are the one-process loop's, names stay the model's own."""
+    if _world() != 2:
+        return "skipped"
+    from hasten.utils import ActivationCheckpointingKwargs
+
+    out = {}
+    for schedule in ("1F1B", "Interleaved1F1B"):
+        out[f"llama {schedule}"] = _compare(schedule, _llama, _lm_data(), BATCH // 2, _lm_forward, _lm_ref,
+                                            handlers=[ActivationCheckpointingKwargs()])
+    out["sequential every_k"] = _compare("1F1B", _seq, _seq_data(), BATCH, _seq_forward, _seq_ref, nn.functional.mse_loss,
+                                         handlers=[ActivationCheckpointingKwargs(mode="every_k", every=2)])
+    return out

@@ -78,6 +78,16 @@ def test_bf16_equals_one_process_bf16(two):
         assert r["loss"] < 1e-2 and r["param"] < 5e-2, r
 
 
+def test_activation_checkpointing_per_stage_equals_one_process(two):
+    for r in two.assert_passed("check_activation_checkpointing_equals_one_process"):
+        for case, got in r.items():
+            assert all(got[k] < 1e-5 for k in ("loss", "norm", "grad", "param")), (case, got)
+            assert not any("_checkpoint_wrapped_module" in n for n in got["names"]), got["names"]
+        assert r["llama 1F1B"]["wrapped"] == 2  # this process's 2 of the 4 decoder layers
+        assert r["llama Interleaved1F1B"]["wrapped"] == 2  # two stages of one layer each
+        assert r["sequential every_k"]["wrapped"] == 1  # blocks 0 and 2 of 4: one on each stage
+
+
 def test_fp16_is_refused_naming_bf16(two):
     for message in two.assert_passed("check_fp16_is_refused"):
         assert "mixed_precision='fp16' is not supported" in message and "'bf16'" in message

@@ -17,7 +17,27 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+@dataclass(frozen=True)
+class Axis:
+    """One parallel axis: its name (the mesh dimension; ``<name>_size`` in ``ParallelismConfig``, the
+    config file and the launcher), whether its processes read different batches (``data``), and the
+    launcher's help. The table below is the one place an axis is declared; the config keys, the
+    launcher's flags and help, the mesh order and the data-parallel groups are derived from it."""
+
+    name: str
+    data: bool
+    help: str
+
+
+AXIS_TABLE = (
+    Axis("pp", False, "Pipeline stages' processes (pipeline parallelism; the outermost mesh dimension)."),
+    Axis("dp_replicate", True, "Full copies of the model (HSDP with dp_shard_size > 1)."),
+    Axis("dp_shard", True, "Processes one copy is sharded over (FSDP2; needs --use_fsdp)."),
+    Axis("cp", False, "Processes a sequence is split over (context parallelism; GPUs only)."),
+    Axis("tp", False, "Processes each layer is split over (tensor parallelism)."),
+)
+AXES = tuple(axis.name for axis in AXIS_TABLE)  # the mesh order, outermost first
+DATA_AXES = tuple(axis.name for axis in AXIS_TABLE if axis.data)  # flattened into the data-parallel rank
 # Axes with a place in the object but no implementation yet: size 1 only, and why.
 RESERVED = {"ep": "expert parallelism is not available in hasten; keep ep_size=1"}
 

@@ -39,7 +39,8 @@ class DataParallel:
     """This process's place among the data-parallel replicas.
 
     ``group`` is None when every process is its own replica (the default group serves);
-    ``members`` lists, by data-parallel rank, one global rank per replica (its first process).
+    ``members`` lists, by data-parallel rank, the global rank of each replica's process at this
+    process's position on the other axes (the processes of ``group``).
     """
 
     rank: int

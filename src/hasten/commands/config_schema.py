@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 from ..utils import constants
 from ..files.durable import atomic_write
+from ..layout import AXES
 from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, MissingFileError, did_you_mean
 
@@ -212,14 +213,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("fsdp_ignored_modules", "str", None),
     ),
     "parallelism_config": _keys(
-        Key("parallelism_config_dp_replicate_size", "int", None, minimum=1),
-        Key("parallelism_config_dp_shard_size", "int", None, minimum=1),
-        Key("parallelism_config_tp_size", "int", None, minimum=1),
-        Key("parallelism_config_cp_size", "int", None, minimum=1),
+        *(Key(f"parallelism_config_{axis}_size", "int", None, minimum=1) for axis in AXES),  # hasten.layout
         Key("parallelism_config_cp_backend", "choice", None, ("torch",)),
         Key("parallelism_config_cp_comm_strategy", "str", None),
         Key("parallelism_config_sp_size", "int", None, minimum=1),
-        Key("parallelism_config_pp_size", "int", None, minimum=1),
         # Checked (with did-you-mean) by ParallelismConfig's own rule when hasten launch reads it.
         Key("parallelism_config_pp_schedule", "str", None),
         Key("parallelism_config_pp_microbatches", "int", None, minimum=1),

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from ..layout import AXIS_TABLE
 from ..topology import DEFAULT_PORT, slurm_master_addr, slurm_port
 from ..utils.environment import env_names
 from .config_schema import SECTIONS, TOP, BadValue, Key, coerce
@@ -189,13 +190,9 @@ def _fp8_setting(key: str) -> Setting:
 _FP8 = [_fp8_setting(key) for key in SECTIONS["fp8_config"]]
 
 _PAR_HELP = {
-    "parallelism_config_dp_replicate_size": "Full copies of the model (HSDP with dp_shard_size > 1).",
-    "parallelism_config_dp_shard_size": "Processes one copy is sharded over (FSDP2; needs --use_fsdp).",
-    "parallelism_config_tp_size": "Processes each layer is split over (tensor parallelism).",
-    "parallelism_config_cp_size": "Processes a sequence is split over (context parallelism; GPUs only).",
+    **{f"parallelism_config_{axis.name}_size": axis.help for axis in AXIS_TABLE},  # hasten.layout
     "parallelism_config_cp_backend": "torch.", "parallelism_config_cp_comm_strategy": "Stored for compatibility.",
     "parallelism_config_sp_size": "DeepSpeed sequence parallelism (not available; keep 1).",
-    "parallelism_config_pp_size": "Pipeline stages' processes (pipeline parallelism; the outermost mesh dimension).",
     "parallelism_config_pp_schedule": "Pipeline schedule, torch's name: GPipe, 1F1B (default), Interleaved1F1B, "
                                       "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.",
     "parallelism_config_pp_microbatches": "Microbatches each batch is split into (at least the number of stages).",

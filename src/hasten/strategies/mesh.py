@@ -10,9 +10,10 @@ world size, and gathers metrics over the data-parallel group only.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional
 
-from ..layout import AXES, Layout, Spelling
+from ..layout import AXES, DATA_AXES, Layout, Spelling
 from ..topology import DataParallel
 
 DIMS = AXES  # the mesh order, outermost first (hasten.layout)
@@ -108,23 +109,27 @@ class ParallelMesh:
         return self._data_parallel
 
     def _build_data_parallel(self) -> DataParallel:
-        inner = self.sizes["cp"] * self.sizes["tp"]
-        stages = self.sizes["pp"]
+        """The processes that read different batches: those differing only in the data axes
+        (``hasten.layout.DATA_AXES``); one group per position on the other axes."""
         coords = self.coordinates()
-        dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
-        if inner == 1 and stages == 1:
+        data = [a for a in DIMS if a in DATA_AXES]
+        others = [a for a in DIMS if a not in DATA_AXES]
+        dp_rank = _row_major({a: coords[a] for a in data}, {a: self.sizes[a] for a in data})
+        if all(self.sizes[a] == 1 for a in others):
             return DataParallel(dp_rank, self.dp_size)
         import torch.distributed as dist
 
-        # One group per (pp, cp, tp) position; every process must create all of them, in the same order.
-        per_stage = self.dp_size * inner
-        groups = {}
-        for stage in range(stages):
-            for offset in range(inner):
-                ranks = [stage * per_stage + d * inner + offset for d in range(self.dp_size)]
-                groups[stage, offset] = dist.new_group(ranks=ranks)
-        members = tuple(coords["pp"] * per_stage + d * inner for d in range(self.dp_size))
-        return DataParallel(dp_rank, self.dp_size, groups[coords["pp"], self.rank % inner], members)
+        strides = _strides(self.sizes)
+        # Every process must create all of the groups, in the same order.
+        mine = None
+        for position in itertools.product(*(range(self.sizes[a]) for a in others)):
+            base = sum(strides[a] * c for a, c in zip(others, position))
+            ranks = [base + sum(strides[a] * c for a, c in zip(data, point))
+                     for point in itertools.product(*(range(self.sizes[a]) for a in data))]
+            group = dist.new_group(ranks=ranks)
+            if self.rank in ranks:
+                mine = (group, tuple(ranks))
+        return DataParallel(dp_rank, self.dp_size, mine[0], mine[1])
 
     def device_mesh(self) -> Any:
         """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively).
@@ -152,4 +157,21 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+
+
+def _strides(sizes: dict[str, int]) -> dict[str, int]:
+    """How far apart two ranks one step apart on each axis are (row-major over ``DIMS``)."""
+    out, step = {}, 1
+    for name in reversed(DIMS):
+        out[name] = step
+        step *= sizes[name]
+    return out
+
+
+def _row_major(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    """The index of ``coords`` among the points of the axes of ``sizes``, the first axis outermost."""
+    index = 0
+    for name, coord in coords.items():
+        index = index * sizes[name] + coord
+    return index
 

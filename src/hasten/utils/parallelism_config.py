@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
+from ..layout import AXES, Layout
+
+_SIZES = tuple(f"{axis}_size" for axis in AXES)  # one field per axis of hasten.layout
 # The pipeline schedules of torch.distributed.pipelining (its own names; tests/test_pipeline_config.py checks
 # this list against torch's registry, so the config stays torch-free and still names what torch has).
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -200,8 +202,7 @@ class ParallelismConfig:
 
     def sizes(self) -> dict[str, int]:
         """Size per mesh dimension name (``strategies.mesh.DIMS``)."""
-        return {"pp": self.pp_size, "dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size,
-                "cp": self.cp_size, "tp": self.tp_size}
+        return {axis: getattr(self, f"{axis}_size") for axis in AXES}
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SIZES + ("cp_backend", "pp_schedule", "pp_microbatches",
@@ -292,15 +293,11 @@ class ParallelismConfig:
 
     def layout(self, world_size: int) -> Any:
         """This layout's sizes on a job of ``world_size`` processes (``hasten.layout.Layout``, torch-free)."""
-        from ..layout import Layout
-
         return Layout.from_config(self, world_size)
 
     # -- checks before the process group ----------------------------------------------------------
     def check(self, world_size: int, sharded: bool, device_type: str) -> None:
         """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
-        from ..layout import Layout
-
         layout = Layout.asked(self.sizes(), world_size)
         if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
