@@ -1,0 +1,54 @@
+"""The layout is declared once: every axis of ``hasten.layout.AXIS_TABLE`` reaches the config file, the
+launcher, ``ParallelismConfig`` and the mesh; and every engine lays a module out with the same steps
+in the same order (``strategies/layout_steps.py``)."""
+
+import dataclasses
+from types import SimpleNamespace
+
+from torch import nn
+
+from hasten.commands.config_schema import SECTIONS
+from hasten.commands.launch import launch_command_parser
+from hasten.layout import AXES, AXIS_TABLE, DATA_AXES, Layout
+from hasten.strategies.layout_steps import STEPS, Target, lay_out, steps_for
+from hasten.strategies.mesh import DIMS
+from hasten.utils.parallelism_config import ParallelismConfig
+
+
+def test_every_axis_of_the_table_reaches_config_launcher_fields_and_mesh():
+    keys = SECTIONS["parallelism_config"]
+    flags = {a.dest for a in launch_command_parser()._actions}
+    config_fields = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    layout_fields = {f.name for f in dataclasses.fields(Layout)}
+    for axis in AXIS_TABLE:
+        name = f"parallelism_config_{axis.name}_size"
+        assert name in keys and name in flags, name
+        assert f"{axis.name}_size" in config_fields and axis.name in layout_fields, axis.name
+    assert DIMS == AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert DATA_AXES == ("dp_replicate", "dp_shard")
+    sizes = ParallelismConfig(pp_size=2, dp_shard_size=3, tp_size=5).sizes()
+    assert sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 3, "cp": 1, "tp": 5}
+
+
+def _target(module, whole=None, checkpoint=None, shard=None, **sizes):
+    mesh = SimpleNamespace(sizes=dict(sizes))
+    return Target(module, mesh, None, whole if whole is not None else module, checkpoint=checkpoint, shard=shard)
+
+
+def test_the_steps_a_module_needs_come_in_one_order():
+    assert [s.name for s in STEPS] == ["context_parallel", "tensor_plan", "activation_checkpointing", "sharding"]
+    model = nn.Linear(2, 2)
+    noop = lambda m: None  # noqa: E731
+    assert [s.name for s in steps_for(_target(model))] == []
+    assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop))] == \
+        ["activation_checkpointing", "sharding"]
+    assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop, cp=2, tp=2))] == \
+        [s.name for s in STEPS]
+    assert _target(nn.Linear(2, 2), whole=model).is_stage and not _target(model).is_stage
+
+
+def test_lay_out_applies_the_engine_steps_in_order():
+    seen = []
+    done = lay_out(_target(nn.Linear(2, 2), checkpoint=lambda m: seen.append("checkpoint"),
+                           shard=lambda m: seen.append("shard")))
+    assert seen == ["checkpoint", "shard"] and done == ["activation_checkpointing", "sharding"]
