@@ -17,9 +17,11 @@ every step runs at one ``Layout``, the shape the stages were built for:
 * the inputs' other dimensions (an ``nn.Sequential``'s features): a change builds a new layout;
   they cannot be completed.
 
-Every process of the job agrees on the layout with one ``all_reduce`` (MAX) of a few integers per step:
-the processes of one pipeline must build the same buffers, and data-parallel replicas (whose batches
-differ) must build their stages at the same steps, since FSDP2 gathers parameters while torch builds them.
+The processes of one pipeline must build the same buffers. They get the same batch, so each decides
+alone (a process without the inputs takes their other dimensions as unchanged). With data-parallel
+replicas, whose batches differ, every process of the job agrees on the layout with one ``all_reduce``
+(MAX) of five integers per step: the replicas must build their stages at the same steps, since FSDP2
+gathers parameters while torch builds them, and a batch refused on one process stops every process.
 """
 
 from __future__ import annotations

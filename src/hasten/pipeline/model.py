@@ -108,6 +108,7 @@ class PipelinedModel(nn.Module):
         self._tracker = StepTracker(self.stage_indices, num_stages, dist.get_rank(group), dist.get_world_size(group),
                                     schedule)
         self._decoder = all(isinstance(m, DecoderStage) for m in self.stage_modules)
+        self._replicated = dist.get_world_size() > dist.get_world_size(group)  # data-parallel or tensor-parallel too
         self._build()  # built here so that a schedule torch does not know is refused at prepare
         self._layout: Optional[batches.Layout] = None  # the shape torch's stages were built for (None: not yet)
         self._step: dict[str, Any] = {}
@@ -196,10 +197,14 @@ class PipelinedModel(nn.Module):
         training = torch.is_grad_enabled()
         self._tracker.begin()
         try:
-            self._tracker.doing("agreeing on the batch shape with every process")
             mine = (batches.wanted(labels.shape[0], self.microbatches, labels, inputs, self._decoder)
                     if refusal is None else batches.Layout(1, 0, -1))
-            agreed, refused = batches.agree(mine, refusal is not None, self._device)
+            if self._replicated:  # other pipelines read other batches: one all_reduce of five integers
+                self._tracker.doing("agreeing on the batch shape with every process")
+                agreed, refused = batches.agree(mine, refusal is not None, self._device)
+            else:  # every process of the pipeline has the same batch: the same decision, without a collective
+                known = self._layout.tail if self._layout is not None else -1
+                agreed, refused = (mine if mine.tail >= 0 else batches.Layout(mine.rows, mine.length, known)), False
             if refusal is not None or refused:  # every process raises, none waits for the others
                 raise ValueError(refusal or "pipeline parallelism: another process refused its batch of this step "
                                             "(its error says why); this process stops with it")
