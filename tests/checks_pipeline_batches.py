@@ -283,16 +283,12 @@ def check_pp_times_fsdp2_stages_built_again_mid_accumulation_keep_gradients():
                       parallelism_config=ParallelismConfig(pp_size=2, dp_shard_size=2, pp_schedule="1F1B",
                                                            pp_microbatches=2))
     replica = acc.strategy.mesh.data_parallel().rank
-    per_replica = [b for b in _seq_batches([2, 2, 6, 6, 4, 4, 2, 2], seed=4)]  # (micro-step, replica) pairs
-    mine = per_replica[replica::2]
-    got = _train(acc, _seq_with_loss(), mine, _seq_forward, gather=lambda named: _merged(
+    pairs = _seq_batches([2, 2, 6, 6, 4, 4, 2, 2], seed=4)  # each micro-step: replica 0's batch, replica 1's
+    got = _train(acc, _seq_with_loss(), pairs[replica::2], _seq_forward, gather=lambda named: _merged(
         {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in named.items()}))
-    glob = [tuple(torch.cat([a[i], b[i]]) for i in range(2)) for a, b in zip(per_replica[::2], per_replica[1::2])]
-    ref = _reference(_seq, glob, _seq_ref)
-    # each replica's loss is its own batch's; compare the replica mean with the one-process loss
-    losses = [0.0] * len(got[0])
+    glob = [tuple(torch.cat([a[i], b[i]]) for i in range(2)) for a, b in zip(pairs[::2], pairs[1::2])]
+    # each replica's loss is its own batch's: their mean (equal sizes) is the one-process loss
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (replica, got[0]))
-    for r, values in {r: v for r, v in parts}.items():
-        losses = [a + b / 2 for a, b in zip(losses, values)]
-    return _compared((losses,) + got[1:], ref)
+    dist.all_gather_object(parts, got[0])
+    losses = [sum(values) / len(values) for values in zip(*parts)]
+    return _compared((losses,) + got[1:], _reference(_seq, glob, _seq_ref))
