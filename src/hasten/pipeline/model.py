@@ -19,6 +19,13 @@ The loss is normalised over the global batch, so the numbers equal the one-proce
 
 Each microbatch loss is also divided by the gradient-accumulation steps (what ``accelerator.backward``
 does in the other strategies), since its backward runs here.
+
+Batches of any size run (``batches``): the batch is completed to the shape torch's stages were built
+for with rows the loss leaves out, so a last batch that ``pp_microbatches`` does not divide, or that
+has fewer samples than microbatches, gives the one-process numbers; a right-padded LM batch (with its
+``attention_mask``) too. The loss sees each microbatch as the range of rows ``[start, start + n)`` of
+the step's batch: torch splits a target of row numbers (``torch.arange``) along with the inputs, so the
+loss knows which microbatch it got and how many of its rows are real.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..activation_checkpointing import strip_checkpoint_prefix
+from . import batches
 from .schedule import build_schedule
+from .split import DecoderStage
 from .tracking import StepTracker, TrackedStage
 
 # model -> the loss its last stage computes (``pipeline_loss``); weak: forgotten with the model.
@@ -99,13 +108,21 @@ class PipelinedModel(nn.Module):
         # hang and failure reports name the stage and the action (TrackedStage: torch's PipelineStage, reporting)
         self._tracker = StepTracker(self.stage_indices, num_stages, dist.get_rank(group), dist.get_world_size(group),
                                     schedule)
-        self._pipe_stages = [TrackedStage(self._tracker, module, index, num_stages, device, group=group)
-                             for index, module in stages]
-        self._schedule = build_schedule(schedule, self._pipe_stages, microbatches, self._microbatch_loss)
+        self._decoder = all(isinstance(m, DecoderStage) for m in self.stage_modules)
+        self._replicated = dist.get_world_size() > dist.get_world_size(group)  # data-parallel or tensor-parallel too
+        self._build()  # built here so that a schedule torch does not know is refused at prepare
+        self._layout: Optional[batches.Layout] = None  # the shape torch's stages were built for (None: not yet)
         self._step: dict[str, Any] = {}
         self._last_loss: Optional[torch.Tensor] = None
         self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
         self.full_state_names: set[str] = set()  # every state dict key of the full model (set by the strategy)
+
+    def _build(self) -> None:
+        """torch's stages and schedule over this process's stage modules; torch fixes their shapes on first use."""
+        self._pipe_stages = [TrackedStage(self._tracker, module, index, self.num_stages, self._device, group=self._group)
+                             for index, module in self.local_stages()]
+        self._schedule = build_schedule(self.schedule_name, self._pipe_stages, self.microbatches, self._microbatch_loss)
+        self._schedule_mode: Optional[bool] = None  # whether the schedule last ran backward (None: never ran)
 
     # -- what the stages hold, under the original names ---------------------------------------
     def local_stages(self) -> list[tuple[int, nn.Module]]:
@@ -135,19 +152,29 @@ class PipelinedModel(nn.Module):
             module.load_state_dict({k: state_dict[k] for k in mine if k in state_dict}, strict=False)
 
     # -- a step -------------------------------------------------------------------------------
-    def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _microbatch_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch, normalised over the step's batch; ``rows``: its row numbers in the step's
+        (completed) batch, a range: the rows from ``samples`` on are completion and count nowhere."""
         step = self._step
+        start, size = int(rows[0]), rows.shape[0]
+        real = max(0, min(step["samples"] - start, size))
         if self._user_loss is not None:
-            part = self._user_loss(output, target) * (target.shape[0] / step["samples"])
+            if real == 0:  # completion only: no loss, a zero gradient for the schedule to send back
+                part = output.sum() * 0.0
+            else:
+                out = output[:real] if real < size else output
+                if self._decoder and out.shape[1] != step["length"]:
+                    out = out[:, :step["length"]]
+                part = self._user_loss(out, step["labels"][start:start + real]) * (real / step["samples"])
         else:  # a decoder LM: shifted token cross entropy over the whole batch's counted tokens
-            shifted = nn.functional.pad(target, (0, 1), value=-100)[..., 1:]
+            labels = step["labels"][start:start + size]  # completed with -100
+            shifted = nn.functional.pad(labels, (0, 1), value=batches.IGNORE)[..., 1:]
             logits = output.float()
             part = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                                               ignore_index=-100, reduction="sum") / step["tokens"]
-        scaled = part / step["accumulation"]
-        # Keyed by the tensor handed to torch: its first step may call the loss once more, to infer shapes.
-        step["parts"][id(scaled)] = (scaled, part.detach())
-        return scaled
+                                               ignore_index=batches.IGNORE, reduction="sum") / step["tokens"]
+        # By microbatch: torch's first step also calls the loss on microbatch 0 to infer shapes; the real call follows.
+        step["parts"][start // size] = part.detach()
+        return part / step["accumulation"]
 
     def forward(self, *args: Any, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 target: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
@@ -163,51 +190,110 @@ class PipelinedModel(nn.Module):
         if labels is None:
             raise ValueError("under pipeline parallelism the model computes the loss on its last stage: call "
                              "model(inputs, labels=labels) (or model(input_ids=..., labels=...)) on every process")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("pipeline parallelism does not pass an attention_mask between stages yet: padded batches "
-                             "are not supported; pack the sequences (no padding) or use pp_size=1")
-        samples = labels.shape[0]
-        if samples % self.microbatches:
-            raise ValueError(f"pipeline parallelism: a batch of {samples} samples does not split into pp_microbatches="
-                             f"{self.microbatches} equal microbatches; use a batch size that is a multiple of "
-                             f"{self.microbatches} (drop_last=True in the DataLoader keeps the last batch full)")
         first, last = 0 in self.stage_indices, self.num_stages - 1 in self.stage_indices
         if first and inputs is None:
             raise ValueError("the process that runs the first pipeline stage needs the inputs: model(inputs, labels=...)")
+        refusal = self._refusal(inputs, labels, attention_mask)
         # Backward runs whenever autograd is on (model.eval() only switches dropout off, as elsewhere);
         # under torch.no_grad() the schedule's forward-only eval runs.
         training = torch.is_grad_enabled()
-        tokens = None
-        if self._user_loss is None:
-            tokens = (nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] != -100).sum()
-        self._step = {"samples": samples, "tokens": tokens, "parts": {},
-                      "accumulation": self._accumulation_steps() if training else 1}
-        step_args = (inputs,) if first else ()
-        losses: list = []
-        step_kwargs = {"target": labels, "losses": losses} if last else {}
-        run = self._schedule.step if training else self._schedule.eval
         self._tracker.begin()
         try:
-            out = run(*step_args, **step_kwargs)
-            if last:  # the unscaled global-batch loss: the sum of the microbatches' parts torch differentiated
-                loss = torch.stack([self._step["parts"][id(scaled)][1] for scaled in losses]).sum()
-            else:
-                loss = torch.zeros((), device=self._device)
-            loss = loss.detach().to(self._device, torch.float32)
-            self._tracker.doing("broadcasting the loss from the last stage")
-            dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
+            mine = (batches.wanted(labels.shape[0], self.microbatches, labels, inputs, self._decoder)
+                    if refusal is None else batches.Layout(1, 0, -1))
+            if self._replicated:  # other pipelines read other batches: one all_reduce of five integers
+                self._tracker.doing("agreeing on the batch shape with every process")
+                agreed, refused = batches.agree(mine, refusal is not None, self._device)
+            else:  # every process of the pipeline has the same batch: the same decision, without a collective
+                known = self._layout.tail if self._layout is not None else -1
+                agreed, refused = (mine if mine.tail >= 0 else batches.Layout(mine.rows, mine.length, known)), False
+            if refusal is not None or refused:  # every process raises, none waits for the others
+                raise ValueError(refusal or "pipeline parallelism: another process refused its batch of this step "
+                                            "(its error says why); this process stops with it")
+            layout = agreed if self._layout is None else self._layout.grown(agreed)
+            if self._layout is not None and layout != self._layout:
+                self._build()  # a larger shape than torch's stages were built for: build them again
+            self._layout = layout
+            out, loss = self._run(inputs if first else None, labels, last, training)
         except BaseException as error:
             self._tracker.annotate(error)
             raise
         finally:
             self._tracker.end()
+            self._step = {}
         if training:
             self._after_backward(self)
         else:  # evaluation: every stage gets the predictions (gather_for_metrics then works as elsewhere)
             out = self._share(out if last else None)
         self._last_loss, self._last_trained = loss, training
-        self._step = {}
         return PipelineOutput(loss=loss, logits=out if last or not training else None)
+
+    def _refusal(self, inputs: Optional[torch.Tensor], labels: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor]) -> Optional[str]:
+        """Why this batch cannot give the one-process numbers, or None."""
+        if labels.ndim == 0 or labels.shape[0] == 0:
+            return f"pipeline parallelism: a batch of labels of shape {list(labels.shape)} holds no sample"
+        if inputs is not None and inputs.shape[0] != labels.shape[0]:
+            return (f"pipeline parallelism: the inputs hold {inputs.shape[0]} samples and the labels "
+                    f"{labels.shape[0]}; give both for the same samples")
+        if self._decoder and (labels.ndim != 2 or (
+                inputs is not None and tuple(inputs.shape) != tuple(labels.shape))):
+            return (f"a decoder LM under pipeline parallelism takes input_ids and labels of the same shape (batch, "
+                    f"tokens); got labels {list(labels.shape)}"
+                    + (f" and input_ids {list(inputs.shape)}" if inputs is not None else ""))
+        if attention_mask is not None:
+            return batches.refused_padding(attention_mask, labels, self._decoder)
+        return None
+
+    def _run(self, inputs: Optional[torch.Tensor], labels: torch.Tensor, last: bool,
+             training: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """One schedule step over the batch completed to ``self._layout``: the last stage's output (its rows
+        and tokens only) and the batch's loss (equal on every process of the pipeline)."""
+        layout, samples = self._layout, labels.shape[0]
+        rows = layout.rows * self.microbatches
+        length = labels.shape[1] if self._decoder else 0
+        step_labels, tokens = labels, None
+        if last and self._user_loss is None:
+            tokens = (nn.functional.pad(labels, (0, 1), value=batches.IGNORE)[..., 1:] != batches.IGNORE).sum()
+            step_labels = batches.padded_labels(labels, rows, layout.length)
+        self._step = {"samples": samples, "length": length, "labels": step_labels, "tokens": tokens,
+                      "parts": [None] * self.microbatches, "accumulation": self._accumulation_steps() if training else 1}
+        step_args = (batches.completed(inputs, rows, layout.length),) if inputs is not None else ()
+        # The target torch splits into microbatches: row numbers (see _microbatch_loss); on the CPU, read without sync.
+        step_kwargs = {"target": torch.arange(rows), "losses": []} if last else {}
+        run = self._schedule.step if training else self._schedule.eval
+        # torch builds its stages on a schedule's first step and again when it switches between step and eval;
+        # gradients accumulated so far are set aside meanwhile (it sets FSDP2 modules' gradients to None after).
+        taken = self._take_grads() if self._schedule_mode != training else []
+        try:
+            out = run(*step_args, **step_kwargs)
+        finally:
+            self._give_back_grads(taken)
+        self._schedule_mode = training
+        if last:  # the unscaled loss of the batch: the sum of the microbatches' parts torch differentiated
+            loss = torch.stack(self._step["parts"]).sum()
+            out = out[:samples] if out.shape[0] != samples else out
+            if length and out.shape[1] != length:
+                out = out[:, :length]
+        else:
+            loss, out = torch.zeros((), device=self._device), None
+        loss = loss.detach().to(self._device, torch.float32)
+        self._tracker.doing("broadcasting the loss from the last stage")
+        dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_owner), group=self._group)
+        return out, loss
+
+    def _take_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        taken = []
+        for _, param in self.named_stage_parameters():
+            if param.grad is not None:
+                taken.append((param, param.grad))
+                param.grad = None
+        return taken
+
+    @staticmethod
+    def _give_back_grads(taken: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        for param, grad in taken:
+            param.grad = grad if param.grad is None else param.grad + grad
 
     def _share(self, out: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's output, broadcast to every process of the pipeline (shape and dtype first)."""
