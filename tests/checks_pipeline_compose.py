@@ -82,6 +82,7 @@ def _compare(acc, make, data, batch, replicas, ref_loss, loss_fn=None, eps=1e-8)
     assert len(losses) == len(ref_losses) and len(norms) == len(ref_norms) == 3, (losses, ref_losses)
     assert all(v < TOL for v in diffs.values()), diffs
     diffs["kinds"] = sorted({type(p).__name__ for _, p in model.named_stage_parameters()})
+    diffs["stages"] = [s for s, _ in model.local_stages()]
     return diffs
 
 

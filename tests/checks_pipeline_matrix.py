@@ -19,7 +19,7 @@ from checks_pipeline_compose import (_compare, _full, _global_batches, _lm_full_
 from distributed import reset_state
 from hasten import Accelerator
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin
-from hasten.utils.parallelism_config import ParallelismConfig
+from hasten.utils.parallelism_config import PP_MULTI_STAGE, ParallelismConfig
 
 # Every schedule hasten accepts but 1F1B (checks_pipeline_compose's); 4 microbatches: as many as the 4 stages
 # of the multi-stage ones (pp_size=2 x pp_stages_per_rank=2).
@@ -32,7 +32,8 @@ def _accelerator(schedule: str, fsdp: bool, **kwargs) -> Accelerator:
     sizes = {"dp_shard_size": 2} if fsdp else {"tp_size": 2}
     extra = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)} if fsdp else {}
     acc = Accelerator(gradient_accumulation_steps=ACCUM, **extra, **kwargs, parallelism_config=ParallelismConfig(
-        pp_size=2, pp_schedule=schedule, pp_microbatches=MICRO, **sizes))
+        pp_size=2, pp_schedule=schedule, pp_microbatches=MICRO, pp_stages_per_rank=2 if schedule in PP_MULTI_STAGE else 1,
+        **sizes))
     assert type(acc.strategy).__name__ == "PipelineStrategy"
     return acc
 

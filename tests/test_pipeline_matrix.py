@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 SCHEDULES = ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def _one_process(folder=None):
+def _one_process():
     """The checkpoint tests' llama on one process (AdamW, StepLR, the same shuffled loader): ``acc, model, opt,
     loader, sched``."""
     import checks_pipeline_matrix as m
@@ -32,7 +32,8 @@ def _one_process(folder=None):
 
 
 def _moments(model, opt) -> dict:
-    return {f"{n}.{k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+    """Every Adam moment, ``{name.key: tensor}``, on the host (the 4 processes' are gathered there)."""
+    return {f"{n}.{k}": v.detach().cpu() for n, p in model.named_parameters() for k, v in opt.state[p].items()}
 
 
 def _single_checkpoint(folder: str) -> None:
@@ -42,7 +43,7 @@ def _single_checkpoint(folder: str) -> None:
     acc, model, opt, loader, sched = _one_process()
     m._ckpt_run(acc, model, opt, sched, iter(loader), 4)
     acc.save_state(folder)
-    torch.save({"params": {k: v.detach().clone() for k, v in model.named_parameters()},
+    torch.save({"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()},
                 "moments": _moments(model, opt), "lr": opt.param_groups[0]["lr"]}, folder + ".pt")
     reset_state()
 
@@ -60,8 +61,21 @@ def _close(result):
     assert all(result[k] < 1e-5 for k in ("loss", "norm", "grad", "param")), result
 
 
+def _placed(ranks):
+    """The stages each process ran (pp outermost: processes 0, 1 are the first pipeline rank's pair)."""
+    firsts = {s: ranks[0][s]["stages"] for s in SCHEDULES}
+    assert all(r[s]["stages"] == firsts[s] for r in ranks[:2] for s in SCHEDULES)
+    assert firsts["GPipe"] == [0] and ranks[2]["GPipe"]["stages"] == [1]
+    for looped in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):  # pp_stages_per_rank=2
+        assert firsts[looped] == [0, 2] and ranks[3][looped]["stages"] == [1, 3]
+    for v_shaped in ("ZBVZeroBubble", "DualPipeV"):
+        assert firsts[v_shaped] == [0, 3] and ranks[3][v_shaped]["stages"] == [1, 2]
+
+
 def test_each_schedule_with_fsdp2_equals_one_process(four):
-    for r in four.assert_passed("check_each_schedule_with_fsdp2_equals_one_process"):
+    ranks = four.assert_passed("check_each_schedule_with_fsdp2_equals_one_process")
+    _placed(ranks)
+    for r in ranks:
         assert set(r) == set(SCHEDULES)
         for schedule in SCHEDULES:
             _close(r[schedule])
@@ -69,7 +83,9 @@ def test_each_schedule_with_fsdp2_equals_one_process(four):
 
 
 def test_each_schedule_with_tp_equals_one_process(four):
-    for r in four.assert_passed("check_each_schedule_with_tp_equals_one_process"):
+    ranks = four.assert_passed("check_each_schedule_with_tp_equals_one_process")
+    _placed(ranks)
+    for r in ranks:
         assert set(r) == set(SCHEDULES)
         for schedule in SCHEDULES:
             _close(r[schedule])
@@ -116,7 +132,7 @@ def test_pp_checkpoint_loads_into_one_process(four, kind, fresh_state):
     saved = torch.load(folder + ".pt", weights_only=True)
     acc, model, opt, loader, sched = _one_process()
     acc.load_state(folder, continue_dataloaders=True)
-    params = {k: v.detach() for k, v in model.named_parameters()}
+    params = {k: v.detach().cpu() for k, v in model.named_parameters()}
     assert set(params) == set(saved["params"]) and set(_moments(model, opt)) == set(saved["moments"])
     assert all(torch.equal(params[k], v) for k, v in saved["params"].items())
     assert all(torch.equal(_moments(model, opt)[k], v) for k, v in saved["moments"].items())
