@@ -48,11 +48,11 @@ def _lm_full_data(n):
     return torch.utils.data.TensorDataset(ids, ids.clone())
 
 
-def _train(acc, make, data, batch, loss_fn=None):
+def _train(acc, make, data, batch, loss_fn=None, eps=1e-8):
     model = make()
     if loss_fn is not None:
         pipeline_loss(model, loss_fn)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=batch))
     losses, norms, grads = [], [], None
     for x, y in loader:
@@ -70,23 +70,34 @@ def _train(acc, make, data, batch, loss_fn=None):
     return model, losses, norms, grads, params
 
 
-def _compare(acc, make, data, batch, replicas, ref_loss, loss_fn=None):
-    model, losses, norms, grads, params = _train(acc, make, data, batch, loss_fn)
-    # the loss every process reports is its replica's; the one-process loss is the replicas' mean
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, losses)
-    losses = [sum(col) / len(col) for col in zip(*every)]
-    parts = list(torch.utils.data.DataLoader(data, batch_size=batch))
-    batches = [tuple(torch.cat([p[i] for p in parts[k:k + replicas]]) for i in range(2))
-               for k in range(0, len(parts), replicas)]
-    ref_losses, ref_norms, ref_grads, ref_params = _reference(make, batches, ref_loss)
+def _compare(acc, make, data, batch, replicas, ref_loss, loss_fn=None, eps=1e-8):
+    """``eps``: AdamW's; its step divides by ``sqrt(v) + eps``, so a gradient element near ``eps`` turns a float32
+    rounding difference of the gradient into a parameter difference up to ``lr / eps`` times larger."""
+    model, losses, norms, grads, params = _train(acc, make, data, batch, loss_fn, eps)
+    losses = _replicas_mean(losses)
+    ref_losses, ref_norms, ref_grads, ref_params = _reference(make, _global_batches(data, batch, replicas), ref_loss, eps)
     diffs = {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
              "norm": max(abs(a - b) for a, b in zip(norms, ref_norms)),
              "grad": _worst(grads, ref_grads), "param": _worst(params, ref_params)}
     assert len(losses) == len(ref_losses) and len(norms) == len(ref_norms) == 3, (losses, ref_losses)
     assert all(v < TOL for v in diffs.values()), diffs
     diffs["kinds"] = sorted({type(p).__name__ for _, p in model.named_stage_parameters()})
+    diffs["stages"] = [s for s, _ in model.local_stages()]
     return diffs
+
+
+def _replicas_mean(losses: list) -> list:
+    """The loss every process reports is its replica's; the one-process loss is the replicas' mean."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    return [sum(col) / len(col) for col in zip(*every)]
+
+
+def _global_batches(data, batch: int, replicas: int) -> list:
+    """The one-process batches: ``replicas`` consecutive batches of ``batch`` samples (one per replica) joined."""
+    parts = list(torch.utils.data.DataLoader(data, batch_size=batch))
+    return [tuple(torch.cat([p[i] for p in parts[k:k + replicas]]) for i in range(2))
+            for k in range(0, len(parts), replicas)]
 
 
 def _lm_ref(model, batch):

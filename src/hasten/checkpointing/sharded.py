@@ -85,7 +85,7 @@ def _stage_optimizer_target(model: nn.Module, optimizer: Any, saved: dict[str, A
     dtype for each state entry of a local parameter, a placeholder for everything else it stored."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    local = {n for n, _ in model.named_stage_parameters()}
+    local = dict(model.named_stage_parameters())
     prefix = f"{name}.state."
     state: dict[str, dict[str, Any]] = {}
     for key, meta in saved.items():
@@ -93,10 +93,22 @@ def _stage_optimizer_target(model: nn.Module, optimizer: Any, saved: dict[str, A
             continue
         param, _, field = key[len(prefix):].rpartition(".")
         if param in local:
-            state.setdefault(param, {})[field] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            state.setdefault(param, {})[field] = (_state_target(local[param], meta)
                                                   if isinstance(meta, TensorStorageMetadata) else None)
     groups = _saved_groups(saved, name)[1]
     return {"state": state, "param_groups": [dict.fromkeys(groups[g]) for g in sorted(groups)]}
+
+
+def _state_target(param: torch.Tensor, meta: Any) -> torch.Tensor:
+    """Where DCP reads one stored optimizer state entry of ``param``: for a parameter sharded over its stage
+    (FSDP2, tensor parallel: a DTensor) an entry of its shape is sharded as the parameter is, so each process
+    reads its own shard and Adam's moments match the DTensor gradients; else a plain tensor of the stored shape."""
+    size, dtype = tuple(meta.size), meta.properties.dtype
+    if hasattr(param, "device_mesh") and hasattr(param, "placements") and size == tuple(param.shape):
+        from torch.distributed.tensor import empty
+
+        return empty(size, dtype=dtype, device_mesh=param.device_mesh, placements=param.placements)
+    return torch.empty(size, dtype=dtype)
 
 
 def _load_stage_optimizer_state(model: nn.Module, optimizer: Any, stored: dict[str, Any]) -> None:

@@ -142,14 +142,24 @@ class PipelinedModel(nn.Module):
         return out
 
     def load_stage_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load this process's entries of a full state dict (``strict``: each must be there)."""
+        """Load this process's entries of a state dict (``strict``: each must be there): full tensors (a one-process
+        checkpoint), of which a stage sharded by FSDP2 or tensor parallelism keeps its own shards, or tensors laid
+        out as the stage's own (DCP read into them)."""
+        from torch.distributed.tensor import DTensor
+
+        from ..strategies.sharded_state import load_full_state_dict
+
         for module in self.stage_modules:
             mine = module.state_dict()
             missing = [k for k in mine if k not in state_dict]
             if strict and missing:
                 raise KeyError(f"the state dict lacks {len(missing)} entries of pipeline stage(s) {self.stage_indices}, "
                                f"e.g. {missing[:3]}")
-            module.load_state_dict({k: state_dict[k] for k in mine if k in state_dict}, strict=False)
+            given = {k: state_dict[k] for k in mine if k in state_dict}
+            if any(isinstance(mine[k], DTensor) and not isinstance(v, DTensor) for k, v in given.items()):
+                load_full_state_dict(module, given, strict=False)  # nn.Module.load_state_dict cannot copy into shards
+            else:
+                module.load_state_dict(given, strict=False)
 
     # -- a step -------------------------------------------------------------------------------
     def _microbatch_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -290,7 +290,9 @@ class PipelineStrategy(Strategy):
         state, groups, at = {}, [], 0
         for names, live, group in zip(full, optimizer.param_groups, saved["param_groups"]):
             ids = {id(p) for p in live["params"]}
-            mine = [n for n in names if id(self._params_by_name.get(n)) in ids]
+            # a parameter FSDP2 / tensor parallelism replaced holds its place under its original name
+            mine = [n for n in names if id(self._new_params.get(id(self._params_by_name.get(n)),
+                                                               self._params_by_name.get(n))) in ids]
             for j, name in enumerate(mine):
                 if index[name] in saved["state"]:
                     state[at + j] = saved["state"][index[name]]
