@@ -337,3 +337,49 @@ def check_pp_times_dp_resume():
     with open(os.path.join(folder, "manifest.json")) as f:
         manifest = json.load(f)
     return {"layout": manifest["layout"], "files": sorted(n for n in manifest["files"] if n.startswith("sharded/"))}
+
+
+def check_meta_built_llama_fills_from_weights_and_trains():
+    """A Llama built under init_empty_weights() on every process (no process ever holds the whole model): prepare
+    gives this process's stages storage; a step before any load is refused on every process (none left waiting);
+    load_checkpoint_in_model fills each stage; then a training step, with an optimizer built on the meta
+    parameters, equals the real model's on one process."""
+    from hasten import init_empty_weights
+    from hasten.model_loading import load_checkpoint_in_model
+
+    folder = os.path.join(os.environ["PPCK_TMP"], "llama_meta_weights")
+    source = _llama(11)
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in source.state_dict().items()}, os.path.join(folder, "model.safetensors"))
+    dist.barrier()
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="1F1B", pp_microbatches=2))
+    with init_empty_weights():
+        empty = _llama(0)
+    assert all(p.is_meta for p in empty.parameters())
+    opt = torch.optim.SGD(empty.parameters(), lr=0.5)
+    model, opt = acc.prepare(empty, opt)
+    held = [p for _, p in model.named_stage_parameters()]
+    assert held and not any(p.is_meta for p in held)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    try:
+        model(input_ids=ids, labels=ids)
+    except ValueError as error:
+        refused = str(error)
+    else:
+        raise AssertionError("a step on weights that were never loaded was accepted")
+    load_checkpoint_in_model(model, folder, strict=True)
+    out = model(input_ids=ids, labels=ids)
+    acc.backward(out.loss)
+    opt.step()
+    ref_opt = torch.optim.SGD(source.parameters(), lr=0.5)
+    ref_loss = source(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    ref_opt.step()
+    expected = source.state_dict()
+    worst = max(float((v - expected[k]).abs().max()) for k, v in model.stage_state_dict().items())
+    assert abs(float(out.loss) - float(ref_loss)) < 1e-5 and worst < 1e-5, (float(out.loss), float(ref_loss), worst)
+    return {"refused": refused, "worst": worst, "held": len(held)}

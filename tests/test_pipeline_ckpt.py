@@ -129,6 +129,13 @@ def test_llama_weights_load_into_the_stages(two):
     assert "model.embed_tokens.weight" in first and "lm_head.weight" in last and not set(first) & set(last)
 
 
+def test_a_model_built_on_meta_fills_each_stage_from_weights_and_trains(two):
+    for r in two.assert_passed("check_meta_built_llama_fills_from_weights_and_trains"):
+        assert r["worst"] < 1e-5 and r["held"] > 0
+        assert "built on the meta device have no values yet" in r["refused"], r["refused"]
+        assert "load_checkpoint_in_model" in r["refused"]
+
+
 def test_gpipe_checkpoint_loads_into_another_cut(two):
     saved = two.assert_passed("check_mid_epoch_resume")[0]
     for got in two.assert_passed("check_gpipe_checkpoint_into_interleaved"):

@@ -282,8 +282,10 @@ def _load_stages(model: "torch.nn.Module", checkpoint: PathLike, device_map: Any
     _refuse_placement(device_map, offload_folder, dtype, keep_in_fp32_modules,
                       "a model prepared for pipeline parallelism, whose stages prepare() placed (and whose parameters "
                       "its optimizer and schedule hold)")
-    return _load_plain(_stages_view(model), checkpoint, None, None, None, False, None, strict,
-                       known=model.full_state_names)
+    view = _stages_view(model)
+    result = _load_plain(view, checkpoint, None, None, None, False, None, strict, known=model.full_state_names)
+    model.filled(set(view.state_dict()) - set(result[0]))  # tensors built on meta that now hold values
+    return result
 
 
 def _stages_view(model: "torch.nn.Module") -> "torch.nn.Module":

@@ -116,6 +116,10 @@ class PipelinedModel(nn.Module):
         self._last_loss: Optional[torch.Tensor] = None
         self._last_trained = False  # whether the last forward ran backward (not under torch.no_grad())
         self.full_state_names: set[str] = set()  # every state dict key of the full model (set by the strategy)
+        # Names of this process's tensors built on meta and given storage but no value yet (set by the strategy;
+        # load_checkpoint_in_model and load_state remove what they fill): the model does not run while any is left.
+        self.unfilled: set[str] = set()
+        self.check_filled = False  # whether any process of the job had such tensors at prepare (then forward checks)
 
     def _build(self) -> None:
         """torch's stages and schedule over this process's stage modules; torch fixes their shapes on first use."""
@@ -145,9 +149,8 @@ class PipelinedModel(nn.Module):
         """Load this process's entries of a state dict (``strict``: each must be there): full tensors (a one-process
         checkpoint), of which a stage sharded by FSDP2 or tensor parallelism keeps its own shards, or tensors laid
         out as the stage's own (DCP read into them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor
-
-        from ..strategies.sharded_state import load_full_state_dict
 
         for module in self.stage_modules:
             mine = module.state_dict()
@@ -157,9 +160,15 @@ class PipelinedModel(nn.Module):
                                f"e.g. {missing[:3]}")
             given = {k: state_dict[k] for k in mine if k in state_dict}
             if any(isinstance(mine[k], DTensor) and not isinstance(v, DTensor) for k, v in given.items()):
-                load_full_state_dict(module, given, strict=False)  # nn.Module.load_state_dict cannot copy into shards
+                # nn.Module.load_state_dict cannot copy into shards; torch's full-state-dict load keeps each its part
+                set_model_state_dict(module, given, options=StateDictOptions(full_state_dict=True, strict=False))
             else:
                 module.load_state_dict(given, strict=False)
+            self.filled(given)
+
+    def filled(self, names: Any) -> None:
+        """The tensors of ``names`` now hold values (a load wrote them): no longer unfilled."""
+        self.unfilled.difference_update(names)
 
     # -- a step -------------------------------------------------------------------------------
     def _microbatch_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -186,9 +195,27 @@ class PipelinedModel(nn.Module):
         step["parts"][start // size] = part.detach()
         return part / step["accumulation"]
 
+    def _refuse_unfilled(self) -> None:
+        """Refuse to run while any process of the job holds tensors built on meta and never given a value: one
+        all-reduce over the job (only until every process is filled), so that every process refuses together and
+        none is left waiting in the schedule for a stage that refused."""
+        left = torch.tensor([len(self.unfilled)], device=self._device)
+        dist.all_reduce(left)
+        if int(left.item()) == 0:
+            self.check_filled = False
+            return
+        mine = sorted(self.unfilled)
+        here = (f"this process's stage(s) {self.stage_indices} lack {len(mine)}, e.g. {mine[:3]}" if mine
+                else "this process's stages are filled")
+        raise ValueError(f"pipeline parallelism: {int(left.item())} tensor(s) built on the meta device have no values yet "
+                         f"({here}); call hasten.load_checkpoint_in_model(model, folder) with the prepared model (each "
+                         "stage reads its own layers), or accelerator.load_state(folder), before the first step")
+
     def forward(self, *args: Any, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 target: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 **kwargs: Any) -> PipelineOutput:
+        if self.check_filled:
+            self._refuse_unfilled()
         if kwargs:
             raise TypeError(f"the pipelined model takes the inputs (positional, or input_ids=) and labels= only; got "
                             f"{sorted(kwargs)}: the first stage receives only the inputs, later stages only the previous "

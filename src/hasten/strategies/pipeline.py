@@ -20,22 +20,22 @@ over the stages:
 
 from __future__ import annotations
 
-import warnings
-
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from ..activation_checkpointing import strip_checkpoint_prefix
 from ..pipeline.model import PipelinedModel, given_loss
 from ..pipeline.schedule import local_stage_indices, stage_owner
 from ..pipeline.split import DecoderStage, build_stage, model_kind, plan_stages
-from ..utils.dataclasses import DistributedType
 from ..precision import Precision
+from ..utils.dataclasses import DistributedType
 from .base import Params, Strategy
-from ..activation_checkpointing import strip_checkpoint_prefix
 from .dtensor import _finish, _local, _partial_norm, _replicas
 from .layout_steps import lay_out
 from .mesh import ParallelMesh
@@ -54,11 +54,12 @@ class PipelineStrategy(Strategy):
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
         self.gradient_state = plan.gradient_state
-        self._local_ids: set[int] = set()  # id() of the parameters this process's stages hold (and their replacements)
-        self._model_ids: set[int] = set()  # id() of every parameter of the prepared models
+        # Keyed by the parameter objects themselves (identity, weakly held): the parameters of the prepared models ->
+        # their original name; those this process's stages hold -> the live parameter (a DTensor replacement, or itself).
+        self._names = WeakIdKeyDictionary()
+        self._live = WeakIdKeyDictionary()
         self._models: list[PipelinedModel] = []
-        self._names: dict[int, str] = {}  # id() of every parameter of the prepared models -> its original name
-        self._params_by_name: dict[str, nn.Parameter] = {}
+        self._params_by_name: dict[str, nn.Parameter] = {}  # the live parameter (this process's, or released) by name
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
@@ -77,7 +78,6 @@ class PipelineStrategy(Strategy):
                              "use mixed_precision='bf16' (no loss scaling needed) or 'no'")
         self.fsdp_plugin = plugin
         self._sharded = cfg.dp_shard_size > 1 or plan.distributed_type == DistributedType.FSDP
-        self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> its DTensor replacement
         self._no_sync = 0  # depth of no_sync() blocks entered
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
@@ -101,21 +101,21 @@ class PipelineStrategy(Strategy):
         pp_rank, pp_size = self.mesh.coordinates()["pp"], cfg.pp_size
         indices = local_stage_indices(cfg.pp_schedule, pp_rank, pp_size, cfg.pp_stages_per_rank)
         local = [(i, build_stage(model, stages[i])) for i in indices]
-        self._model_ids |= {id(p) for p in model.parameters()}
         originals = {name: p for _, m in local for name, p in m.named_parameters()}
-        self._local_ids |= {id(p) for p in originals.values()}
-        _release_other_stages(model, self._local_ids)
-        for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay
-            module.to(self.state.device)
+        _release_other_stages(model, set(originals.values()))
+        meta_buffers: set[str] = set()
+        for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay, unless on meta
+            meta_buffers |= _place_stage(module, self.state.device)
         if self.mesh.sizes["tp"] > 1:
             resolve_plan(model, getattr(cfg, "tp_plan", None))  # every key must name modules of the full model
         for _, module in local:  # the layout steps each stage needs: tensor plan, checkpointing, FSDP2
             lay_out(self.layout_target(module, whole=model))
-        for name, p in (item for _, m in local for item in m.named_parameters()):
-            old = originals[strip_checkpoint_prefix(name)]
-            if p is not old:  # replaced by a DTensor parameter: optimizers built on ``old`` are re-pointed
-                self._new_params[id(old)] = p
-                self._local_ids.add(id(p))
+        live_by_name = {strip_checkpoint_prefix(n): p for _, m in local for n, p in m.named_parameters()}
+        for name, old in originals.items():
+            live = live_by_name[name]
+            self._live[old] = live
+            self._live[live] = live
+            if live is not old:  # replaced (a DTensor, or storage for a meta one): optimizers built on ``old`` are re-pointed
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)
         for _, module in local:
             self.precision.wrap_stage(module)
@@ -132,8 +132,13 @@ class PipelineStrategy(Strategy):
                           "step (PipelineStage.perform_reduce_grad). The numbers are the same; only the traffic grows",
                           stacklevel=2)
         pipelined.full_state_names = set(model.state_dict())
-        self._names.update({id(p): n for n, p in model.named_parameters()})
-        self._params_by_name.update(dict(model.named_parameters()))
+        pipelined.unfilled = {n for n, old in originals.items() if old.is_meta} | meta_buffers
+        anywhere = torch.tensor([len(pipelined.unfilled)], device=self.state.device)
+        dist.all_reduce(anywhere)  # prepare runs on every process: whether any process built on meta
+        pipelined.check_filled = bool(anywhere.item())
+        for name, p in model.named_parameters():
+            self._names[p] = name
+            self._params_by_name[name] = self._live.get(p, p)
         self._models.append(pipelined)
         return pipelined
 
@@ -187,22 +192,22 @@ class PipelineStrategy(Strategy):
         """Keep in ``optimizer`` only the parameters of this process's stages (and their state)."""
         from ..pipeline.model import record_group_names
 
-        record_group_names(optimizer, [[self._names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups])
+        record_group_names(optimizer, [[self._names.get(p, "") for p in g["params"]] for g in optimizer.param_groups])
         for g, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:
-                if id(p) not in self._model_ids and id(p) not in self._local_ids:
+                if p not in self._names and p not in self._live:
                     raise ValueError(f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "
                                      f"{list(p.shape)} belongs to no model prepared for pipeline parallelism; pass the "
                                      "model to prepare() together with its optimizer (accelerator.prepare(model, "
                                      "optimizer)), and build the optimizer from that model's parameters")
-                if id(p) in self._local_ids:
-                    kept.append(self._new_params.get(id(p), p))
+                if p in self._live:
+                    kept.append(self._live[p])
             group["params"] = kept
         for p in list(optimizer.state):
             state = optimizer.state.pop(p)
-            if id(p) in self._local_ids:
-                optimizer.state[self._new_params.get(id(p), p)] = state
+            if p in self._live:
+                optimizer.state[self._live[p]] = state
         return optimizer
 
     # -- a training step ------------------------------------------------------------------------
@@ -289,10 +294,9 @@ class PipelineStrategy(Strategy):
                  for name, pid in zip(names, group["params"])}
         state, groups, at = {}, [], 0
         for names, live, group in zip(full, optimizer.param_groups, saved["param_groups"]):
-            ids = {id(p) for p in live["params"]}
+            held = set(live["params"])  # the parameter objects (hashed by identity)
             # a parameter FSDP2 / tensor parallelism replaced holds its place under its original name
-            mine = [n for n in names if id(self._new_params.get(id(self._params_by_name.get(n)),
-                                                               self._params_by_name.get(n))) in ids]
+            mine = [n for n in names if self._params_by_name.get(n) in held]
             for j, name in enumerate(mine):
                 if index[name] in saved["state"]:
                     state[at + j] = saved["state"][index[name]]
@@ -301,14 +305,42 @@ class PipelineStrategy(Strategy):
         return {"state": state, "param_groups": groups}
 
 
-def _release_other_stages(model: nn.Module, local_ids: set[int]) -> None:
+def _release_other_stages(model: nn.Module, local: set) -> None:
     """Empty the parameters of ``model`` that no local stage holds: this process never computes with
     them, and keeping them would cost every process the full model's weights (the point of a pipeline
     is that it does not). The Parameter objects stay (an optimizer built on them is filtered by
     identity afterwards); their data becomes an empty tensor of the same dtype and device."""
     for param in model.parameters():
-        if id(param) not in local_ids:
+        if param not in local:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _place_stage(stage: nn.Module, device: torch.device) -> set[str]:
+    """Move ``stage`` to ``device`` in place. Parameters (and persistent buffers) built on ``meta`` (a model too large
+    for one process, built under ``init_empty_weights()``) get uninitialised storage on ``device`` instead: new
+    Parameters (the strategy re-points optimizers at them), to be filled by ``load_checkpoint_in_model(prepared, folder)``
+    or ``load_state``; the pipelined model refuses to run until they are. Returns the names of such buffers."""
+    made: dict = {}  # meta parameter -> its replacement, so a weight two modules of the stage share stays shared
+    buffers: set[str] = set()
+    for prefix, module in stage.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if param not in made:
+                    made[param] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                               requires_grad=param.requires_grad)
+                setattr(module, name, made[param])
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None or not buffer.is_meta:
+                continue
+            full = strip_checkpoint_prefix(f"{prefix}.{name}" if prefix else name)
+            if name in module._non_persistent_buffers_set:
+                raise ValueError(f"pipeline parallelism: the buffer {full} is on the meta device and is never saved in a "
+                                 "checkpoint (non-persistent), so nothing could give it a value; build the model under "
+                                 "init_empty_weights() without include_buffers=True (buffers are then computed as usual)")
+            module.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+            buffers.add(full)
+    stage.to(device)
+    return buffers
 
 
 def _refuse_shared_across_stages(model: nn.Module, stages: list[list[str]]) -> None:
