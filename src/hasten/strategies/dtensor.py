@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..activation_checkpointing import strip_checkpoint_prefix
 from .base import Params, Strategy
@@ -33,9 +34,10 @@ class DTensorStrategy(Strategy):
 
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
-        self._new_params: dict[int, nn.Parameter] = {}  # id(original parameter) -> the parameter that replaced it
-        self._replacing_ids: set[int] = set()
-        self._fp8_replaced: dict[int, nn.Parameter] = {}  # id(float8 weight wrapper) -> the parameter it replaced
+        # Keyed by the parameter objects (identity, weakly held): original parameter -> the one that replaced it
+        # (the replacements map to themselves); float8 weight wrapper -> the parameter it replaced.
+        self._new_params = WeakIdKeyDictionary()
+        self._fp8_replaced = WeakIdKeyDictionary()
         super().__init__(plan)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -59,8 +61,8 @@ class DTensorStrategy(Strategy):
         """Whether sharded parameters live in host memory."""
         return False
 
-    def pending_grads(self) -> dict[int, torch.Tensor]:
-        """id(parameter) -> gradient accumulated but not yet in ``.grad`` (see ``grad_norm``)."""
+    def pending_grads(self) -> Any:
+        """parameter -> gradient accumulated but not yet in ``.grad`` (see ``grad_norm``)."""
         return {}
 
     # -- the model ------------------------------------------------------------------------------
@@ -89,11 +91,11 @@ class DTensorStrategy(Strategy):
         for name, old in before.items():
             new = after.get(strip_checkpoint_prefix(name))
             if new is not None:
-                self._new_params[id(old)] = new
-                self._replacing_ids.add(id(new))
-                replaced = self._fp8_replaced.pop(id(old), None)
+                self._new_params[old] = new
+                self._new_params[new] = new
+                replaced = self._fp8_replaced.pop(old, None)
                 if replaced is not None:  # the optimizer may hold the weight from before fp8 conversion
-                    self._new_params[id(replaced)] = new
+                    self._new_params[replaced] = new
         return model
 
     def convert_fp8(self, model: nn.Module, plan: Any) -> None:
@@ -104,21 +106,18 @@ class DTensorStrategy(Strategy):
         for name, param in model.named_parameters(remove_duplicate=False):
             old = before.get(name)
             if old is not None and old is not param:
-                self._fp8_replaced[id(param)] = old
+                self._fp8_replaced[param] = old
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard and parallelize_module change the module in place
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point ``optimizer`` at the DTensor parameters that replaced the ones it was built on."""
-        swapped: dict[int, nn.Parameter] = {}
+        swapped = WeakIdKeyDictionary()
         for g, group in enumerate(optimizer.param_groups):
             params = []
             for p in group["params"]:
-                if id(p) in self._replacing_ids:
-                    params.append(p)
-                    continue
-                new = self._new_params.get(id(p))
+                new = self._new_params.get(p)
                 if new is None:
                     raise ValueError(
                         f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "
@@ -126,13 +125,13 @@ class DTensorStrategy(Strategy):
                         "together with its optimizer (accelerator.prepare(model, optimizer)), and build the "
                         "optimizer from that model's parameters"
                     )
-                swapped[id(p)] = new
+                swapped[p] = new
                 params.append(new)
             group["params"] = params
         if optimizer.state:
             state = {}
             for p, s in list(optimizer.state.items()):
-                state[swapped.get(id(p), p)] = s
+                state[swapped.get(p, p)] = s
             optimizer.state.clear()
             optimizer.state.update(state)
         return optimizer
@@ -148,7 +147,7 @@ class DTensorStrategy(Strategy):
         processes. Changes nothing."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         pending = self.pending_grads()
-        grads = [pending.get(id(p), p.grad) for p in params]
+        grads = [pending.get(p, p.grad) for p in params]
         return local_norm(grads, norm_type, params=params)
 
     def clip_grad_value_(self, parameters: Params, clip_value: float) -> None:

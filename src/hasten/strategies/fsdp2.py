@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
@@ -227,9 +228,9 @@ class FSDP2Strategy(DTensorStrategy):
         """After each step the optimizer really takes (not on accumulation micro-steps, not when
         the fp16 scaler skips it: the inner step does not run then), precompute the float8 scales
         of the models it trains, in one all-reduce, as torchao asks."""
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held = set(p for group in optimizer.param_groups for p in group["params"])  # hashed by identity
         models = [ref for ref in self._fp8_models
-                  if ref() is not None and any(id(p) in held for p in ref().parameters())]
+                  if ref() is not None and any(p in held for p in ref().parameters())]
         if not models:
             return
         from ..fp8 import precompute_float8_scales
@@ -266,7 +267,7 @@ class FSDP2Strategy(DTensorStrategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return self._sync_off(model)
 
-    def pending_grads(self) -> dict[int, torch.Tensor]:
+    def pending_grads(self) -> Any:
         """FSDP2 keeps micro-step gradients unsharded beside each parameter until the sync step (the
         sharded ``.grad`` is still None)."""
         return _unreduced_grads([ref() for ref in self._sharded_models if ref() is not None])
@@ -300,13 +301,13 @@ def _place_unsharded(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, buffer.to(device))
 
 
-def _unreduced_grads(models: list[nn.Module]) -> dict[int, torch.Tensor]:
-    """id(sharded parameter) -> the unsharded gradient FSDP2 accumulated for it without reducing
+def _unreduced_grads(models: list[nn.Module]) -> Any:
+    """sharded parameter -> the unsharded gradient FSDP2 accumulated for it without reducing
     (``set_requires_gradient_sync(False)``), for the parameters that have one. FSDP2 offers no public
     way to read them, so this looks at its parameter groups (``FSDPParam``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    out: dict[int, torch.Tensor] = {}
+    out = WeakIdKeyDictionary()  # keyed by the parameter objects
     for model in models:
         for module in model.modules():
             if not isinstance(module, FSDPModule):
@@ -320,7 +321,7 @@ def _unreduced_grads(models: list[nn.Module]) -> dict[int, torch.Tensor]:
                     if grad is None and hasattr(fp, "_unsharded_param"):
                         grad = fp._unsharded_param.grad
                     if grad is not None:
-                        out[id(fp.sharded_param)] = grad
+                        out[fp.sharded_param] = grad
             except AttributeError as e:
                 raise RuntimeError(f"clip_grad_norm_ on an accumulation micro-step cannot read FSDP2's accumulated "
                                    f"gradients with torch {torch.__version__} ({e}); call it where "
