@@ -18,8 +18,9 @@ from ..topology import DataParallel
 
 DIMS = AXES  # the mesh order, outermost first (hasten.layout)
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
+# ``dp_shard_sp`` is hasten's: what FSDP2 shards over with sequence parallelism (sp processes hold the same weights).
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+             "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_shard_sp": ("dp_shard", "sp")}
 
 
 class _MeshSpelling(Spelling):
