@@ -65,3 +65,14 @@ def test_context_parallelism_is_refused_only_where_it_has_no_kernel():
     problem = layout.device_problem("xpu")
     assert "cp_size=2 runs on CUDA or the CPU, not on xpu" in problem and "sp_size=2" in problem
     assert "\n" not in problem
+
+
+def test_sequence_parallelism_under_deepspeed_is_one_clear_refusal():
+    import pytest
+
+    for config, deepspeed in ((ParallelismConfig(sp_size=2), True), (ParallelismConfig(sp_size=2, sp_backend="deepspeed"), False)):
+        with pytest.raises(ValueError) as info:
+            config.check(2, sharded=False, device_type="cpu", deepspeed=deepspeed)
+        text = str(info.value)
+        assert "sp_size=2 with" in text and "sp_backend='hasten'" in text and "\n" not in text
+    ParallelismConfig(sp_size=2).check(2, sharded=False, device_type="cpu")  # hasten's own, under DDP

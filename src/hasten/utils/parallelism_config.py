@@ -308,8 +308,16 @@ class ParallelismConfig:
         return Layout.from_config(self, world_size)
 
     # -- checks before the process group ----------------------------------------------------------
-    def check(self, world_size: int, sharded: bool, device_type: str) -> None:
-        """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
+    def check(self, world_size: int, sharded: bool, device_type: str, deepspeed: bool = False) -> None:
+        """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on;
+        ``deepspeed``: DeepSpeed's engine is)."""
+        if self.sp_size > 1 and (deepspeed or self.sp_backend == "deepspeed"):
+            # DeepSpeed 0.19.8's UlyssesSPAttentionHF runs here (a 2-process gloo probe: forward and backward), but
+            # hasten does not hand its groups to deepspeed.initialize (mpu) nor adapt the loader yet.
+            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} with "
+                             f"{'DeepSpeed' if deepspeed else repr('deepspeed') + ' as sp_backend'}: hasten does not run "
+                             "DeepSpeed's Ulysses (UlyssesSPAttentionHF) yet; use sp_backend='hasten' (hasten's own "
+                             "all-to-all) with DDP or FSDP2 and no deepspeed_plugin, or sp_size=1 under DeepSpeed")
         layout = Layout.asked(self.sizes(), world_size)
         if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
