@@ -84,8 +84,8 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records about the layout it was written with."""
-        # without a pipeline, the record a checkpoint had before the pp axis existed (same manifests)
-        mesh = {name: size for name, size in self.mesh.shape.items() if name != "pp" or size > 1}
+        # without a pipeline (sequence parallelism), the record a checkpoint had before the pp (sp) axis existed
+        mesh = {name: size for name, size in self.mesh.shape.items() if name not in ("pp", "sp") or size > 1}
         return {"strategy": type(self).__name__, "mesh": mesh, "state_dict": self.checkpoint_format}
 
     def checkpoint_backend(self) -> Any:
