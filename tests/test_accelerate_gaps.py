@@ -188,8 +188,10 @@ def test_ulysses_adapter_returns_the_loader_without_sequence_parallelism() -> No
     acc = Accelerator()
     loader = acc.prepare(torch.utils.data.DataLoader(list(range(4)), batch_size=2))
     assert acc.deepspeed_ulysses_dl_adapter(loader, nn.Linear(1, 1)) is loader
-    with pytest.raises(ValueError, match="sp_size"):
-        ParallelismConfig(sp_size=2)  # where Ulysses would be needed, hasten refuses with the alternative
+    config = ParallelismConfig(sp_size=2)  # hasten's own Ulysses: a mesh axis, counted as Accelerate counts it
+    assert (config.sp_backend, config.total_size, config.non_dp_dim_names) == ("hasten", 2, ["sp"])
+    with pytest.raises(ValueError, match="cp_size=2 with sp_size=2: context and sequence parallelism"):
+        ParallelismConfig(cp_size=2, sp_size=2)  # Accelerate's rule: they exclude each other
 
 
 # -- 2. a bf16-prepared model under torch.compile(fullgraph=True) ------------------------------------

@@ -37,10 +37,12 @@ def cli(monkeypatch, tmp_path):
     (["--num_processes", "4", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "3"],
      ["dp_shard_size 2", "tp_size 3", "= 6 processes", "runs 4"]),
     (["--num_processes", "1", "--parallelism_config_tp_size", "2"], ["= 2 processes", "runs 1"]),
-    (["--num_processes", "2", "--parallelism_config_cp_size", "2"],
-     ["cp_size 2 (command line --parallelism_config_cp_size)", "needs GPUs", "CPU",
-      "--parallelism_config_dp_shard_size 2"]),
-    (["--num_processes", "2", "--parallelism_config_sp_size", "2"], ["sp_size 2", "not available"]),
+    (["--num_processes", "4", "--parallelism_config_cp_size", "2", "--parallelism_config_sp_size", "2"],
+     ["cp_size 2 (command line --parallelism_config_cp_size)", "sp_size 2 (command line --parallelism_config_sp_size)",
+      "both split the sequences", "--parallelism_config_cp_size 1", "--parallelism_config_sp_size 1"]),
+    (["--num_processes", "4", "--parallelism_config_sp_size", "2", "--parallelism_config_tp_size", "2"],
+     ["sp_size 2", "tp_size 2", "composes with data parallelism", "--parallelism_config_tp_size 1"]),
+    (["--num_processes", "2", "--parallelism_config_sp_size", "3"], ["sp_size 3", "= 3 processes", "runs 2"]),
     (["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_tp_size", "2"],
      ["dp_replicate_size 2", "tp_size 2", "dp_shard_size 1", "--parallelism_config_dp_shard_size 2"]),
 ])
@@ -56,9 +58,9 @@ def test_layout_from_config_file_and_environment_is_checked_naming_the_source(cl
                    "parallelism_config:\n  parallelism_config_tp_size: 3\n")
     err = one_line_error(capsys, ["launch", "--config_file", str(cfg), "train.py"])
     assert f"tp_size 3 (config file {cfg}: parallelism_config.parallelism_config_tp_size)" in err, err
-    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "4")
     err = one_line_error(capsys, ["launch", "--cpu", "--num_processes", "2", "train.py"])
-    assert "cp_size 2 (environment PARALLELISM_CONFIG_CP_SIZE)" in err and "needs GPUs" in err, err
+    assert "sp_size 4 (environment PARALLELISM_CONFIG_SP_SIZE)" in err and "runs 2" in err, err
 
 
 def test_layouts_that_fit_are_accepted(cli):
@@ -74,12 +76,17 @@ def test_layouts_that_fit_are_accepted(cli):
              "--parallelism_config_tp_size", "4", "train.py")
     # dp_replicate alone (plain replication) fits by its product.
     plan_for("--cpu", "--num_processes", "2", "--parallelism_config_dp_replicate_size", "2", "train.py")
+    # Context parallelism runs on the CPU (torch's ring with the CPU kernel); sequence parallelism anywhere.
+    plan_for("--cpu", "--num_processes", "2", "--parallelism_config_cp_size", "2", "train.py")
+    sp = plan_for("--cpu", "--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
+                  "--parallelism_config_sp_size", "2", "train.py")
+    assert sp.child_env["PARALLELISM_CONFIG_SP_SIZE"] == "2"
 
 
 def test_real_command_starts_nothing_and_imports_no_torch(tmp_path):
     """The real `hasten launch`: exit 2, one line, and the script never ran (it would write a file)."""
     env = clean_env(tmp_path / "absent.yaml", CUDA_VISIBLE_DEVICES="")
-    for sizes in (["--parallelism_config_tp_size", "3"], ["--parallelism_config_cp_size", "2"]):
+    for sizes in (["--parallelism_config_tp_size", "3"], ["--parallelism_config_sp_size", "3"]):
         rc, out, err, _ = hasten(["launch", "--cpu", "--num_processes", "2", *sizes, script("launch_env.py"),
                                   tmp_path], env, timeout=60)
         assert rc == 2, (rc, out, err)

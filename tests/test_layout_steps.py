@@ -24,10 +24,11 @@ def test_every_axis_of_the_table_reaches_config_launcher_fields_and_mesh():
         name = f"parallelism_config_{axis.name}_size"
         assert name in keys and name in flags, name
         assert f"{axis.name}_size" in config_fields and axis.name in layout_fields, axis.name
-    assert DIMS == AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert DIMS == AXES == ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")  # Accelerate's order, with pp
     assert DATA_AXES == ("dp_replicate", "dp_shard")
     sizes = ParallelismConfig(pp_size=2, dp_shard_size=3, tp_size=5).sizes()
-    assert sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 3, "cp": 1, "tp": 5}
+    assert sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 3, "cp": 1, "sp": 1, "tp": 5}
+    assert ParallelismConfig(dp_replicate_size=2, sp_size=3).total_size == 6  # sp counts, as in Accelerate
 
 
 def _target(module, whole=None, checkpoint=None, shard=None, **sizes):
@@ -36,14 +37,16 @@ def _target(module, whole=None, checkpoint=None, shard=None, **sizes):
 
 
 def test_the_steps_a_module_needs_come_in_one_order():
-    assert [s.name for s in STEPS] == ["context_parallel", "tensor_plan", "activation_checkpointing", "sharding"]
+    assert [s.name for s in STEPS] == ["context_parallel", "sequence_parallel", "tensor_plan",
+                                       "activation_checkpointing", "sharding"]
     model = nn.Linear(2, 2)
     noop = lambda m: None  # noqa: E731
     assert [s.name for s in steps_for(_target(model))] == []
     assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop))] == \
         ["activation_checkpointing", "sharding"]
     assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop, cp=2, tp=2))] == \
-        [s.name for s in STEPS]
+        [s.name for s in STEPS if s.name != "sequence_parallel"]
+    assert [s.name for s in steps_for(_target(model, shard=noop, sp=2))] == ["sequence_parallel", "sharding"]
     assert _target(nn.Linear(2, 2), whole=model).is_stage and not _target(model).is_stage
 
 
@@ -52,3 +55,24 @@ def test_lay_out_applies_the_engine_steps_in_order():
     done = lay_out(_target(nn.Linear(2, 2), checkpoint=lambda m: seen.append("checkpoint"),
                            shard=lambda m: seen.append("shard")))
     assert seen == ["checkpoint", "shard"] and done == ["activation_checkpointing", "sharding"]
+
+
+def test_context_parallelism_is_refused_only_where_it_has_no_kernel():
+    from hasten.layout import Layout
+
+    layout = Layout.from_sizes({"dp_shard": 1, "cp": 2}, world_size=2)
+    assert layout.device_problem("cpu") is None and layout.device_problem("cuda") is None
+    problem = layout.device_problem("xpu")
+    assert "cp_size=2 runs on CUDA or the CPU, not on xpu" in problem and "sp_size=2" in problem
+    assert "\n" not in problem
+
+
+def test_sequence_parallelism_under_deepspeed_is_one_clear_refusal():
+    import pytest
+
+    for config, deepspeed in ((ParallelismConfig(sp_size=2), True), (ParallelismConfig(sp_size=2, sp_backend="deepspeed"), False)):
+        with pytest.raises(ValueError) as info:
+            config.check(2, sharded=False, device_type="cpu", deepspeed=deepspeed)
+        text = str(info.value)
+        assert "sp_size=2 with" in text and "sp_backend='hasten'" in text and "\n" not in text
+    ParallelismConfig(sp_size=2).check(2, sharded=False, device_type="cpu")  # hasten's own, under DDP

@@ -71,7 +71,7 @@ def test_layout_holds_every_axis_in_mesh_order():
     from hasten.strategies.mesh import DIMS
     from hasten.utils import ParallelismConfig
 
-    assert AXES == DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert AXES == DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
     layout = Layout.from_config(ParallelismConfig(pp_size=2, dp_shard_size=2, tp_size=2), world_size=8)
     assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep) == (2, 1, 2, 1, 2, 1)
     assert layout.enabled == ("pp", "dp_shard", "tp") and layout.product == 8

@@ -140,9 +140,8 @@ def test_bad_layouts_fail_before_any_process_group_work():
     assert len(lines) == 4 and all(line.startswith("ERROR") for line in lines), out.stdout
     assert "tp_size=4 = 4 processes, but this job runs 2" in lines[0]
     assert "dp_shard_size=2 x cp_size=1 x tp_size=2 = 4 processes" in lines[1]
-    assert "cp_size=2 needs GPUs" in lines[2]
-    assert "this job runs on the CPU with dp_replicate_size=1 x dp_shard_size=1 x cp_size=2 x tp_size=1" in lines[2]
-    assert "use cp_size=1 and give those processes to dp_shard_size (dp_shard_size=2, with fsdp_plugin)" in lines[2]
+    # cp runs on the CPU now (torch's ring with the CPU kernel), under FSDP2 only
+    assert "cp_size=2 shards the model over dp_shard x cp with FSDP2" in lines[2]
     assert "dp_shard_size=2 shards the model with FSDP2" in lines[3]
 
 
@@ -169,7 +168,9 @@ def test_parallelism_config_reads_accelerate_environment(monkeypatch):
 @pytest.mark.parametrize("kwargs, named", [
     (dict(tp_size=0), "tp_size=0"),
     (dict(dp_shard_size="two"), "dp_shard_size='two'"),
-    (dict(sp_size=2), "sp_size=2"),
+    (dict(sp_backend="ulysses"), "sp_backend='ulysses'"),
+    (dict(cp_size=2, sp_size=2), "cp_size=2 with sp_size=2"),
+    (dict(sp_size=2, tp_size=2), "sp_size=2 with tp_size=2"),
     (dict(cp_backend="ring"), "cp_backend='ring'"),
     (dict(dp_replicate_size=2, tp_size=2), "dp_replicate_size=2 with tp_size=2"),
 ])
@@ -195,7 +196,7 @@ def test_unknown_tp_plan_key_and_style_are_named():
         resolve_plan(model, None)
 
 
-# -- context parallelism: the CPU-checkable parts (the ring attention itself needs CUDA) ---------------
+# -- context parallelism: the one-process parts (2 processes: test_sequence_split.py) ------------------
 def test_maybe_context_parallel_is_a_no_op_without_cp(fresh_state, caplog):
     from hasten import Accelerator
     from hasten.utils import ParallelismConfig
@@ -211,7 +212,7 @@ def test_maybe_context_parallel_is_a_no_op_without_cp(fresh_state, caplog):
         from hasten.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert "context parallelism is off (cp_size=1)" in caplog.text
+    assert "context and sequence parallelism are off (cp_size=1, sp_size=1)" in caplog.text
 
 
 def test_cp_comm_strategy_is_checked():

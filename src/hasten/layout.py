@@ -6,7 +6,7 @@ check a layout with, so each rule and its message exist once. Only the wording o
 who speaks: ``Spelling`` says ``tp_size=2`` for a Python argument, the launcher's says
 ``tp_size 2 (command line --parallelism_config_tp_size)`` and asks for its flags.
 
-Mesh order (``AXES``, outermost first): ``pp, dp_replicate, dp_shard, cp, tp``. Ranks are laid out row-major,
+Mesh order (``AXES``, outermost first): ``pp, dp_replicate, dp_shard, cp, sp, tp`` (Accelerate's, with pp). Ranks are laid out row-major,
 so the tensor-parallel ranks of one replica are consecutive (one machine, the most traffic) and the
 pipeline axis is outermost (only point-to-point activations between neighbouring stages cross machines).
 ``ep`` (expert parallelism) is reserved: a field at 1, refused above 1, so adding it later is one more axis here.
@@ -33,7 +33,8 @@ AXIS_TABLE = (
     Axis("pp", False, "Pipeline stages' processes (pipeline parallelism; the outermost mesh dimension)."),
     Axis("dp_replicate", True, "Full copies of the model (HSDP with dp_shard_size > 1)."),
     Axis("dp_shard", True, "Processes one copy is sharded over (FSDP2; needs --use_fsdp)."),
-    Axis("cp", False, "Processes a sequence is split over (context parallelism; GPUs only)."),
+    Axis("cp", False, "Processes a sequence is split over (context parallelism: ring attention; CUDA or CPU)."),
+    Axis("sp", False, "Processes a sequence is split over (sequence parallelism: Ulysses all-to-all over heads)."),
     Axis("tp", False, "Processes each layer is split over (tensor parallelism)."),
 )
 AXES = tuple(axis.name for axis in AXIS_TABLE)  # the mesh order, outermost first
@@ -75,6 +76,7 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
+    sp: int = 1
     tp: int = 1
     ep: int = 1  # reserved (RESERVED)
 
@@ -147,15 +149,19 @@ class Layout:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp > 1
+
     def mesh_names_and_shape(self, keep: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The torch mesh's dimension names and sizes: the axes larger than 1 (or kept), in mesh order."""
         names = tuple(n for n in AXES if getattr(self, n) > 1 or n in keep) or ("dp_shard",)
         return names, tuple(getattr(self, n) for n in names)
 
     def shown(self, spelling: Optional[Spelling] = None) -> str:
-        """``pp_size=2 x dp_replicate_size=1 x ...`` (pp only when used)."""
+        """``pp_size=2 x dp_replicate_size=1 x ...`` (pp and sp only when used)."""
         spelling = spelling or Spelling()
-        names = [n for n in AXES if (getattr(self, n) > 1 if spelling.only_enabled else n != "pp" or self.pp > 1)]
+        names = [n for n in AXES if getattr(self, n) > 1 or (not spelling.only_enabled and n not in ("pp", "sp"))]
         return " x ".join(spelling.size(n, getattr(self, n)) for n in names or ["dp_shard"])
 
     # -- the rules ------------------------------------------------------------------------------------
@@ -181,19 +187,35 @@ class Layout:
                 f"tensor/context parallelism composes with FSDP2, not with plain replication; use "
                 f"{s.use('dp_shard', self.dp_replicate)} and {s.use('dp_replicate', 1)} (with {s.fsdp})")
 
-    def device_problem(self, device_type: str, spelling: Optional[Spelling] = None) -> Optional[str]:
-        """Context parallelism needs CUDA."""
-        if self.cp == 1 or device_type == "cuda":
+    def sequence_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """Sequence parallelism (Ulysses, ``sp``) splits the same sequences context parallelism does, so
+        the two exclude each other (as Accelerate's rule), and it composes with data parallelism only."""
+        if self.sp == 1:
             return None
         s = spelling or Spelling()
-        return (f"{s.prefix}{s.size('cp', self.cp)} needs GPUs (context parallelism runs attention with CUDA "
-                f"kernels); this job runs on the {device_type.upper()} with {self.shown(s)}, so use {s.use('cp', 1)} "
-                f"and give those processes to dp_shard_size ({s.use('dp_shard', self.dp_shard * self.cp)}, with "
-                f"{s.fsdp})")
+        if self.cp > 1:
+            return (f"{s.prefix}{s.size('cp', self.cp)} with {s.size('sp', self.sp)}: context and sequence "
+                    f"parallelism both split the sequences; use one of them ({s.use('cp', 1)} or {s.use('sp', 1)})")
+        other = [a for a in ("tp", "pp") if getattr(self, a) > 1]
+        if other:
+            return (f"{s.prefix}{s.size('sp', self.sp)} with {s.size(other[0], getattr(self, other[0]))}: sequence "
+                    f"parallelism composes with data parallelism (dp_replicate, dp_shard) only in hasten; use "
+                    f"{s.use(other[0], 1)}, or {s.use('cp', self.sp)} instead of sp")
+        return None
+
+    def device_problem(self, device_type: str, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """Context parallelism runs torch's ring attention with the CUDA kernels, or hasten's CPU path
+        (``strategies/ring_attention.py``); other devices have neither."""
+        if self.cp == 1 or device_type in ("cuda", "cpu"):
+            return None
+        s = spelling or Spelling()
+        return (f"{s.prefix}{s.size('cp', self.cp)} runs on CUDA or the CPU, not on {device_type} (torch's ring "
+                f"attention has no kernel there); use {s.use('cp', 1)}, or {s.use('sp', self.cp)} (sequence "
+                f"parallelism: all-to-all, any device)")
 
     def check(self, spelling: Optional[Spelling] = None, device_type: Optional[str] = None) -> "Layout":
         """Raise ``ValueError`` with the first rule this layout breaks; return it otherwise."""
-        problem = (self.mismatch(spelling) or self.composition_problem(spelling)
+        problem = (self.mismatch(spelling) or self.composition_problem(spelling) or self.sequence_problem(spelling)
                    or (self.device_problem(device_type, spelling) if device_type else None))
         if problem:
             raise ValueError(problem)

@@ -89,7 +89,7 @@ def accumulation_plugin(steps: Any, plugin: Optional[GradientAccumulationPlugin]
             raise ValueError(f"HASTEN_GRADIENT_ACCUMULATION_STEPS={steps} is invalid; use a whole number >= 1")
     return GradientAccumulationPlugin(num_steps=steps)
 
-def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
+def check_parallelism(config: Any, cpu: bool, sharded: bool, deepspeed: bool = False) -> Any:
     """The ``ParallelismConfig`` to use (given, else from the environment), checked against the job's size
     before the process group exists, so that a wrong layout fails on every process with the same message."""
     from .utils.parallelism_config import ParallelismConfig, parallelism_config_from_env
@@ -110,7 +110,7 @@ def check_parallelism(config: Any, cpu: bool, sharded: bool) -> Any:
     else:
         topology = detect_topology()
         world, device = topology.world_size, pick_device(topology, cpu or parse_flag("USE_CPU")).type
-    config.check(world, sharded, device)
+    config.check(world, sharded, device, deepspeed=deepspeed)
     return config
 
 

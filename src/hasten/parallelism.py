@@ -55,13 +55,15 @@ class ParallelLayoutMixin:
         return self._parallelism_config
 
     def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
-        """The loader for DeepSpeed Ulysses sequence parallelism; hasten has none (``sp_size`` must be 1,
-        ``ParallelismConfig`` refuses more), so ``dl`` is returned as it is, as Accelerate does at sp_size 1.
-        For long sequences, use ``cp_size`` (context parallelism)."""
+        """Accelerate's loader for DeepSpeed's Ulysses. At ``sp_size`` 1 it returns ``dl`` as it is (as
+        Accelerate's); above, hasten's Ulysses splits each batch's sequences in the loop instead, with
+        ``accelerator.maybe_context_parallel(buffers=..., buffer_seq_dims=...)``, so it is refused with that fix."""
         sp_size = getattr(self.parallelism_config, "sp_size", 1) or 1
-        if sp_size > 1:  # not reachable through ParallelismConfig; an object made otherwise is refused
-            raise ValueError(f"deepspeed_ulysses_dl_adapter: sp_size={sp_size}: DeepSpeed Ulysses sequence "
-                             "parallelism is not available in hasten; use ParallelismConfig(cp_size=...) instead")
+        if sp_size > 1:
+            raise ValueError(f"deepspeed_ulysses_dl_adapter: sp_size={sp_size}: hasten's sequence parallelism splits the "
+                             "sequences inside the loop; keep the prepared loader and wrap forward and backward in "
+                             "accelerator.maybe_context_parallel(buffers=[input_ids, shift_labels, position_ids], "
+                             "buffer_seq_dims=[1, 1, 1])")
         return dl
 
     @property
@@ -105,26 +107,55 @@ class ParallelLayoutMixin:
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: Optional[list] = None, buffer_seq_dims: Optional[list[int]] = None,
                                no_restore_buffers: Optional[set] = None) -> Iterator[None]:
-        """Run the block with each sequence split over the context-parallel processes (``cp_size > 1``).
+        """Run the block with each sequence split over the context-parallel (``cp_size > 1``) or
+        sequence-parallel (``sp_size > 1``) processes.
 
         ``buffers`` (input ids, labels, position ids; not parameters) are sharded in place along their
         ``buffer_seq_dims`` and restored on exit, except those in ``no_restore_buffers``; attention
-        must be causal ``scaled_dot_product_attention``. Enter it anew for every step. With
-        ``cp_size == 1`` (or no ``parallelism_config``) it changes nothing (one warning says so), so
-        the same loop runs with and without context parallelism.
+        must be causal, without a padding mask. cp cuts each sequence into ``2 x cp_size`` chunks (load
+        balancing), sp into ``sp_size`` contiguous slices. Enter it anew for every step, around forward
+        and backward. With both sizes 1 (or no ``parallelism_config``) it changes nothing (one warning
+        says so), so the same loop runs with and without them.
         """
         config = self.parallelism_config
-        if config is None or config.cp_size == 1:
+        cp, sp = (getattr(config, "cp_size", 1), getattr(config, "sp_size", 1)) if config is not None else (1, 1)
+        if cp == 1 and sp == 1:
             from .logging import get_logger
 
-            get_logger(__name__).warning_once("maybe_context_parallel: context parallelism is off (cp_size=1); the "
-                                              "block runs unchanged. Set ParallelismConfig(cp_size=N) to turn it on")
+            get_logger(__name__).warning_once("maybe_context_parallel: context and sequence parallelism are off "
+                                              "(cp_size=1, sp_size=1); the block runs unchanged. Set "
+                                              "ParallelismConfig(cp_size=N) or (sp_size=N) to turn one on")
             yield
             return
-        from .strategies.context_parallel import sharded_sequences
+        from .strategies import context_parallel
 
-        with sharded_sequences(self.strategy.mesh["cp"], buffers, buffer_seq_dims, no_restore_buffers):
+        if sp > 1:
+            with context_parallel.split_for_sequence_parallel(self.strategy.mesh["sp"], buffers, buffer_seq_dims,
+                                                              no_restore_buffers):
+                yield
+            return
+        with context_parallel.sharded_sequences(self.strategy.mesh["cp"], buffers, buffer_seq_dims, no_restore_buffers):
             yield
+
+    def loss_over_sequence(self, loss: Any, num_tokens: Any) -> Any:
+        """The mean over all tokens of the sequences split over the cp or sp processes, from this
+        process's ``loss`` (the mean over its ``num_tokens`` tokens, e.g. labels other than -100).
+
+        Every process of a cp/sp group gets the same value; backward gives each its tokens' share, so
+        the gradients the engine averages are those of the all-token mean, also when the processes
+        hold different numbers of tokens. With cp and sp off it returns ``loss`` unchanged.
+        """
+        config = self.parallelism_config
+        axis = "sp" if getattr(config, "sp_size", 1) > 1 else "cp" if getattr(config, "cp_size", 1) > 1 else None
+        if axis is None:
+            return loss
+        from .strategies.sequence_parallel import loss_over_sequence
+
+        return loss_over_sequence(loss, num_tokens, self.strategy.mesh[axis].get_group())
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self._coordinate("sp", "Sequence")
 
     def verify_device_map(self, model: Any) -> bool:
         """Whether ``model`` was loaded spread over several devices (an ``hf_device_map`` with >1 entry)."""

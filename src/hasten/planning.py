@@ -132,7 +132,8 @@ def make_plan(
     pg_handler = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
     if pg_handler.hang_timeout is not None:
         progress.set_hang_timeout(pg_handler.hang_timeout)
-    parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None)
+    parallelism_config = check_parallelism(parallelism_config, cpu, sharded=fsdp_plugin is not None,
+                                           deepspeed=deepspeed_plugin is not None)
     state = AcceleratorState(mixed_precision, cpu, dynamo_plugin=dynamo_plugin, deepspeed_plugin=deepspeed_plugin,
                              fsdp_plugin=fsdp_plugin, _from_accelerator=True, **pg_handler.to_kwargs())
     try:

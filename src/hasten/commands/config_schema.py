@@ -216,7 +216,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
         *(Key(f"parallelism_config_{axis}_size", "int", None, minimum=1) for axis in AXES),  # hasten.layout
         Key("parallelism_config_cp_backend", "choice", None, ("torch",)),
         Key("parallelism_config_cp_comm_strategy", "str", None),
-        Key("parallelism_config_sp_size", "int", None, minimum=1),
+        Key("parallelism_config_sp_backend", "choice", None, ("hasten", "deepspeed")),
         # Checked (with did-you-mean) by ParallelismConfig's own rule when hasten launch reads it.
         Key("parallelism_config_pp_schedule", "str", None),
         Key("parallelism_config_pp_microbatches", "int", None, minimum=1),

@@ -20,7 +20,7 @@ from ..utils.parallelism_config import check_pipeline, split_points
 from .errors import HastenCLIError
 from .launch_settings import Resolved
 
-SIZES = tuple(f"{axis}_size" for axis in AXES)  # mesh order: pp, dp_replicate, dp_shard, cp, tp
+SIZES = tuple(f"{axis}_size" for axis in AXES)  # mesh order: pp, dp_replicate, dp_shard, cp, sp, tp
 PIPELINE = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split_points")
 
 
@@ -55,19 +55,16 @@ def check_layout(res: Resolved, procs: int, device: str) -> None:
     """Raise ``HastenCLIError`` when the parallelism settings cannot run ``procs`` processes on ``device``.
 
     The ranks' rules: nothing asked (no size given, or all 1) fits any job; otherwise the product of
-    the sizes is the number of processes; cp_size > 1 needs CUDA; sp_size must stay 1; tp/cp with
+    the sizes is the number of processes; cp_size > 1 runs on CUDA or the CPU; cp and sp exclude each
+    other, sp composes with data parallelism only; tp/cp with
     replication need dp_shard (FSDP2); the pipeline's schedule, microbatches and split points.
     """
-    given = {s: res[f"parallelism_config_{s}"] for s in SIZES + ("sp_size",)}
+    given = {s: res[f"parallelism_config_{s}"] for s in SIZES}
     pipeline = {p: res[f"parallelism_config_{p}"] for p in PIPELINE}
     if all(v is None for v in given.values()) and all(v is None for v in pipeline.values()):
         return
     sizes = {s: 1 if v is None else int(v) for s, v in given.items()}
     spelling = _LaunchSpelling(res, procs)
-    if sizes["sp_size"] > 1:
-        raise HastenCLIError(f"{spelling.size('sp', sizes['sp_size'])}: DeepSpeed sequence parallelism is not "
-                             f"available in hasten; drop {_flag('sp_size')} (or set it to 1) and use "
-                             f"{_flag('cp_size')} on GPUs")
     try:
         layout = Layout.asked({s[:-len("_size")]: sizes[s] for s in SIZES}, procs)
         if layout is not None:

@@ -192,7 +192,7 @@ _FP8 = [_fp8_setting(key) for key in SECTIONS["fp8_config"]]
 _PAR_HELP = {
     **{f"parallelism_config_{axis.name}_size": axis.help for axis in AXIS_TABLE},  # hasten.layout
     "parallelism_config_cp_backend": "torch.", "parallelism_config_cp_comm_strategy": "Stored for compatibility.",
-    "parallelism_config_sp_size": "DeepSpeed sequence parallelism (not available; keep 1).",
+    "parallelism_config_sp_backend": "hasten (its own all-to-all, the default) or deepspeed (Accelerate's name).",
     "parallelism_config_pp_schedule": "Pipeline schedule, torch's name: GPipe, 1F1B (default), Interleaved1F1B, "
                                       "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.",
     "parallelism_config_pp_microbatches": "Microbatches each batch is split into (at least the number of stages).",

@@ -63,12 +63,18 @@ class Strategy:
         self.state: PartialState = plan.state
         # ActivationCheckpointingKwargs (or None): applied to each trained model's blocks in wrap_model
         self.activation_checkpointing = getattr(plan, "activation_checkpointing", None)
+        self.parallelism_config = getattr(plan, "parallelism_config", None)
         self.mesh = self.build_mesh()
         self.precision = self.build_precision(plan.mixed_precision, plan.handler(GradScalerKwargs),
                                               plan.handler(AutocastKwargs))
 
     def build_mesh(self) -> ParallelMesh:
-        """The process layout; every process is a full replica unless a subclass says otherwise."""
+        """The process layout; every process is a full replica unless a subclass says otherwise, or
+        sequence parallelism splits sequences over some of them (DDP then averages over dp x sp)."""
+        config = self.parallelism_config
+        if config is not None and config.sp_size > 1:
+            return ParallelMesh(config.sizes(), self.state.process_index, self.state.num_processes,
+                                self.state.device.type)
         return ParallelMesh.replicated(self.state)
 
     def build_precision(self, mode: str, scaler_kwargs: Optional[GradScalerKwargs],
@@ -78,8 +84,8 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records about the layout it was written with."""
-        # without a pipeline, the record a checkpoint had before the pp axis existed (same manifests)
-        mesh = {name: size for name, size in self.mesh.shape.items() if name != "pp" or size > 1}
+        # without a pipeline (sequence parallelism), the record a checkpoint had before the pp (sp) axis existed
+        mesh = {name: size for name, size in self.mesh.shape.items() if name not in ("pp", "sp") or size > 1}
         return {"strategy": type(self).__name__, "mesh": mesh, "state_dict": self.checkpoint_format}
 
     def checkpoint_backend(self) -> Any:

@@ -100,8 +100,8 @@ class FSDP2Strategy(DTensorStrategy):
 
     def _shard_mesh(self) -> Any:
         sizes = self.mesh.sizes
-        # With context parallelism the cp processes shard the model too (Accelerate's dp_shard_cp).
-        shard = "dp_shard_cp" if sizes["cp"] > 1 else "dp_shard"
+        # With context (sequence) parallelism the cp (sp) processes shard the model too (Accelerate's dp_shard_cp).
+        shard = "dp_shard_cp" if sizes["cp"] > 1 else "dp_shard_sp" if sizes["sp"] > 1 else "dp_shard"
         if sizes["dp_replicate"] > 1:
             # HSDP: replicated over dp_replicate, sharded over the shard dimension. With a shard dimension
             # of size 1 every process holds the full parameters and gradients are all-reduced: replication.

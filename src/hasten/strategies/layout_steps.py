@@ -5,7 +5,10 @@ A prepared model is an engine (``DDPStrategy``: a replica per process; ``FSDP2St
 the steps of ``STEPS`` that its layout needs, applied by ``lay_out`` in this order to each module the
 engine trains (the whole model, or each pipeline stage after the split):
 
-1. ``context_parallel`` (``cp``): attention made to run on a sequence shard (causal SDPA, no mask);
+1. ``context_parallel`` (``cp``): attention made to run on a sequence shard (causal SDPA, no mask; on
+   the CPU routed to torch's ring with the CPU kernel, ``ring_attention.py``);
+   ``sequence_parallel`` (``sp``): attention routed through Ulysses' all-to-all over heads
+   (``sequence_parallel.py``); cp and sp exclude each other;
 2. ``tensor_plan`` (``tp``): the planned layers split with ``parallelize_module``;
 3. ``activation_checkpointing``: the blocks wrapped; after the plan (it matches module names the
    wrapper changes), before sharding (FSDP2 then shards the blocks inside the wrappers);
@@ -65,7 +68,13 @@ class Step:
 def _context_parallel(target: Target) -> None:
     from .context_parallel import prepare_model
 
-    prepare_model(target.module, getattr(target.config, "cp_handler", None))
+    prepare_model(target.module, getattr(target.config, "cp_handler", None), target.mesh.device_type)
+
+
+def _sequence_parallel(target: Target) -> None:
+    from .sequence_parallel import prepare_model
+
+    prepare_model(target.module, target.size("sp"))
 
 
 def tensor_plan(target: Target) -> dict[str, Any]:
@@ -91,6 +100,7 @@ def _tensor_plan(target: Target) -> None:
 
 STEPS: tuple[Step, ...] = (
     Step("context_parallel", "cp", lambda t: t.size("cp") > 1, _context_parallel),
+    Step("sequence_parallel", "sp", lambda t: t.size("sp") > 1, _sequence_parallel),
     Step("tensor_plan", "tp", lambda t: t.size("tp") > 1, _tensor_plan),
     Step("activation_checkpointing", None, lambda t: t.checkpoint is not None, lambda t: t.checkpoint(t.module)),
     Step("sharding", "dp_shard", lambda t: t.shard is not None, lambda t: t.shard(t.module)),

@@ -18,8 +18,11 @@ from ..topology import DataParallel
 
 DIMS = AXES  # the mesh order, outermost first (hasten.layout)
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
+# ``dp_shard_sp`` is hasten's: what FSDP2 shards over with sequence parallelism (sp processes hold the same weights).
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+             "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_shard_sp": ("dp_shard", "sp")}
+# Joint dimensions that are not Accelerate's: made only when the axis they exist for is enabled.
+ONLY_WITH = {"dp_shard_sp": "sp"}
 
 
 class _MeshSpelling(Spelling):
@@ -54,6 +57,8 @@ def flatten_joint(mesh: Any, sizes: dict[str, int]) -> dict[str, Any]:
     flattened = {}
     for joint, parts in FLATTENED.items():
         enabled = [n for n in parts if sizes.get(n, 1) > 1]
+        if joint in ONLY_WITH and sizes.get(ONLY_WITH[joint], 1) == 1:
+            continue
         if enabled:
             flattened[joint] = mesh[enabled]._flatten(joint)
     return flattened

@@ -21,6 +21,8 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 # Schedules that run several stages on each process (``pp_stages_per_rank`` > 1; V-shaped ones exactly 2).
 PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 PP_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# "hasten": hasten's own Ulysses all-to-all; "deepspeed": Accelerate's name for DeepSpeed's (refused where it cannot run).
+SP_BACKENDS = ("hasten", "deepspeed")
 
 
 def _did_you_mean(value: str, choices: tuple) -> str:
@@ -102,7 +104,11 @@ class ParallelismConfig:
         tp_size: processes one layer's weights are split over (tensor parallelism, DTensor).
         cp_size: processes one sequence is split over (context parallelism; needs a GPU).
         cp_backend: "torch" (the only one).
-        sp_size: DeepSpeed sequence parallelism; not available in hasten (must stay 1).
+        sp_size: processes one sequence is split over with Ulysses sequence parallelism (all-to-all over the
+            attention heads; ``hasten/strategies/sequence_parallel.py``). A mesh axis, counted in ``total_size``
+            as in Accelerate; excludes ``cp_size``.
+        sp_backend: "hasten" (the default: hasten's own all-to-all, with one process, DDP or FSDP2) or
+            "deepspeed" (Accelerate's default: DeepSpeed's Ulysses; refused, see ``docs/sharded.md``).
         tp_plan: hasten's addition: a ``parallelize_module`` plan, ``{module name or pattern:
             ParallelStyle or "colwise"/"rowwise"/...}``, used instead of the model's own plan
             (transformers' ``base_model_tp_plan``).
@@ -130,15 +136,16 @@ class ParallelismConfig:
     pp_split_points: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
-        for name in _SIZES + ("sp_size",):
+        for name in _SIZES:
             setattr(self, name, _size(name, getattr(self, name)))
         self.cp_backend = self.cp_backend or os.environ.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
         if self.cp_backend != "torch":
             raise ValueError(f"ParallelismConfig: cp_backend={self.cp_backend!r}; use 'torch'")
-        if self.sp_size > 1:
-            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} (DeepSpeed sequence parallelism) is not "
-                             "available in hasten; use cp_size for context parallelism, or sp_size=1")
-        problem = self.layout(self.total_size).composition_problem()  # one rule: hasten.layout
+        self.sp_backend = self.sp_backend or os.environ.get("PARALLELISM_CONFIG_SP_BACKEND") or "hasten"
+        if self.sp_backend not in SP_BACKENDS:
+            raise ValueError(f"ParallelismConfig: sp_backend={self.sp_backend!r}; use one of {list(SP_BACKENDS)}")
+        layout = self.layout(self.total_size)  # its rules: hasten.layout
+        problem = layout.composition_problem() or layout.sequence_problem()
         if problem:
             raise ValueError(problem)
         if self.cp_size > 1 and self.cp_handler is None:  # as Accelerate: the handler holds the environment's choice
@@ -174,7 +181,11 @@ class ParallelismConfig:
     # -- views ------------------------------------------------------------------------------------
     @property
     def total_size(self) -> int:
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.pp_size
+        """The product of every axis's size (Accelerate's, which counts sp too; hasten's pp as well)."""
+        total = 1
+        for name in _SIZES:
+            total *= getattr(self, name)
+        return total
 
     @property
     def data_parallel_size(self) -> int:
@@ -182,7 +193,7 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        return self.tp_size * self.cp_size * self.pp_size
+        return self.tp_size * self.cp_size * self.sp_size * self.pp_size
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -205,8 +216,9 @@ class ParallelismConfig:
         return {axis: getattr(self, f"{axis}_size") for axis in AXES}
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _SIZES + ("cp_backend", "pp_schedule", "pp_microbatches",
-                                                               "pp_stages_per_rank", "pp_split_points")}
+        return {name: getattr(self, name) for name in _SIZES + ("cp_backend", "sp_backend", "pp_schedule",
+                                                               "pp_microbatches", "pp_stages_per_rank",
+                                                               "pp_split_points")}
 
     # Accelerate's names of the enabled dimensions (lists, as Accelerate's), in mesh order.
     @property
@@ -217,7 +229,7 @@ class ParallelismConfig:
     @property
     def non_dp_dim_names(self) -> list[str]:
         """The enabled dimensions whose processes receive the same batch."""
-        return [n for n in ("tp", "cp") if self.sizes()[n] > 1]
+        return [n for n in ("tp", "cp", "sp") if self.sizes()[n] > 1]
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
@@ -296,8 +308,16 @@ class ParallelismConfig:
         return Layout.from_config(self, world_size)
 
     # -- checks before the process group ----------------------------------------------------------
-    def check(self, world_size: int, sharded: bool, device_type: str) -> None:
-        """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on)."""
+    def check(self, world_size: int, sharded: bool, device_type: str, deepspeed: bool = False) -> None:
+        """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on;
+        ``deepspeed``: DeepSpeed's engine is)."""
+        if self.sp_size > 1 and (deepspeed or self.sp_backend == "deepspeed"):
+            # DeepSpeed 0.19.8's UlyssesSPAttentionHF runs here (a 2-process gloo probe: forward and backward), but
+            # hasten does not hand its groups to deepspeed.initialize (mpu) nor adapt the loader yet.
+            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} with "
+                             f"{'DeepSpeed' if deepspeed else repr('deepspeed') + ' as sp_backend'}: hasten does not run "
+                             "DeepSpeed's Ulysses (UlyssesSPAttentionHF) yet; use sp_backend='hasten' (hasten's own "
+                             "all-to-all) with DDP or FSDP2 and no deepspeed_plugin, or sp_size=1 under DeepSpeed")
         layout = Layout.asked(self.sizes(), world_size)
         if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
