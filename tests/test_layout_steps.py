@@ -76,3 +76,16 @@ def test_sequence_parallelism_under_deepspeed_is_one_clear_refusal():
         text = str(info.value)
         assert "sp_size=2 with" in text and "sp_backend='hasten'" in text and "\n" not in text
     ParallelismConfig(sp_size=2).check(2, sharded=False, device_type="cpu")  # hasten's own, under DDP
+
+
+def test_cpu_ring_attention_names_the_torch_version_when_its_private_ring_changed(monkeypatch):
+    """The CPU path of context parallelism drives torch's private ring code: a torch without it is one
+    clear error naming the version and the way out, not an AttributeError deep inside a step."""
+    import pytest
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    from hasten.strategies import ring_attention
+
+    monkeypatch.delattr(_attention, "_templated_ring_attention")  # what a later torch may do
+    with pytest.raises(RuntimeError, match=r"torch \S+ differs.*sp_size"):
+        ring_attention.load_balancing()

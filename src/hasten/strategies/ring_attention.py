@@ -29,10 +29,34 @@ import torch.distributed as dist
 SEQ_DIM = 2  # (batch, heads, sequence, head_dim): the layout the attention kernels take
 
 
-def _torch_ring() -> Any:
-    from torch.distributed.tensor.experimental._context_parallel import _attention
+# torch's private ring-attention pieces this module drives (written against torch 2.13).
+_NEEDED = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "_context_parallel_buffers")
 
+
+def _unsupported(what: str) -> RuntimeError:
+    return RuntimeError(f"context parallelism on the CPU drives torch's private ring attention ({what}), written "
+                        f"against torch 2.13; torch {torch.__version__} differs. Use torch 2.13 for cp on the CPU, "
+                        "run context parallelism on CUDA (torch's public context_parallel), or use sp_size instead")
+
+
+def _torch_ring() -> Any:
+    """torch's ring-attention module, checked: one clear error naming the torch version where it changed."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError as e:
+        raise _unsupported(f"torch.distributed.tensor.experimental._context_parallel._attention: {e}") from None
+    missing = [name for name in _NEEDED if not hasattr(_attention, name)]
+    if missing:
+        raise _unsupported(f"_attention lacks {missing}")
     return _attention
+
+
+def _call(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A call into torch's private ring code; a changed signature is named as such, not as a wrong result."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as e:
+        raise _unsupported(f"{what}: {e}") from None
 
 
 def load_balancing() -> bool:
@@ -48,7 +72,7 @@ class _CPURingAttention(torch.autograd.Function):
                 scale: Optional[float]) -> torch.Tensor:
         ring = _torch_ring()
         aten = torch.ops.aten
-        out, lse = ring._templated_ring_attention(
+        out, lse = _call("_templated_ring_attention", ring._templated_ring_attention,
             group, SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu.default, query, key, value,
             is_causal=True, dropout_p=0.0, scale=scale)[:2]
         ctx.save_for_backward(query, key, value, out, lse)
@@ -62,7 +86,7 @@ class _CPURingAttention(torch.autograd.Function):
             raise RuntimeError("context parallelism: torch's load-balancing option changed between forward and "
                                "backward; run backward inside the same accelerator.maybe_context_parallel block")
         ring = _torch_ring()
-        grads = ring._templated_ring_attention_backward(
+        grads = _call("_templated_ring_attention_backward", ring._templated_ring_attention_backward,
             ctx.group, SEQ_DIM, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
             grad_out=grad_out.contiguous(), grad_out_name="grad_out", query=query, key=key, value=value, out=out,
             logsumexp=lse, is_causal=True, dropout_p=0.0, scale=ctx.scale)
@@ -89,9 +113,12 @@ def shard_sequences(cp_mesh: Any, buffers: list[torch.Tensor], seq_dims: list[in
     process ``i`` keeps chunks ``i`` and ``2 x cp - 1 - i``) when load balancing is on, in contiguous
     equal shards otherwise."""
     ring = _torch_ring()
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-        _create_default_load_balancer,
-    )
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _create_default_load_balancer,
+        )
+    except ImportError as e:
+        raise _unsupported(f"the default load balancer: {e}") from None
 
     if not buffers:
         return []
@@ -105,4 +132,5 @@ def shard_sequences(cp_mesh: Any, buffers: list[torch.Tensor], seq_dims: list[in
     if load_balancing() and balancer is None:
         raise ValueError(f"maybe_context_parallel: sequence length {length} is not a multiple of {2 * size} "
                          f"(2 x cp_size, the load-balanced chunks); pad the sequences to a multiple of {2 * size}")
-    return ring._context_parallel_buffers(cp_mesh, list(buffers), list(seq_dims), balancer)
+    return _call("_context_parallel_buffers", ring._context_parallel_buffers, cp_mesh, list(buffers), list(seq_dims),
+                 balancer)
