@@ -30,6 +30,16 @@ def _qwen3_moe(experts: int = 4) -> nn.Module:
     return Qwen3MoeForCausalLM(cfg)
 
 
+def _mixtral(experts: int = 4) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2,
+                        output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=32)
+    return MixtralForCausalLM(cfg)
+
+
 class PlainMoE(nn.Module):
     """A plain PyTorch MoE block: a router and an experts module of the documented contract."""
 
@@ -68,9 +78,9 @@ def _batches(world: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (PER_RANK * world, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference(batches):
+def _reference(batches, build):
     """One process, the whole batch: losses, aux losses, clip norms, first gradients, final weights."""
-    model = _qwen3_moe()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, aux, norms, grads = [], [], [], None
     for x in batches:
@@ -95,9 +105,9 @@ def _mean(acc, value: torch.Tensor) -> float:
     return float(acc.reduce(value.detach().reshape(1), reduction="mean"))
 
 
-def _train_ep(acc):
+def _train_ep(acc, build=_qwen3_moe):
     rank, world = acc.process_index, acc.num_processes
-    model = _qwen3_moe()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     batches = _batches(world)
@@ -113,7 +123,7 @@ def _train_ep(acc):
             grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    ref = _reference(batches)
+    ref = _reference(batches, build)
     weights = acc.strategy.model_state_dict(model, everyone=True)
     worst = {
         "loss": max(abs(a - b) for a, b in zip(losses, ref["loss"])),
@@ -150,6 +160,23 @@ def check_ep_equals_one_process_and_checkpoints():
     acc.wait_for_everyone()
     report["mesh"] = repr(acc.strategy.mesh)
     report["opt_state"] = len(opt.state)
+    return report
+
+
+def check_ep_with_hsdp_equals_one_process():
+    """ep=2 over dp_shard=2, replicated twice (dp_replicate=2, 4 processes): the experts' mesh is
+    (dp_replicate, efsdp); their gradients are averaged over all 4 data-parallel processes."""
+    if int(os.environ["WORLD_SIZE"]) != 4:
+        return "skipped"
+    _, _, report = _train_ep(_accelerator(dp_replicate_size=2, dp_shard_size=2, ep_size=2))
+    return report
+
+
+def check_mixtral_ep_equals_one_process():
+    """Mixtral's own base_model_ep_plan, the same comparison (2 processes)."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    _, _, report = _train_ep(_accelerator(ep_size=2), build=_mixtral)
     return report
 
 

@@ -30,16 +30,17 @@ def two(tmp_path_factory):
 def four(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ep4"))
     report = run_checks("checks_expert_parallel", world_size=4, env={"EP_TMP": tmp},
-                        only=["check_ep_equals_one_process_and_checkpoints"])
+                        only=["check_ep_equals_one_process_and_checkpoints", "check_ep_with_hsdp_equals_one_process"])
     report.tmp = tmp
     return report
 
 
-def _judge_equivalence(report, local_shape):
-    for r in report.assert_passed("check_ep_equals_one_process_and_checkpoints"):
+def _judge_equivalence(report, local_shape, check="check_ep_equals_one_process_and_checkpoints", model="Qwen3Moe",
+                       dims=("efsdp", "ep")):
+    for r in report.assert_passed(check):
         assert all(v <= TOLERANCE for v in r["worst"].values()), r["worst"]
-        assert r["class"] == "FSDPExpertParallelQwen3MoeExperts" and r["local_experts"] == 2
-        assert r["expert_mesh"] == ["efsdp", "ep"] and r["local_shape"] == local_shape
+        assert r["class"] == f"FSDPExpertParallel{model}Experts" and r["local_experts"] == 2
+        assert r["expert_mesh"] == list(dims) and r["local_shape"] == local_shape, r
         assert r["aux"] == pytest.approx(r["ref_aux"], abs=TOLERANCE)  # the whole batch's router statistics
     return r
 
@@ -56,6 +57,16 @@ def test_ep2_with_fsdp2_on_four_processes_equals_one_process(four):
     each expert shard once (the norms agree with one process)."""
     r = _judge_equivalence(four, [1, 32, 32])  # 2 experts per ep rank, FSDP2 keeps 1 each
     assert r["mesh"] == "ParallelMesh(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2)"
+
+
+def test_ep2_with_hsdp_on_four_processes_equals_one_process(four):
+    """dp_replicate=2 x dp_shard=2, ep=2: the experts replicated over dp_replicate, split over ep."""
+    _judge_equivalence(four, [2, 32, 32], "check_ep_with_hsdp_equals_one_process",
+                       dims=("dp_replicate", "efsdp", "ep"))
+
+
+def test_mixtral_under_its_own_ep_plan_equals_one_process(two):
+    _judge_equivalence(two, [2, 32, 32], "check_mixtral_ep_equals_one_process", "Mixtral")
 
 
 def test_plain_pytorch_moe_split_by_its_plan_equals_one_process(two):

@@ -48,8 +48,6 @@ AXES = tuple(axis.name for axis in AXIS_TABLE if not axis.borrows)  # the mesh o
 SIZED_AXES = tuple(axis.name for axis in AXIS_TABLE)  # every ``<name>_size`` setting (the mesh's and borrowed)
 BORROWED = tuple(axis.name for axis in AXIS_TABLE if axis.borrows)
 DATA_AXES = tuple(axis.name for axis in AXIS_TABLE if axis.data)  # flattened into the data-parallel rank
-# Axes with a place in the object but no implementation yet: size 1 only, and why (none today).
-RESERVED: dict[str, str] = {}
 
 
 class Spelling:
@@ -94,9 +92,6 @@ class Layout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 shown = name if name == "world_size" else f"{name}_size"
                 raise ValueError(f"{shown}={value!r} must be a whole number >= 1")
-        for name, why in RESERVED.items():
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}_size={getattr(self, name)}: {why}")
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
