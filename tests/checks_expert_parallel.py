@@ -159,6 +159,7 @@ def check_ep_equals_one_process_and_checkpoints():
         torch.save({k: v.cpu() for k, v in full.items()}, os.path.join(tmp, "ep_weights.pt"))
     acc.wait_for_everyone()
     report["mesh"] = repr(acc.strategy.mesh)
+    report["recorded"] = acc.strategy.describe()["mesh"]
     report["opt_state"] = len(opt.state)
     return report
 

@@ -50,6 +50,7 @@ def test_ep2_on_two_processes_equals_one_process_with_aux_loss(two):
     3 AdamW steps with clipping: each within 1e-5 of one process on the same global batch."""
     r = _judge_equivalence(two, [2, 32, 32])  # 2 of 4 experts, not sharded further (efsdp = 1)
     assert r["mesh"] == "ParallelMesh(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2)"
+    assert r["recorded"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2}  # in the manifest
 
 
 def test_ep2_with_fsdp2_on_four_processes_equals_one_process(four):
