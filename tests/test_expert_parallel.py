@@ -38,6 +38,7 @@ def four(tmp_path_factory):
 def _judge_equivalence(report, local_shape, check="check_ep_equals_one_process_and_checkpoints", model="Qwen3Moe",
                        dims=("efsdp", "ep")):
     for r in report.assert_passed(check):
+        print(check, "largest differences from one process:", r["worst"])
         assert all(v <= TOLERANCE for v in r["worst"].values()), r["worst"]
         assert r["class"] == f"FSDPExpertParallel{model}Experts" and r["local_experts"] == 2
         assert r["expert_mesh"] == list(dims) and r["local_shape"] == local_shape, r
