@@ -13,6 +13,8 @@ from torch import nn
 
 from distributed import reset_state
 from hasten import Accelerator
+from hasten.activation_checkpointing import strip_checkpoint_prefix
+from hasten.strategies.expert_parallel import expert_modules
 from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
 from hasten.utils.parallelism_config import ParallelismConfig
 
@@ -120,7 +122,7 @@ def _train_ep(acc, build=_qwen3_moe):
         aux.append(float(out.aux_loss.detach()))  # the whole batch's, the same on every process
         norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
         if grads is None:  # after clipping, as in the reference
-            grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+            grads = {strip_checkpoint_prefix(n): _full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
     ref = _reference(batches, build)
@@ -133,7 +135,7 @@ def _train_ep(acc, build=_qwen3_moe):
         "weights": max(float((weights[k].cpu() - ref["weights"][k]).abs().max()) for k in ref["weights"]),
     }
     assert set(grads) == set(ref["grads"]), sorted(set(grads) ^ set(ref["grads"]))
-    experts = model.model.layers[0].mlp.experts
+    experts = expert_modules(model)[0]  # the first layer's
     return model, opt, {"worst": worst, "aux": aux, "ref_aux": ref["aux"], "class": type(experts).__name__,
                         "local_experts": experts.num_experts,
                         "expert_placements": str(experts.gate_up_proj.placements),
@@ -141,9 +143,9 @@ def _train_ep(acc, build=_qwen3_moe):
                         "local_shape": list(experts.gate_up_proj.to_local().shape)}
 
 
-def _accelerator(**sizes) -> Accelerator:
+def _accelerator(plugin=None, **sizes) -> Accelerator:
     reset_state()
-    return Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=Plugin(fsdp_version=2))
+    return Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=plugin or Plugin(fsdp_version=2))
 
 
 def check_ep_equals_one_process_and_checkpoints():
@@ -170,6 +172,17 @@ def check_ep_with_hsdp_equals_one_process():
     if int(os.environ["WORLD_SIZE"]) != 4:
         return "skipped"
     _, _, report = _train_ep(_accelerator(dp_replicate_size=2, dp_shard_size=2, ep_size=2))
+    return report
+
+
+def check_ep_with_decoder_layers_wrapped_and_checkpointed():
+    """FSDP2 per decoder layer (the experts inside, sharded on their own mesh first) and activation
+    checkpointing of those layers (the recomputed forward exchanges the tokens again): the same numbers."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    plugin = Plugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", activation_checkpointing=True)
+    model, _, report = _train_ep(_accelerator(plugin, ep_size=2))
+    report["checkpointed"] = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
     return report
 
 

@@ -67,6 +67,11 @@ def test_ep2_with_hsdp_on_four_processes_equals_one_process(four):
                        dims=("dp_replicate", "efsdp", "ep"))
 
 
+def test_ep_with_layers_wrapped_and_activation_checkpointing_equals_one_process(two):
+    r = _judge_equivalence(two, [2, 32, 32], "check_ep_with_decoder_layers_wrapped_and_checkpointed")
+    assert r["checkpointed"] == 2  # both decoder layers
+
+
 def test_mixtral_under_its_own_ep_plan_equals_one_process(two):
     _judge_equivalence(two, [2, 32, 32], "check_mixtral_ep_equals_one_process", "Mixtral")
 

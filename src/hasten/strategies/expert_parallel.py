@@ -181,7 +181,8 @@ def is_expert_parallel(module: nn.Module) -> bool:
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The experts modules of ``model`` split over ``ep`` (post-order, as FSDP2 wants its children)."""
+    """The experts modules of ``model`` split over ``ep``, in ``modules()`` order (FSDP2 shards them before
+    the blocks holding them)."""
     return [m for m in model.modules() if is_expert_parallel(m)]
 
 
