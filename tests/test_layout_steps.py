@@ -37,14 +37,14 @@ def _target(module, whole=None, checkpoint=None, shard=None, **sizes):
 
 
 def test_the_steps_a_module_needs_come_in_one_order():
-    assert [s.name for s in STEPS] == ["context_parallel", "sequence_parallel", "tensor_plan",
+    assert [s.name for s in STEPS] == ["context_parallel", "sequence_parallel", "tensor_plan", "expert_parallel",
                                        "activation_checkpointing", "sharding"]
     model = nn.Linear(2, 2)
     noop = lambda m: None  # noqa: E731
     assert [s.name for s in steps_for(_target(model))] == []
     assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop))] == \
         ["activation_checkpointing", "sharding"]
-    assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop, cp=2, tp=2))] == \
+    assert [s.name for s in steps_for(_target(model, checkpoint=noop, shard=noop, cp=2, tp=2, ep=2))] == \
         [s.name for s in STEPS if s.name != "sequence_parallel"]
     assert [s.name for s in steps_for(_target(model, shard=noop, sp=2))] == ["sequence_parallel", "sharding"]
     assert _target(nn.Linear(2, 2), whole=model).is_stage and not _target(model).is_stage

@@ -80,8 +80,9 @@ def test_layout_holds_every_axis_in_mesh_order():
     with pytest.raises(ValueError, match=r"pp_size=2 x dp_replicate_size=1 x dp_shard_size=2 x cp_size=1 x "
                                          r"tp_size=2 = 8 processes, but this job runs 4"):
         Layout.from_config(ParallelismConfig(pp_size=2, dp_shard_size=2, tp_size=2), world_size=4).check()
-    with pytest.raises(ValueError, match="ep_size=2: expert parallelism is not available"):
-        Layout(world_size=2, ep=2)
+    assert Layout(world_size=2, dp_shard=2, ep=2).check().product == 2  # ep borrows dp_shard: no factor
+    with pytest.raises(ValueError, match="ep_size=4 does not divide dp_shard_size=2"):
+        Layout(world_size=2, dp_shard=2, ep=4).check()
     with pytest.raises(ValueError, match="tp_size=0 must be a whole number >= 1"):
         Layout(world_size=2, tp=0)
 

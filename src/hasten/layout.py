@@ -9,7 +9,12 @@ who speaks: ``Spelling`` says ``tp_size=2`` for a Python argument, the launcher'
 Mesh order (``AXES``, outermost first): ``pp, dp_replicate, dp_shard, cp, sp, tp`` (Accelerate's, with pp). Ranks are laid out row-major,
 so the tensor-parallel ranks of one replica are consecutive (one machine, the most traffic) and the
 pipeline axis is outermost (only point-to-point activations between neighbouring stages cross machines).
-``ep`` (expert parallelism) is reserved: a field at 1, refused above 1, so adding it later is one more axis here.
+
+``ep`` (expert parallelism) is an axis of the table but not of the mesh order: it *borrows* processes
+(``Axis.borrows``) instead of multiplying them. The routed experts are split over ``ep`` consecutive
+``dp_shard`` processes, which still read different batches and shard everything else; so ``ep`` is no
+factor of the product rule. Its own rule (``Layout.expert_problem``) is written here once: ep divides
+the processes it borrows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Axis:
     name: str
     data: bool
     help: str
+    borrows: Optional[str] = None  # the mesh axis whose processes it reuses (no factor of the product rule)
 
 
 AXIS_TABLE = (
@@ -36,11 +42,13 @@ AXIS_TABLE = (
     Axis("cp", False, "Processes a sequence is split over (context parallelism: ring attention; CUDA or CPU)."),
     Axis("sp", False, "Processes a sequence is split over (sequence parallelism: Ulysses all-to-all over heads)."),
     Axis("tp", False, "Processes each layer is split over (tensor parallelism)."),
+    Axis("ep", False, "Processes the routed experts of a mixture-of-experts model are split over (expert "
+                      "parallelism; borrows dp_shard processes, needs --use_fsdp).", borrows="dp_shard"),
 )
-AXES = tuple(axis.name for axis in AXIS_TABLE)  # the mesh order, outermost first
+AXES = tuple(axis.name for axis in AXIS_TABLE if not axis.borrows)  # the mesh order, outermost first
+SIZED_AXES = tuple(axis.name for axis in AXIS_TABLE)  # every ``<name>_size`` setting (the mesh's and borrowed)
+BORROWED = tuple(axis.name for axis in AXIS_TABLE if axis.borrows)
 DATA_AXES = tuple(axis.name for axis in AXIS_TABLE if axis.data)  # flattened into the data-parallel rank
-# Axes with a place in the object but no implementation yet: size 1 only, and why.
-RESERVED = {"ep": "expert parallelism is not available in hasten; keep ep_size=1"}
 
 
 class Spelling:
@@ -78,17 +86,14 @@ class Layout:
     cp: int = 1
     sp: int = 1
     tp: int = 1
-    ep: int = 1  # reserved (RESERVED)
+    ep: int = 1  # borrowed from dp_shard (expert_problem), no factor of the product
 
     def __post_init__(self) -> None:
-        for name in ("world_size",) + AXES + tuple(RESERVED):
+        for name in ("world_size",) + SIZED_AXES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 shown = name if name == "world_size" else f"{name}_size"
                 raise ValueError(f"{shown}={value!r} must be a whole number >= 1")
-        for name, why in RESERVED.items():
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}_size={getattr(self, name)}: {why}")
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -97,20 +102,23 @@ class Layout:
         names = {f.name for f in fields(cls)} - {"world_size"}
         unknown = sorted(set(sizes) - names)
         if unknown:
-            raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(AXES)}")
+            raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(SIZED_AXES)}")
         return cls(world_size, **{name: sizes[name] for name in sizes})
 
     @classmethod
     def from_config(cls, config: Any, world_size: int) -> "Layout":
         """The layout a ``ParallelismConfig`` asks for on ``world_size`` processes."""
-        return cls.from_sizes(config.sizes(), world_size)
+        return cls.from_sizes(config.all_sizes() if hasattr(config, "all_sizes") else config.sizes(), world_size)
 
     @classmethod
     def asked(cls, sizes: Mapping[str, Any], world_size: int) -> Optional["Layout"]:
         """The layout ``sizes`` ask for, or None when they ask for nothing (every size 1 on several
-        processes: the strategy lays the job out itself, DDP replicas or FSDP2 over all)."""
+        processes: the strategy lays the job out itself, DDP replicas or FSDP2 over all). ``ep`` alone
+        asks for FSDP2's own layout, every process one ``dp_shard``, with the experts split over ``ep``."""
         layout = cls.from_sizes(sizes, world_size)
-        return None if layout.product == 1 and world_size > 1 else layout
+        if layout.product == 1 and world_size > 1:
+            return cls.from_sizes({**sizes, "dp_shard": world_size}, world_size) if layout.ep > 1 else None
+        return layout
 
     # -- views ----------------------------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -187,6 +195,24 @@ class Layout:
                 f"tensor/context parallelism composes with FSDP2, not with plain replication; use "
                 f"{s.use('dp_shard', self.dp_replicate)} and {s.use('dp_replicate', 1)} (with {s.fsdp})")
 
+    def expert_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
+        """Expert parallelism borrows ``ep`` consecutive ``dp_shard`` processes: ep divides dp_shard_size.
+        (Borrowing cp or tp processes, and pipeline stages with experts split, are not available yet.)"""
+        if self.ep == 1:
+            return None
+        s = spelling or Spelling()
+        if self.pp > 1 or self.cp > 1 or self.sp > 1 or self.tp > 1:
+            other = next(n for n in ("pp", "cp", "sp", "tp") if getattr(self, n) > 1)
+            return (f"{s.prefix}{s.size('ep', self.ep)} with {s.size(other, getattr(self, other))}: expert parallelism "
+                    f"borrows dp_shard processes only (with pp, cp, sp or tp it is not available yet); use "
+                    f"{s.use(other, 1)} and give those processes to dp_shard_size")
+        if self.dp_shard % self.ep:
+            fits = max(d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0 and d <= self.ep)
+            return (f"{s.prefix}{s.size('ep', self.ep)} does not divide {s.size('dp_shard', self.dp_shard)}: the "
+                    f"experts are split over ep of the dp_shard processes (it borrows them, it does not add any); "
+                    f"use {s.use('ep', fits)} or a dp_shard_size that ep divides")
+        return None
+
     def sequence_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
         """Sequence parallelism (Ulysses, ``sp``) splits the same sequences context parallelism does, so
         the two exclude each other (as Accelerate's rule), and it composes with data parallelism only."""
@@ -216,6 +242,7 @@ class Layout:
     def check(self, spelling: Optional[Spelling] = None, device_type: Optional[str] = None) -> "Layout":
         """Raise ``ValueError`` with the first rule this layout breaks; return it otherwise."""
         problem = (self.mismatch(spelling) or self.composition_problem(spelling) or self.sequence_problem(spelling)
+                   or self.expert_problem(spelling)
                    or (self.device_problem(device_type, spelling) if device_type else None))
         if problem:
             raise ValueError(problem)

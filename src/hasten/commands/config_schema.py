@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from ..utils import constants
 from ..files.durable import atomic_write
-from ..layout import AXES
+from ..layout import SIZED_AXES
 from ..utils.dataclasses import DistributedType, DynamoBackend
 from .errors import HastenCLIError, MissingFileError, did_you_mean
 
@@ -213,7 +213,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
         Key("fsdp_ignored_modules", "str", None),
     ),
     "parallelism_config": _keys(
-        *(Key(f"parallelism_config_{axis}_size", "int", None, minimum=1) for axis in AXES),  # hasten.layout
+        *(Key(f"parallelism_config_{axis}_size", "int", None, minimum=1) for axis in SIZED_AXES),  # hasten.layout
         Key("parallelism_config_cp_backend", "choice", None, ("torch",)),
         Key("parallelism_config_cp_comm_strategy", "str", None),
         Key("parallelism_config_sp_backend", "choice", None, ("hasten", "deepspeed")),

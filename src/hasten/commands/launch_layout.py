@@ -15,12 +15,12 @@ keep that check.
 
 from __future__ import annotations
 
-from ..layout import AXES, Layout, Spelling
+from ..layout import SIZED_AXES, Layout, Spelling
 from ..utils.parallelism_config import check_pipeline, split_points
 from .errors import HastenCLIError
 from .launch_settings import Resolved
 
-SIZES = tuple(f"{axis}_size" for axis in AXES)  # mesh order: pp, dp_replicate, dp_shard, cp, sp, tp
+SIZES = tuple(f"{axis}_size" for axis in SIZED_AXES)  # mesh order (pp, dp_replicate, dp_shard, cp, sp, tp), then ep
 PIPELINE = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split_points")
 
 

@@ -86,6 +86,8 @@ class Strategy:
         """What a checkpoint records about the layout it was written with."""
         # without a pipeline (sequence parallelism), the record a checkpoint had before the pp (sp) axis existed
         mesh = {name: size for name, size in self.mesh.shape.items() if name not in ("pp", "sp") or size > 1}
+        if getattr(self.mesh, "ep", 1) > 1:  # borrowed from dp_shard; recorded only when the experts were split
+            mesh["ep"] = self.mesh.ep
         return {"strategy": type(self).__name__, "mesh": mesh, "state_dict": self.checkpoint_format}
 
     def checkpoint_backend(self) -> Any:

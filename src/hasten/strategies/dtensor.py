@@ -45,8 +45,9 @@ class DTensorStrategy(Strategy):
         sizes = {"dp_shard": self.state.num_processes}
         if self.parallelism_config is not None and self.parallelism_config.total_size > 1:
             sizes = self.parallelism_config.sizes()
+        ep = getattr(self.parallelism_config, "ep_size", 1) or 1  # borrowed from dp_shard: not a mesh size
         return ParallelMesh(sizes, self.state.process_index, self.state.num_processes, self.state.device.type,
-                            keep=self.mesh_keeps(sizes))
+                            keep=self.mesh_keeps(sizes), ep=ep)
 
     def mesh_keeps(self, sizes: dict[str, int]) -> tuple[str, ...]:
         """Dimensions the torch mesh holds even at size 1 (``ParallelMesh(keep=...)``)."""

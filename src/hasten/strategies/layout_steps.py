@@ -10,9 +10,12 @@ engine trains (the whole model, or each pipeline stage after the split):
    ``sequence_parallel`` (``sp``): attention routed through Ulysses' all-to-all over heads
    (``sequence_parallel.py``); cp and sp exclude each other;
 2. ``tensor_plan`` (``tp``): the planned layers split with ``parallelize_module``;
-3. ``activation_checkpointing``: the blocks wrapped; after the plan (it matches module names the
+3. ``expert_parallel`` (``ep``, borrowed from ``dp_shard``): the experts modules' experts split over the
+   ``ep`` processes, tokens sent to them by all-to-all (``expert_parallel``); by module name, so before
+   checkpointing renames the blocks, and before sharding (FSDP2 shards the experts on their own mesh);
+4. ``activation_checkpointing``: the blocks wrapped; after the plans (they match module names the
    wrapper changes), before sharding (FSDP2 then shards the blocks inside the wrappers);
-4. ``sharding`` (``dp_shard``/``dp_replicate`` under FSDP2): ``fully_shard`` per block, then the root.
+5. ``sharding`` (``dp_shard``/``dp_replicate`` under FSDP2): ``fully_shard`` per block, then the root.
 
 What comes before the steps: the pipeline split (``pp``, ``hasten.pipeline.split``: one model becomes
 this process's stages, each laid out on its own), float8 conversion and regional compilation (the
@@ -50,7 +53,8 @@ class Target:
     shard: Optional[Callable[[nn.Module], None]] = None
 
     def size(self, axis: str) -> int:
-        return self.mesh.sizes.get(axis, 1)
+        """The axis's size: a mesh dimension's, or a borrowed axis's (``ep``: ``mesh.ep``)."""
+        return self.mesh.sizes.get(axis, getattr(self.mesh, axis, 1))
 
     @property
     def is_stage(self) -> bool:
@@ -98,10 +102,17 @@ def _tensor_plan(target: Target) -> None:
         parallelize_module(target.module, target.mesh["tp"], plan)
 
 
+def _expert_parallel(target: Target) -> None:
+    from .expert_parallel import apply_expert_parallel
+
+    apply_expert_parallel(target.module, target.whole, target.mesh, target.config)
+
+
 STEPS: tuple[Step, ...] = (
     Step("context_parallel", "cp", lambda t: t.size("cp") > 1, _context_parallel),
     Step("sequence_parallel", "sp", lambda t: t.size("sp") > 1, _sequence_parallel),
     Step("tensor_plan", "tp", lambda t: t.size("tp") > 1, _tensor_plan),
+    Step("expert_parallel", "ep", lambda t: t.size("ep") > 1, _expert_parallel),
     Step("activation_checkpointing", None, lambda t: t.checkpoint is not None, lambda t: t.checkpoint(t.module)),
     Step("sharding", "dp_shard", lambda t: t.shard is not None, lambda t: t.shard(t.module)),
 )

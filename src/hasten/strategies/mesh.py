@@ -72,18 +72,24 @@ class ParallelMesh:
         rank / world_size: this process and the job's number of processes.
         device_type: "cpu", "cuda", ... (the torch ``DeviceMesh`` is built on it when asked for).
         keep: dimensions the torch mesh holds even at size 1 (FSDP2's shard dimension).
+        ep: processes the routed experts are split over, borrowed from ``dp_shard`` (``expert_mesh``).
     """
 
     def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str = "cpu",
-                 keep: tuple[str, ...] = ()) -> None:
+                 keep: tuple[str, ...] = (), ep: int = 1) -> None:
         unknown = sorted(set(sizes) - set(DIMS))
         if unknown:
             raise ValueError(f"unknown mesh dimension(s) {unknown}; use {list(DIMS)}")
         self.sizes = {name: int(sizes.get(name, 1)) for name in DIMS}
         check_layout(self.sizes, world_size)
+        problem = Layout.from_sizes({**self.sizes, "ep": ep}, world_size).expert_problem(_MeshSpelling())
+        if problem:
+            raise ValueError(problem)
         self.rank, self.world_size, self.device_type = rank, world_size, device_type
         self.keep = tuple(keep)
+        self.ep = ep
         self._device_mesh: Any = None
+        self._expert_mesh: Any = None
         self._flattened: dict[str, Any] = {}
         self._data_parallel: Optional[DataParallel] = None
 
@@ -152,6 +158,23 @@ class ParallelMesh:
             self._device_mesh = mesh
         return self._device_mesh
 
+    def expert_mesh(self) -> Any:
+        """The experts' torch ``DeviceMesh`` (built once, collectively): the same processes as the mesh,
+        with ``dp_shard`` split into ``efsdp`` (outer: the processes holding the same experts, which
+        FSDP2 shards them over) and ``ep`` (inner, consecutive ranks: the processes the experts are
+        split over and tokens travel between), beside ``dp_replicate`` and a size-1 ``etp`` (the
+        processes sharing one batch; tensor parallelism is not borrowed yet). Row-major like the mesh, so
+        a process's ``efsdp * ep + ep`` coordinate is its ``dp_shard`` coordinate. The dense and the expert
+        mesh are two torch meshes: the experts' parameters and their FSDP2 mesh are slices of this one."""
+        if self._expert_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shard = self.sizes["dp_shard"]
+            names = ("dp_replicate", "efsdp", "ep", "etp")
+            shape = (self.sizes["dp_replicate"], shard // self.ep, self.ep, 1)
+            self._expert_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._expert_mesh
+
     def __getitem__(self, names: Any) -> Any:
         """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``,
         or a flattened dimension such as ``mesh["dp_shard_cp"]``)."""
@@ -161,7 +184,8 @@ class ParallelMesh:
         return mesh[names]
 
     def __repr__(self) -> str:
-        return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+        borrowed = f", ep={self.ep}" if self.ep > 1 else ""
+        return "ParallelMesh(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + borrowed + ")"
 
 
 def _strides(sizes: dict[str, int]) -> dict[str, int]:

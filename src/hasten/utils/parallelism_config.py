@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..layout import AXES, Layout
+from ..layout import AXES, SIZED_AXES, Layout
 
-_SIZES = tuple(f"{axis}_size" for axis in AXES)  # one field per axis of hasten.layout
+_SIZES = tuple(f"{axis}_size" for axis in SIZED_AXES)  # one field per axis of hasten.layout (ep included)
 # The pipeline schedules of torch.distributed.pipelining (its own names; tests/test_pipeline_config.py checks
 # this list against torch's registry, so the config stays torch-free and still names what torch has).
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -109,6 +109,12 @@ class ParallelismConfig:
             as in Accelerate; excludes ``cp_size``.
         sp_backend: "hasten" (the default: hasten's own all-to-all, with one process, DDP or FSDP2) or
             "deepspeed" (Accelerate's default: DeepSpeed's Ulysses; refused, see ``docs/sharded.md``).
+        ep_size: processes the routed experts of a mixture-of-experts model are split over (expert
+            parallelism). It borrows ``dp_shard`` processes (it must divide ``dp_shard_size``, or the number
+            of processes when no other size is given) and needs FSDP2; it is no factor of the product rule.
+        ep_plan: hasten's addition: ``{module name or pattern: "experts"}`` naming the experts modules to
+            split, used instead of the model's own plan (transformers' ``base_model_ep_plan``); see
+            ``hasten.strategies.expert_parallel``.
         tp_plan: hasten's addition: a ``parallelize_module`` plan, ``{module name or pattern:
             ParallelStyle or "colwise"/"rowwise"/...}``, used instead of the model's own plan
             (transformers' ``base_model_tp_plan``).
@@ -129,6 +135,8 @@ class ParallelismConfig:
     cp_handler: Any = None
     sp_handler: Any = None
     tp_plan: Optional[dict[str, Any]] = field(default=None, repr=False)
+    ep_size: Optional[int] = None
+    ep_plan: Optional[dict[str, Any]] = field(default=None, repr=False)
     pp_size: Optional[int] = None
     pp_schedule: Optional[str] = None
     pp_microbatches: Optional[int] = None
@@ -156,6 +164,9 @@ class ParallelismConfig:
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict):
             raise TypeError(f"ParallelismConfig: tp_plan must be a dict {{module name: style}}, got "
                             f"{type(self.tp_plan).__name__}")
+        if self.ep_plan is not None and not isinstance(self.ep_plan, dict):
+            raise TypeError(f"ParallelismConfig: ep_plan must be a dict {{module name: 'experts'}}, got "
+                            f"{type(self.ep_plan).__name__}")
 
     def _pipeline_fields(self) -> None:
         """The pipeline's schedule, microbatches, stages per process and split points, each from the
@@ -181,10 +192,11 @@ class ParallelismConfig:
     # -- views ------------------------------------------------------------------------------------
     @property
     def total_size(self) -> int:
-        """The product of every axis's size (Accelerate's, which counts sp too; hasten's pp as well)."""
+        """The product of the mesh axes' sizes (Accelerate's, which counts sp too; hasten's pp as well; not ep,
+        which borrows dp_shard processes)."""
         total = 1
-        for name in _SIZES:
-            total *= getattr(self, name)
+        for size in self.sizes().values():
+            total *= size
         return total
 
     @property
@@ -211,9 +223,17 @@ class ParallelismConfig:
     def cp_enabled(self) -> bool:
         return self.cp_size > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep_size > 1
+
     def sizes(self) -> dict[str, int]:
-        """Size per mesh dimension name (``strategies.mesh.DIMS``)."""
+        """Size per mesh dimension name (``strategies.mesh.DIMS``); ``ep_size`` borrows, so it is not one."""
         return {axis: getattr(self, f"{axis}_size") for axis in AXES}
+
+    def all_sizes(self) -> dict[str, int]:
+        """Size per axis of ``hasten.layout.AXIS_TABLE``: the mesh's and the borrowed ones (``ep``)."""
+        return {axis: getattr(self, f"{axis}_size") for axis in SIZED_AXES}
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SIZES + ("cp_backend", "sp_backend", "pp_schedule",
@@ -318,10 +338,14 @@ class ParallelismConfig:
                              f"{'DeepSpeed' if deepspeed else repr('deepspeed') + ' as sp_backend'}: hasten does not run "
                              "DeepSpeed's Ulysses (UlyssesSPAttentionHF) yet; use sp_backend='hasten' (hasten's own "
                              "all-to-all) with DDP or FSDP2 and no deepspeed_plugin, or sp_size=1 under DeepSpeed")
-        layout = Layout.asked(self.sizes(), world_size)
+        layout = Layout.asked(self.all_sizes(), world_size)
         if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
-        layout.check(device_type=device_type)  # the product, composition and device rules (hasten.layout)
+        layout.check(device_type=device_type)  # the product, composition, expert and device rules (hasten.layout)
+        if self.ep_size > 1 and not sharded:
+            raise ValueError(f"ParallelismConfig: ep_size={self.ep_size} splits the experts over dp_shard processes, "
+                             "which FSDP2 shards; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or "
+                             "hasten launch --use_fsdp")
         if self.cp_size > 1 and not sharded:
             raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} shards the model over dp_shard x cp with "
                              "FSDP2; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "

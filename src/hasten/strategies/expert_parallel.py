@@ -1,0 +1,296 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts model split over the ``ep`` processes.
+
+``ParallelismConfig(ep_size=N)`` (with FSDP2) gives each of ``N`` consecutive ``dp_shard`` processes
+``num_experts / N`` whole experts. The processes keep reading different batches (ep *borrows* them,
+``hasten.layout``); in every experts module, each (token, expert) pair travels to the process that
+holds the expert and the result comes back (two all-to-alls per layer, forward and backward). Applied
+by the ``expert_parallel`` layout step (``layout_steps``), after the tensor plan and before activation
+checkpointing and sharding; FSDP2 then shards the experts over the processes that hold the same
+experts (``efsdp``, ``ParallelMesh.expert_mesh``) and everything else as usual.
+
+**The plan** says which modules are experts modules, as the tensor-parallel plan says which layers
+split: the user's (``ParallelismConfig(ep_plan={"layers.*.moe.experts": "experts"})``), else the
+model's own (transformers' ``config.base_model_ep_plan``: its ``ep_dispatch_experts`` keys name the
+experts modules, its ``grouped_gemm`` keys their weights). ``*`` matches one name part; a key that
+matches nothing is an error. An experts module (transformers' or a plain PyTorch one) must:
+
+- hold its experts' weights as parameters whose first dimension is the expert (``[num_experts, ...]``,
+  e.g. fused ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``), and say ``num_experts``;
+- compute ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``: the
+  routing-weighted sum of the chosen experts' outputs, expert ids in ``[0, num_experts)``.
+
+Its parameters become ``DTensor``s sharded on dimension 0 over ``ep`` (checkpoints and
+``save_model`` see the whole experts); its forward is run on this process's experts only, by
+transformers' own token dispatcher (``transformers.distributed.expert_parallel.AllToAllEP``, the
+all-to-all it uses for training); ``num_experts`` becomes the local count, as transformers does.
+transformers' ``apply_expert_parallelism`` itself is not called: it replaces ``module.forward`` on the
+instance, and hasten replaces no method of a torch or transformers object. Instead the experts
+module's class becomes a subclass of its own (``ExpertParallelExperts`` first in the order), the
+mechanism FSDP2's ``fully_shard`` uses, so names, parameters and hooks stay those of the module.
+
+**The router's auxiliary loss.** transformers computes the load-balancing loss of each process's own
+tokens; the one-process model computes it over the whole batch, and the two differ (it multiplies
+two means). On a transformers MoE model (``router_aux_loss_coef``) a forward hook replaces
+``aux_loss`` (and the part of ``loss`` it made) with the loss of the whole batch: the token counts and
+router probabilities are summed over the data-parallel processes (one all-reduce), and the gradient
+of each process's part is scaled so that the data-parallel average is the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .tp_plan import matches
+
+EXPERTS = "experts"  # hasten's style name: a whole experts module (its first-dimension parameters split)
+_TRANSFORMERS_MODULE = "ep_dispatch_experts"  # transformers' style names in base_model_ep_plan
+_TRANSFORMERS_PARAM = "grouped_gemm"
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own plan (transformers' ``config.base_model_ep_plan``, under the base model)."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_ep_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    return {inner + key: style for key, style in base.items()}
+
+
+def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[str, list[str]]:
+    """``{experts module name: [names of the parameters split on dimension 0]}`` for ``model``."""
+    plan = user_plan if user_plan is not None else model_plan(model)
+    if not plan:
+        raise ValueError(f"ep_size > 1 but {type(model).__name__} has no expert-parallel plan; pass "
+                         "ParallelismConfig(ep_plan={'layers.*.moe.experts': 'experts'}) naming its experts modules "
+                         "(see hasten.strategies.expert_parallel for what such a module computes)")
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    out: dict[str, list[str]] = {}
+    named_params: dict[str, list[str]] = {}
+    for pattern, style in plan.items():
+        style = str(style)
+        if style in (EXPERTS, _TRANSFORMERS_MODULE):
+            found = [n for n in modules if n and matches(pattern, n)]
+            for name in found:
+                out.setdefault(name, [])
+        elif style == _TRANSFORMERS_PARAM:
+            found = [n for n in params if matches(pattern, n)]
+            for name in found:
+                owner, _, param = name.rpartition(".")
+                named_params.setdefault(owner, []).append(param)
+        else:
+            raise ValueError(f"ep_plan[{pattern!r}] = {style!r}: unknown style; use {EXPERTS!r} for an experts module "
+                             f"(transformers' plans: {_TRANSFORMERS_MODULE!r} and {_TRANSFORMERS_PARAM!r})")
+        if not found:
+            raise ValueError(f"ep_plan key {pattern!r} matches no {'parameter' if style == _TRANSFORMERS_PARAM else 'module'}"
+                             f" of {type(model).__name__}; module names look like {[n for n in modules if n][:6]}")
+    for owner, names in named_params.items():
+        if owner not in out:
+            raise ValueError(f"ep_plan splits {owner}.{names[0]} but names no experts module {owner!r} "
+                             f"({_TRANSFORMERS_MODULE!r}); its tokens would not reach the split experts")
+    for name in out:
+        module = modules[name]
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"ep_plan names {name} ({type(module).__name__}), which says no num_experts; an experts "
+                             "module holds num_experts and parameters of shape [num_experts, ...]")
+        split = named_params.get(name) or [n for n, p in module.named_parameters(recurse=False)
+                                           if p.dim() >= 1 and p.shape[0] == count]
+        if not split:
+            raise ValueError(f"{name} ({type(module).__name__}) has no parameter of shape [num_experts={count}, ...] "
+                             "to split over ep")
+        out[name] = split
+    return out
+
+
+def check_experts(model: nn.Module, plan: dict[str, list[str]], ep: int) -> None:
+    """Name an experts module whose number of experts ``ep`` does not divide (before any communication)."""
+    modules = dict(model.named_modules())
+    for name in plan:
+        count = modules[name].num_experts
+        if count % ep:
+            fits = max(d for d in range(1, count + 1) if count % d == 0 and d <= ep)
+            raise ValueError(f"ep_size={ep} does not divide num_experts={count} of {name}: every ep process holds "
+                             f"the same number of whole experts; use ep_size={fits} (or one that divides {count})")
+        if any(p.is_meta for p in modules[name].parameters(recurse=False)):
+            raise ValueError(f"{name} has parameters on the meta device: expert parallelism splits real weights "
+                             "(cpu_ram_efficient_loading with ep_size > 1 is not available yet); build the model "
+                             "with its weights")
+
+
+# -- the experts module ---------------------------------------------------------------------------
+class ExpertParallelExperts:
+    """The first base of an experts module's expert-parallel class (``expert_parallel_class``).
+
+    ``forward`` sends each (token, expert) pair to the process holding the expert and brings the
+    weighted results back (``dispatcher``: transformers' ``AllToAllEP``); the module's own forward
+    runs there on this process's experts (``local_forward``), with the local parts of its DTensor
+    parameters.
+    """
+
+    dispatcher: Any  # set by shard_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.dispatcher(hidden_states, top_k_index, top_k_weights).to(hidden_states.dtype)
+
+    def local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts' own forward on local expert ids ``[0, num_experts / ep)``."""
+        with _local_parameters(self):
+            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+
+
+_CLASSES: dict[type, type] = {}  # experts class -> its expert-parallel subclass (one per class)
+
+
+def expert_parallel_class(cls: type) -> type:
+    """``ExpertParallel<cls>``: ``ExpertParallelExperts`` then ``cls`` (made once per class)."""
+    if issubclass(cls, ExpertParallelExperts):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+    return _CLASSES[cls]
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """The module's DTensor parameters as their local parts (differentiable ``to_local``) for one
+    forward: its own forward mixes them with plain tensors. The DTensors are put back after."""
+    from torch.distributed.tensor import DTensor
+
+    held = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    for name, param in held.items():
+        module._parameters[name] = param.to_local()
+    try:
+        yield
+    finally:
+        for name, param in held.items():
+            module._parameters[name] = param
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    return isinstance(module, ExpertParallelExperts)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules of ``model`` split over ``ep``, in ``modules()`` order (FSDP2 shards them before
+    the blocks holding them)."""
+    return [m for m in model.modules() if is_expert_parallel(m)]
+
+
+def shard_experts(module: nn.Module, names: list[str], ep_mesh: Any, batch_mesh: Any) -> None:
+    """Split ``module``'s experts over ``ep_mesh`` (``names``: its parameters of shape [num_experts, ...]).
+
+    ``batch_mesh``: the processes that share one batch (size 1: no tensor parallelism is borrowed)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers.distributed.expert_parallel import AllToAllEP
+
+    ep = ep_mesh.size()
+    for name in names:
+        param = module._parameters[name]
+        split = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])  # process 0's weights, like FSDP2's
+        setattr(module, name, nn.Parameter(split, requires_grad=param.requires_grad))
+    module.num_experts = module.num_experts // ep
+    if hasattr(module, "_is_expert_parallel"):  # transformers' flag: "my experts are split"
+        module._is_expert_parallel = True
+    module.__class__ = expert_parallel_class(type(module))
+    local = SimpleNamespace(forward=module.local_forward, num_experts=module.num_experts)
+    module.dispatcher = AllToAllEP(local, ep_mesh, batch_mesh)
+
+
+# -- the router's auxiliary loss ----------------------------------------------------------------
+def _load_balancing_statistics(router_logits: tuple, num_experts: int, top_k: int,
+                               attention_mask: Optional[torch.Tensor]) -> tuple:
+    """(tokens per expert, router probability sums, rows) of this process's tokens, summed over the
+    layers, as transformers' ``load_balancing_loss_func`` accumulates them."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for gate in router_logits:
+        weights = torch.nn.functional.softmax(gate.to(device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        each = torch.ones(chosen.numel(), device=device) if mask is None else mask.repeat_interleave(top_k)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), each)
+        probs = probs + (weights.float() if mask is None else weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + (weights.shape[0] if mask is None else mask.sum())
+    return counts, probs, rows
+
+
+def global_load_balancing_loss(router_logits: tuple, num_experts: int, top_k: int,
+                               attention_mask: Optional[torch.Tensor], group: Any, size: int) -> torch.Tensor:
+    """The load-balancing loss of the whole batch of the ``size`` data-parallel processes of ``group``.
+
+    Its value is the one-process model's; its gradient through this process's router probabilities
+    is ``size`` times their share, so that averaging the gradients over the processes (what
+    data-parallel training does) gives the one-process gradient."""
+    import torch.distributed as dist
+
+    counts, probs, rows = _load_balancing_statistics(router_logits, num_experts, top_k, attention_mask)
+    totals = torch.cat([counts, probs.detach(), rows.reshape(1)])
+    dist.all_reduce(totals, group=group)
+    all_counts, all_probs, all_rows = totals[:num_experts], totals[num_experts:-1], totals[-1]
+    probs = all_probs + size * (probs - probs.detach())  # the whole batch's value, this process's gradient x size
+    return torch.sum((all_counts / all_rows) * (probs / all_rows)) * num_experts
+
+
+class _WholeBatchAuxLoss:
+    """Forward hook (with kwargs) of a transformers MoE model: ``aux_loss`` and ``loss`` of the whole batch."""
+
+    def __init__(self, model: nn.Module, group: Any, size: int) -> None:
+        self.group, self.size = group, size
+        self.num_experts, self.top_k = model.num_experts, model.num_experts_per_tok
+        self.coef = model.router_aux_loss_coef
+        self.signature = inspect.signature(type(model).forward)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        local = output.get("aux_loss") if hasattr(output, "get") else None
+        logits = output.get("router_logits") if local is not None else None
+        if local is None or not logits:
+            return None
+        bound = self.signature.bind_partial(module, *args, **kwargs).arguments
+        whole = global_load_balancing_loss(tuple(logits), self.num_experts, self.top_k, bound.get("attention_mask"),
+                                           self.group, self.size)
+        output["aux_loss"] = whole
+        if output.get("loss") is not None and bound.get("labels") is not None:  # transformers added coef x its own
+            output["loss"] = output["loss"] - self.coef * local.to(output["loss"].device) + \
+                self.coef * whole.to(output["loss"].device)
+        return output
+
+
+def _routes_aux_loss(model: nn.Module) -> bool:
+    return all(hasattr(model, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok"))
+
+
+# -- the layout step ------------------------------------------------------------------------------
+def apply_expert_parallel(module: nn.Module, whole: nn.Module, mesh: Any, config: Any) -> list[str]:
+    """Split the experts of ``module`` over the mesh's ``ep`` processes (the ``expert_parallel`` layout
+    step); returns the experts modules' names."""
+    if module is not whole:
+        raise ValueError("ep_size > 1 with pipeline stages is not available yet; use pp_size=1")
+    plan = resolve_plan(module, getattr(config, "ep_plan", None))
+    check_experts(module, plan, mesh.ep)
+    experts = mesh.expert_mesh()
+    modules = dict(module.named_modules())
+    for name, params in plan.items():
+        shard_experts(modules[name], params, experts["ep"], experts["etp"])
+    data = mesh.data_parallel()
+    if _routes_aux_loss(whole) and data.size > 1:
+        whole.register_forward_hook(_WholeBatchAuxLoss(whole, data.group, data.size), with_kwargs=True)
+    return list(plan)
+
+
+def expert_shard_mesh(mesh: Any) -> Any:
+    """The processes FSDP2 shards the experts over: those holding the same experts (``efsdp``), with
+    ``dp_replicate`` (HSDP) when it is larger than 1."""
+    experts = mesh.expert_mesh()
+    return experts[("dp_replicate", "efsdp")] if mesh.sizes["dp_replicate"] > 1 else experts["efsdp"]
