@@ -46,7 +46,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .tp_plan import matches
+from .tp_plan import base_model_plan, matches
 
 EXPERTS = "experts"  # hasten's style name: a whole experts module (its first-dimension parameters split)
 _TRANSFORMERS_MODULE = "ep_dispatch_experts"  # transformers' style names in base_model_ep_plan
@@ -56,11 +56,7 @@ _TRANSFORMERS_PARAM = "grouped_gemm"
 # -- the plan ---------------------------------------------------------------------------------------
 def model_plan(model: nn.Module) -> dict[str, str]:
     """The model's own plan (transformers' ``config.base_model_ep_plan``, under the base model)."""
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_ep_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    return {inner + key: style for key, style in base.items()}
+    return base_model_plan(model, "base_model_ep_plan")
 
 
 def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[str, list[str]]:

@@ -43,15 +43,18 @@ def _style(name: Any, where: str) -> Any:
                      f"(ColwiseParallel(), RowwiseParallel(), ...) or one of {list(_STYLE_NAMES)}")
 
 
-def model_plan(model: nn.Module) -> dict[str, Any]:
-    """The model's own plan (transformers): ``base_model_tp_plan`` under the base model, then ``_tp_plan``."""
-    plan: dict[str, Any] = {}
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) or {}
+def base_model_plan(model: nn.Module, attribute: str) -> dict[str, Any]:
+    """A transformers config's plan for the base model (``base_model_tp_plan``, ``base_model_ep_plan``), its keys
+    named from ``model`` (under ``base_model_prefix`` when ``model`` is a head around the base model)."""
+    base = getattr(getattr(model, "config", None), attribute, None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    for key, style in base.items():
-        plan[inner + key] = style
+    return {inner + key: style for key, style in base.items()}
+
+
+def model_plan(model: nn.Module) -> dict[str, Any]:
+    """The model's own plan (transformers): ``base_model_tp_plan`` under the base model, then ``_tp_plan``."""
+    plan = base_model_plan(model, "base_model_tp_plan")
     own = getattr(type(model), "_tp_plan", None)
     if isinstance(own, dict):
         plan.update(own)
