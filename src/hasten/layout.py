@@ -197,14 +197,15 @@ class Layout:
 
     def expert_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
         """Expert parallelism borrows ``ep`` consecutive ``dp_shard`` processes: ep divides dp_shard_size.
-        (Borrowing cp or tp processes, and pipeline stages with experts split, are not available yet.)"""
+        With pipeline stages each stage's dp_shard processes split its experts. (With cp, sp or tp it is
+        not available yet.)"""
         if self.ep == 1:
             return None
         s = spelling or Spelling()
-        if self.pp > 1 or self.cp > 1 or self.sp > 1 or self.tp > 1:
-            other = next(n for n in ("pp", "cp", "sp", "tp") if getattr(self, n) > 1)
+        if self.cp > 1 or self.sp > 1 or self.tp > 1:
+            other = next(n for n in ("cp", "sp", "tp") if getattr(self, n) > 1)
             return (f"{s.prefix}{s.size('ep', self.ep)} with {s.size(other, getattr(self, other))}: expert parallelism "
-                    f"borrows dp_shard processes only (with pp, cp, sp or tp it is not available yet); use "
+                    f"borrows dp_shard processes only (with cp, sp or tp it is not available yet); use "
                     f"{s.use(other, 1)} and give those processes to dp_shard_size")
         if self.dp_shard % self.ep:
             fits = max(d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0 and d <= self.ep)

@@ -11,6 +11,7 @@ data-parallel dimensions; ``TensorParallelStrategy`` uses the mesh as it is.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -34,10 +35,13 @@ class DTensorStrategy(Strategy):
 
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
-        # Keyed by the parameter objects (identity, weakly held): original parameter -> the one that replaced it
-        # (the replacements map to themselves); float8 weight wrapper -> the parameter it replaced.
+        # Keyed by the parameter objects (identity, weakly held): original parameter -> the one that replaced it;
+        # float8 weight wrapper -> the parameter it replaced. Only parameters the model no longer holds are keys:
+        # a tensor with a weak reference cannot be swapped (torch.utils.swap_tensors), which FSDP2's to_empty of a
+        # model prepared on meta does. The models' own parameters are found through the models (``_prepared``).
         self._new_params = WeakIdKeyDictionary()
         self._fp8_replaced = WeakIdKeyDictionary()
+        self._prepared: list[weakref.ref] = []  # the models laid out, weakly
         super().__init__(plan)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -89,11 +93,11 @@ class DTensorStrategy(Strategy):
     def _remember_params(self, model: nn.Module, before: dict[str, nn.Parameter]) -> nn.Module:
         """Map the parameters optimizers were built on to the DTensor ones that replaced them."""
         after = {strip_checkpoint_prefix(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+        self._prepared.append(weakref.ref(model))
         for name, old in before.items():
             new = after.get(strip_checkpoint_prefix(name))
-            if new is not None:
+            if new is not None and new is not old:
                 self._new_params[old] = new
-                self._new_params[new] = new
                 replaced = self._fp8_replaced.pop(old, None)
                 if replaced is not None:  # the optimizer may hold the weight from before fp8 conversion
                     self._new_params[replaced] = new
@@ -115,10 +119,11 @@ class DTensorStrategy(Strategy):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point ``optimizer`` at the DTensor parameters that replaced the ones it was built on."""
         swapped = WeakIdKeyDictionary()
+        held = {p for ref in self._prepared if ref() is not None for p in ref().parameters()}  # by identity
         for g, group in enumerate(optimizer.param_groups):
             params = []
             for p in group["params"]:
-                new = self._new_params.get(p)
+                new = p if p in held else self._new_params.get(p)
                 if new is None:
                     raise ValueError(
                         f"optimizer {type(optimizer).__name__}, parameter group {g}: a parameter of shape "

@@ -115,10 +115,6 @@ def check_experts(model: nn.Module, plan: dict[str, list[str]], ep: int) -> None
             fits = max(d for d in range(1, count + 1) if count % d == 0 and d <= ep)
             raise ValueError(f"ep_size={ep} does not divide num_experts={count} of {name}: every ep process holds "
                              f"the same number of whole experts; use ep_size={fits} (or one that divides {count})")
-        if any(p.is_meta for p in modules[name].parameters(recurse=False)):
-            raise ValueError(f"{name} has parameters on the meta device: expert parallelism splits real weights "
-                             "(cpu_ram_efficient_loading with ep_size > 1 is not available yet); build the model "
-                             "with its weights")
 
 
 # -- the experts module ---------------------------------------------------------------------------
@@ -192,7 +188,10 @@ def shard_experts(module: nn.Module, names: list[str], ep_mesh: Any, batch_mesh:
     ep = ep_mesh.size()
     for name in names:
         param = module._parameters[name]
-        split = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])  # process 0's weights, like FSDP2's
+        # Each process keeps its own experts of the weights it built (no communication), as FSDP2 keeps its
+        # own chunk: the same weights on every process, or meta ones that load_checkpoint_in_model (or
+        # cpu_ram_efficient_loading's fill from process 0) gives values after prepare().
+        split = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         setattr(module, name, nn.Parameter(split, requires_grad=param.requires_grad))
     module.num_experts = module.num_experts // ep
     if hasattr(module, "_is_expert_parallel"):  # transformers' flag: "my experts are split"
@@ -268,21 +267,52 @@ def _routes_aux_loss(model: nn.Module) -> bool:
 
 
 # -- the layout step ------------------------------------------------------------------------------
+def stage_plan(module: nn.Module, whole: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[str, list[str]]:
+    """The plan of a pipeline stage cut from ``whole``: the whole model's plan (the user's, else its own),
+    restricted to the keys that name the stage's modules or parameters (a stage may hold no experts)."""
+    plan = user_plan if user_plan is not None else model_plan(whole)
+    if not plan:
+        return resolve_plan(whole, plan)  # the error naming ep_plan
+    everywhere = [n for n, _ in whole.named_modules() if n] + [n for n, _ in whole.named_parameters()]
+    lost = [k for k in plan if not any(matches(k, n) for n in everywhere)]
+    if lost:
+        raise ValueError(f"ep_plan key {lost[0]!r} matches no module or parameter of {type(whole).__name__}")
+    here = [n for n, _ in module.named_modules() if n] + [n for n, _ in module.named_parameters()]
+    mine = {k: v for k, v in plan.items() if any(matches(k, n) for n in here)}
+    return resolve_plan(module, mine) if mine else {}
+
+
 def apply_expert_parallel(module: nn.Module, whole: nn.Module, mesh: Any, config: Any) -> list[str]:
-    """Split the experts of ``module`` over the mesh's ``ep`` processes (the ``expert_parallel`` layout
-    step); returns the experts modules' names."""
-    if module is not whole:
-        raise ValueError("ep_size > 1 with pipeline stages is not available yet; use pp_size=1")
-    plan = resolve_plan(module, getattr(config, "ep_plan", None))
+    """Split the experts of ``module`` (the model, or a pipeline stage cut from ``whole``) over the mesh's
+    ``ep`` processes (the ``expert_parallel`` layout step); returns the experts modules' names."""
+    user = getattr(config, "ep_plan", None)
+    plan = resolve_plan(module, user) if module is whole else stage_plan(module, whole, user)
     check_experts(module, plan, mesh.ep)
     experts = mesh.expert_mesh()
     modules = dict(module.named_modules())
     for name, params in plan.items():
         shard_experts(modules[name], params, experts["ep"], experts["etp"])
     data = mesh.data_parallel()
-    if _routes_aux_loss(whole) and data.size > 1:
+    if module is whole and _routes_aux_loss(whole) and data.size > 1:
+        # Under a pipeline the stages never run the whole model's forward: hasten's pipeline computes the loss,
+        # and PipelineStrategy refuses a model that adds the router's loss (refuse_router_aux_loss).
         whole.register_forward_hook(_WholeBatchAuxLoss(whole, data.group, data.size), with_kwargs=True)
     return list(plan)
+
+
+def refuse_router_aux_loss(model: nn.Module) -> None:
+    """Under pipeline parallelism: refuse a mixture-of-experts model whose loss adds the router's
+    load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef`` != 0). hasten's pipeline
+    computes the loss on the last stage from its output alone (``hasten.pipeline.model``); the router
+    logits of the other stages' layers never reach it, and the load-balancing loss multiplies statistics
+    of every layer and of the whole batch, which no microbatch's backward (1F1B) can wait for."""
+    config = getattr(model, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", 0) or 0
+    if getattr(config, "output_router_logits", False) and coef:
+        raise ValueError(f"pipeline parallelism: {type(model).__name__} adds router_aux_loss_coef={coef} x the "
+                         "router's load-balancing loss to its loss (config.output_router_logits=True), which hasten's "
+                         "pipeline does not compute (its loss is the last stage's); set "
+                         "model.config.output_router_logits = False before prepare, or use pp_size=1")
 
 
 def expert_shard_mesh(mesh: Any) -> Any:
@@ -290,3 +320,24 @@ def expert_shard_mesh(mesh: Any) -> Any:
     ``dp_replicate`` (HSDP) when it is larger than 1."""
     experts = mesh.expert_mesh()
     return experts[("dp_replicate", "efsdp")] if mesh.sizes["dp_replicate"] > 1 else experts["efsdp"]
+
+
+def fully_shard_experts(model: nn.Module, layout: Any, **kwargs: Any) -> list[nn.Module]:
+    """``fully_shard`` each experts module of ``model`` split over ep (``expert_modules``) over the processes
+    holding the same experts (``expert_shard_mesh`` of ``layout``, the ``ParallelMesh``), before the blocks holding them are sharded; ``kwargs``:
+    the engine's other ``fully_shard`` arguments. Returns the experts modules."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    experts = expert_modules(model)
+    for module in experts:
+        # Each expert's gradient already sums the tokens of the ep processes, so it is divided by every
+        # data-parallel process.
+        shard_mesh = expert_shard_mesh(layout)
+        fully_shard(module, **dict(kwargs, mesh=shard_mesh))
+        module.set_gradient_divide_factor(float(layout.dp_size))
+        # A custom factor is NCCL's PREMUL_SUM in the reduce-scatter; elsewhere (gloo) sum, then divide.
+        # Not on a one-process shard group: torch 2.13 then divides by the factor twice.
+        if dist.get_backend() != "nccl" and shard_mesh.size(shard_mesh.ndim - 1) > 1:
+            module.set_force_sum_reduction_for_comms(True)
+    return experts

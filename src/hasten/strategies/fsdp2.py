@@ -134,25 +134,16 @@ class FSDP2Strategy(DTensorStrategy):
         ``sharding`` layout step, after the tensor plan and activation checkpointing)."""
         from torch.distributed.fsdp import fully_shard
 
-        from .expert_parallel import expert_modules, expert_shard_mesh
+        from .expert_parallel import fully_shard_experts
 
-        experts = expert_modules(model)  # split over ep (the expert_parallel step): sharded on their own mesh
-        layers = [m for m in self._layers(model) if m not in experts]  # after checkpointing: inside the wrappers
         kwargs = dict(mesh=self._shard_mesh(), reshard_after_forward=bool(self.plugin.reshard_after_forward),
                       mp_policy=self._mp_policy(), offload_policy=self._offload_policy())
         ignored = self._ignored_params(model)
         if ignored:
             kwargs["ignored_params"] = ignored
-        for module in experts:
-            # Over the processes holding the same experts (efsdp, with dp_replicate). Each expert's gradient
-            # already sums the tokens of the ep processes, so it is divided by every data-parallel process.
-            mesh = expert_shard_mesh(self.mesh)
-            fully_shard(module, **dict(kwargs, mesh=mesh))
-            module.set_gradient_divide_factor(float(self.mesh.dp_size))
-            # A custom factor is NCCL's PREMUL_SUM in the reduce-scatter; elsewhere (gloo) sum, then divide.
-            # Not on a one-process shard group: torch 2.13 then divides by the factor twice.
-            if dist.get_backend() != "nccl" and mesh.size(mesh.ndim - 1) > 1:
-                module.set_force_sum_reduction_for_comms(True)
+        # The experts split over ep (the expert_parallel step) first, on their own mesh (efsdp, with dp_replicate).
+        experts = fully_shard_experts(model, self.mesh, **kwargs)
+        layers = [m for m in self._layers(model) if m not in experts]  # after checkpointing: inside the wrappers
         for layer in layers:
             fully_shard(layer, **kwargs)
         policy = kwargs["mp_policy"]

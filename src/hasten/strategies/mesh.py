@@ -162,16 +162,17 @@ class ParallelMesh:
         """The experts' torch ``DeviceMesh`` (built once, collectively): the same processes as the mesh,
         with ``dp_shard`` split into ``efsdp`` (outer: the processes holding the same experts, which
         FSDP2 shards them over) and ``ep`` (inner, consecutive ranks: the processes the experts are
-        split over and tokens travel between), beside ``dp_replicate`` and a size-1 ``etp`` (the
-        processes sharing one batch; tensor parallelism is not borrowed yet). Row-major like the mesh, so
-        a process's ``efsdp * ep + ep`` coordinate is its ``dp_shard`` coordinate. The dense and the expert
-        mesh are two torch meshes: the experts' parameters and their FSDP2 mesh are slices of this one."""
+        split over and tokens travel between), beside ``pp`` (each pipeline stage's processes exchange
+        tokens among themselves), ``dp_replicate`` and ``etp`` (the processes sharing one batch: size 1,
+        tensor parallelism is not borrowed). Row-major like the mesh, so a process's ``efsdp * ep + ep``
+        coordinate is its ``dp_shard`` coordinate. The dense and the expert mesh are two torch meshes: the
+        experts' parameters and their FSDP2 mesh are slices of this one."""
         if self._expert_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             shard = self.sizes["dp_shard"]
-            names = ("dp_replicate", "efsdp", "ep", "etp")
-            shape = (self.sizes["dp_replicate"], shard // self.ep, self.ep, 1)
+            names = ("pp", "dp_replicate", "efsdp", "ep", "etp")
+            shape = (self.sizes["pp"], self.sizes["dp_replicate"], shard // self.ep, self.ep, 1)
             self._expert_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._expert_mesh
 

@@ -37,6 +37,7 @@ from ..precision import Precision
 from ..utils.dataclasses import DistributedType
 from .base import Params, Strategy
 from .dtensor import _finish, _local, _partial_norm, _replicas
+from .expert_parallel import fully_shard_experts, refuse_router_aux_loss
 from .layout_steps import lay_out
 from .mesh import ParallelMesh
 from .tp_plan import resolve_plan
@@ -85,7 +86,7 @@ class PipelineStrategy(Strategy):
 
     def build_mesh(self) -> ParallelMesh:
         return ParallelMesh(self.parallelism_config.sizes(), self.state.process_index, self.state.num_processes,
-                            self.state.device.type)
+                            self.state.device.type, ep=self.parallelism_config.ep_size)
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -93,6 +94,7 @@ class PipelineStrategy(Strategy):
         kind = model_kind(model)
         stages = plan_stages(model, cfg.pp_stages, cfg.pp_split_points)  # refused here, before any collective
         _refuse_shared_across_stages(model, stages)
+        refuse_router_aux_loss(model)
         loss_fn = given_loss(model)
         if loss_fn is None and kind != "decoder":
             raise ValueError(f"pipeline parallelism: the last stage of this {type(model).__name__} computes the loss, "
@@ -162,6 +164,7 @@ class PipelineStrategy(Strategy):
 
             dims = ("dp_replicate", "dp_shard") if self.mesh.sizes["dp_replicate"] > 1 else "dp_shard"
             kwargs = dict(mesh=self.mesh[dims], reshard_after_forward=False)
+            fully_shard_experts(stage, self.mesh, **kwargs)  # split over ep: first, on the experts' own mesh
             for block in stage_blocks(stage):
                 fully_shard(block, **kwargs)
             fully_shard(stage, **kwargs)

@@ -192,8 +192,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _index(tensor: torch.Tensor) -> tuple:
-    """The part of the whole tensor that this process holds of ``tensor``, as slices."""
+def held_block(tensor: torch.Tensor) -> tuple:
+    """The part of the whole tensor that this process holds of ``tensor``, as slices: what it takes from
+    a checkpoint's tensor (e.g. its experts' rows under expert parallelism)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
@@ -239,7 +240,7 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
                 for name, (owner, key) in plan.where.items():
                     if owner is source:
                         tensor = slots[name].tensor
-                        _read_block(source, key, _index(tensor), _local(tensor))
+                        _read_block(source, key, held_block(tensor), _local(tensor))
                 source.release()
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
