@@ -28,12 +28,21 @@ instance, and hasten replaces no method of a torch or transformers object. Inste
 module's class becomes a subclass of its own (``ExpertParallelExperts`` first in the order), the
 mechanism FSDP2's ``fully_shard`` uses, so names, parameters and hooks stay those of the module.
 
+**Loading and pipeline stages.** The experts are split without communication (each process keeps its
+own rows of the weights it built, as FSDP2 keeps its chunk), so a model built on ``meta`` is laid out as
+it is and filled afterwards by ``load_checkpoint_in_model`` (each process copying its experts' rows,
+``shard_loading.held_block``) or by the fill from process 0. Under pipeline parallelism the step runs
+on each stage (``stage_plan``: the whole model's plan restricted to the stage); the experts' mesh has a
+``pp`` dimension, so each stage's ``dp_shard`` processes split that stage's experts.
+
 **The router's auxiliary loss.** transformers computes the load-balancing loss of each process's own
 tokens; the one-process model computes it over the whole batch, and the two differ (it multiplies
 two means). On a transformers MoE model (``router_aux_loss_coef``) a forward hook replaces
 ``aux_loss`` (and the part of ``loss`` it made) with the loss of the whole batch: the token counts and
 router probabilities are summed over the data-parallel processes (one all-reduce), and the gradient
 of each process's part is scaled so that the data-parallel average is the one-process gradient.
+Under a pipeline the whole model's forward never runs (hasten's pipeline computes the loss on the last
+stage), so ``refuse_router_aux_loss`` refuses a model that adds this loss.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Fill a prepared (FSDP2, tensor-parallel, HSDP, dp_shard x tp) model from a checkpoint folder,
-each process reading only the slices of the tensors it holds.
+"""Fill a prepared (FSDP2, tensor-parallel, HSDP, dp_shard x tp, expert-parallel) model from a
+checkpoint folder, each process copying only the slices of the tensors it holds.
 
 Used by ``hasten.load_checkpoint_in_model`` when the model has ``DTensor`` parameters. The model
 may still be on ``meta`` (built under ``init_empty_weights()`` on every process and prepared):
 its shards are then allocated here (``to_empty``, which FSDP2 follows) and read from the files.
-A shard of a tensor split on its first dimension (FSDP2, column-wise TP) is one contiguous byte
-range of the file, read with ``pread`` straight into the shard; a shard on an inner dimension
-(row-wise TP) is cut from the tensor's bytes read once. Nothing maps pages of the file into the
-process for long, so host memory holds this process's shards plus one tensor at most.
+Each process takes the block of each tensor it holds (``held_block``: its FSDP2 rows, its TP
+columns, its experts' rows under expert parallelism) from the file's verified bytes
+(``weights_sources``: every file is read and checked whole, one file in memory at a time), so host
+memory holds this process's shards plus one file's bytes at most.
 
 Every process checks the whole checkpoint against the whole model (names, shapes) before any
 shard changes, and every process raises when any process fails (one all-gather), so no process
