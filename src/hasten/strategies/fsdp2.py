@@ -18,7 +18,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..precision import Precision
 from ..utils.dataclasses import DistributedType
@@ -311,7 +310,7 @@ def _unreduced_grads(models: list[nn.Module]) -> Any:
     way to read them, so this looks at its parameter groups (``FSDPParam``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    out = WeakIdKeyDictionary()  # keyed by the parameter objects
+    out: dict = {}  # keyed by the parameter objects (hashed by identity), for the caller to read at once
     for model in models:
         for module in model.modules():
             if not isinstance(module, FSDPModule):

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..activation_checkpointing import strip_checkpoint_prefix
 from ..pipeline.model import PipelinedModel, given_loss
@@ -55,10 +54,12 @@ class PipelineStrategy(Strategy):
     def __init__(self, plan: Any) -> None:
         self.parallelism_config = plan.parallelism_config
         self.gradient_state = plan.gradient_state
-        # Keyed by the parameter objects themselves (identity, weakly held): the parameters of the prepared models ->
-        # their original name; those this process's stages hold -> the live parameter (a DTensor replacement, or itself).
-        self._names = WeakIdKeyDictionary()
-        self._live = WeakIdKeyDictionary()
+        # Keyed by the parameter objects themselves (hashed by identity; held strongly, as _params_by_name holds them
+        # anyway, and dropped by release(): a weak reference would stop torch from swapping a tensor in place, as
+        # FSDP2's to_empty does): the parameters of the prepared models -> their original name; those this process's
+        # stages hold -> the live parameter (a DTensor replacement, or itself).
+        self._names: dict[nn.Parameter, str] = {}
+        self._live: dict[nn.Parameter, nn.Parameter] = {}
         self._models: list[PipelinedModel] = []
         self._params_by_name: dict[str, nn.Parameter] = {}  # the live parameter (this process's, or released) by name
         super().__init__(plan)
@@ -150,6 +151,8 @@ class PipelineStrategy(Strategy):
     def release(self) -> None:
         self._models.clear()
         self._params_by_name.clear()  # references to every parameter of the prepared models
+        self._names.clear()
+        self._live.clear()
 
     def sharding(self) -> Any:
         """FSDP2 on each stage (with ``dp_shard_size`` > 1 or an FSDP plugin): per block, then the stage, over
