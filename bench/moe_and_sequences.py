@@ -39,11 +39,15 @@ Every configuration is one fresh launch (``--warmup`` untimed steps, then ``--st
 forward, backward, ``optimizer.step``, ``zero_grad``); launches rotate within a round and rounds
 repeat (``--rounds``). Reported per configuration: the median over rounds of the slowest process's
 median step time, tokens/s of the whole job (global tokens a step / that time) and its ratio to the
-baseline (``ddp``, ``one``); per process (worst of the ranks): peak RSS over the whole process
-(``VmHWM``, about 300-400 MB of it is Python, torch and transformers) and what the timed steps add
-above the RSS just before them (peak reset with ``/proc/self/clear_refs``: activations kept for
-backward, gradients, communication buffers); and the weights + AdamW state this process
-holds (its local shards), computed from the parameters.
+baseline (``ddp``, ``one``); per process (worst of the ranks, median over rounds): peak RSS over the
+whole process (``VmHWM``; about 400 MB of it is Python, torch, transformers and the process group),
+the peak above the *floor* (the RSS after ``Accelerator()``, before the model is built: everything
+the model and its training add) and above the RSS once ``prepare`` returned (what the steps add:
+optimizer state, gradients, activations kept for backward, communication buffers; a peak reached in
+the warm-up steps counts, since the allocator keeps what it freed); and the weights + AdamW state
+this process holds (its local shards), computed from the parameters. The timed steps' own peak
+above the RSS before them is in the JSON (``steps_add_mb``; small when the warm-up already reached
+the peak).
 
 CPU figures (gloo, a small VM): communication is cheap next to CPU compute here and the kernels are
 not GPU kernels; memory ratios carry over better than speed ratios. See docs/performance.md.
@@ -143,6 +147,7 @@ def worker(out: str, args: argparse.Namespace) -> None:
     model = moe_model(args) if moe else seq_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = acc.prepare(model, optimizer)
+    rss_prepared = _procs.rss_mb()
     rank, world = acc.process_index, acc.num_processes
     gen = torch.Generator().manual_seed(1)
     if moe:  # each process its own batch
@@ -189,7 +194,7 @@ def worker(out: str, args: argparse.Namespace) -> None:
         cpu.append(time.process_time() - start_cpu)
     result = {"config": config, "rank": rank, "world": world, "step_s": statistics.median(times),
               "cpu_s": statistics.median(cpu), "global_tokens": global_tokens, "first_loss": losses[0],
-              "rss_floor_mb": rss_floor, "rss_before_steps_mb": rss_before,
+              "rss_floor_mb": rss_floor, "rss_prepared_mb": rss_prepared, "rss_before_steps_mb": rss_before,
               "peak_steps_mb": _procs.peak_rss_mb() if reset else None,
               "peak_process_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "held_mb": held}
     _procs.write_result(out, result)
@@ -214,6 +219,10 @@ def summarize(runs: dict[str, list[list[dict]]], base: str) -> list[dict]:
                      "cpu_s": max(statistics.median(run[k]["cpu_s"] for run in launches)
                                   for k in range(len(launches[0]))),
                      "peak_process_mb": max(rk["peak_process_mb"] for run in launches for rk in run),
+                     "above_floor_mb": max(statistics.median(run[k]["peak_process_mb"] - run[k]["rss_floor_mb"]
+                                                             for run in launches) for k in range(len(launches[0]))),
+                     "above_prepared_mb": max(statistics.median(run[k]["peak_process_mb"] - run[k]["rss_prepared_mb"]
+                                                                for run in launches) for k in range(len(launches[0]))),
                      "steps_add_mb": statistics.median(adds) if adds else None,
                      "steps_add_max_mb": max(adds) if adds else None,
                      "held_mb": max(rk["held_mb"] for run in launches for rk in run),
@@ -222,6 +231,8 @@ def summarize(runs: dict[str, list[list[dict]]], base: str) -> list[dict]:
         ref = next(r for r in rows if r["config"] == base)
         row["peak_vs_base"] = row["peak_process_mb"] / ref["peak_process_mb"]
         row["held_vs_base"] = row["held_mb"] / ref["held_mb"]
+        row["floor_vs_base"] = row["above_floor_mb"] / ref["above_floor_mb"]
+        row["prepared_vs_base"] = row["above_prepared_mb"] / ref["above_prepared_mb"]
         row["add_vs_base"] = (row["steps_add_mb"] / ref["steps_add_mb"]
                               if row["steps_add_mb"] is not None and ref["steps_add_mb"] else None)
     return rows
@@ -230,14 +241,13 @@ def summarize(runs: dict[str, list[list[dict]]], base: str) -> list[dict]:
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print("| config | processes | step s (median) | tokens/s | vs base | CPU s / step (worst rank) | peak RSS MB | "
-          "vs base | steps add MB | vs base | weights+AdamW MB | vs base | first loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs base | above floor MB | vs base | above prepared MB | vs base | weights+AdamW MB | vs base | first loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        add = "?" if r["steps_add_mb"] is None else f"{r['steps_add_mb']:.0f}"
-        add_ratio = "?" if r["add_vs_base"] is None else f"{r['add_vs_base']:.2f}"
         print(f"| {r['config']} | {r['processes']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_vs_base']:.2f} | {r['cpu_s']:.3f} | {r['peak_process_mb']:.0f} | {r['peak_vs_base']:.2f} | "
-              f"{add} | {add_ratio} | {r['held_mb']:.1f} | {r['held_vs_base']:.2f} | {r['first_loss']:.4f} |")
+              f"{r['above_floor_mb']:.0f} | {r['floor_vs_base']:.2f} | {r['above_prepared_mb']:.0f} | "
+              f"{r['prepared_vs_base']:.2f} | {r['held_mb']:.1f} | {r['held_vs_base']:.2f} | {r['first_loss']:.4f} |")
 
 
 def main() -> None:
