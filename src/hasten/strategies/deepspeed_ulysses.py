@@ -52,7 +52,18 @@ def sequence_parallel_groups(sp_size: int, sp_mesh: Any) -> Any:
     import torch.distributed as dist
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
 
-    if getattr(mpu, "_SEQUENCE_PARALLEL_GROUP", None) is None:
+    if not (hasattr(mpu, "_SEQUENCE_PARALLEL_GROUP") and hasattr(mpu, "_release_sequence_parallel_groups")):
+        import deepspeed
+
+        raise RuntimeError(f"sequence parallelism under DeepSpeed: DeepSpeed {deepspeed.__version__}'s parallel_state_sp "
+                           "has no _SEQUENCE_PARALLEL_GROUP / _release_sequence_parallel_groups (hasten reads them to "
+                           "reuse or rebuild its sp groups; written for 0.19.8); use that DeepSpeed, or FSDP2/DDP with "
+                           "hasten's own sp")
+    existing = mpu._SEQUENCE_PARALLEL_GROUP
+    if existing is not None and dist.get_world_size(existing) != sp_size:  # an earlier Accelerator's other size
+        mpu._release_sequence_parallel_groups()
+        existing = None
+    if existing is None:
         mpu.initialize_sequence_parallel(sequence_parallel_size=sp_size)
     theirs = sorted(dist.get_process_group_ranks(mpu.get_sequence_parallel_group()))
     ours = sorted(dist.get_process_group_ranks(sp_mesh.get_group()))
