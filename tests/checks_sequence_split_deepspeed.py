@@ -97,3 +97,51 @@ def check_plain_deepspeed_after_sp():
     model, _, _ = acc.prepare(model, _sgd(model.parameters()), loader)
     return {"sequence_parallel_size": model.sequence_parallel_size, "mpu": repr(groups.mpu),
             "train_batch_size": acc.strategy.config["train_batch_size"]}
+
+
+def _dp2_sp2(stage: int) -> dict:
+    """4 processes: dp_replicate=2 x sp=2. Each sp pair reads its own row of the batch (the loader shards
+    by the data-parallel rank); the one-process reference takes the data-parallel mean of the two rows'
+    token means, as the engine averages over data-parallel processes."""
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, sp_size=2),
+                      deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage, gradient_clipping=0.0))
+    model = _model()
+    rows = [row for step in range(STEPS) for row in _batch(step, "cpu")[0]]
+    model, opt, loader = acc.prepare(model, _sgd(model.parameters()), torch.utils.data.DataLoader(rows, batch_size=1))
+    dp = acc.process_index // 2
+    losses, same = [], []
+    for step, ids in enumerate(loader):
+        want, pos, labels = (t[dp:dp + 1].clone() for t in _batch(step, acc.device))
+        same.append(bool(torch.equal(ids, want)))
+        with acc.maybe_context_parallel(buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
+                                        no_restore_buffers={ids, pos, labels}):
+            out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels)
+            loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
+            acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    ref = _model()
+    ref_opt = _sgd(ref.parameters())
+    ref_losses = []
+    for step in range(STEPS):
+        ids, pos, labels = _batch(step, "cpu")
+        per_row = [ref(input_ids=ids[i:i + 1], position_ids=pos[i:i + 1], labels=labels[i:i + 1],
+                       shift_labels=labels[i:i + 1]).loss for i in range(2)]
+        ((per_row[0] + per_row[1]) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(per_row[dp]))
+    got = acc.get_state_dict(model)
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "same_batches": same,
+            "params": max(float((got[n].float().cpu() - p.detach()).abs().max()) for n, p in ref.named_parameters()),
+            "train_batch_size": acc.strategy.config["train_batch_size"]}
+
+
+def check_dp2_sp2_zero2_equals_one_process():
+    return _dp2_sp2(2)
+
+
+def check_dp2_sp2_zero3_equals_one_process():
+    return _dp2_sp2(3)

@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism under DeepSpeed ZeRO on 2 real processes (checks in
 checks_sequence_split_deepspeed.py): ParallelismConfig(sp_size=2) with a deepspeed_plugin runs DeepSpeed's
-UlyssesSPAttentionHF (its sp groups handed to the engine as mpu) and equals one process on the same batches."""
+UlyssesSPAttentionHF (its sp groups handed to the engine as mpu) and equals one process on the same batches;
+on 4 processes (dp_replicate=2 x sp=2) too."""
 
 import pytest
 
@@ -13,7 +14,10 @@ pytest.importorskip("einops")  # DeepSpeed's Ulysses module imports it
 
 @pytest.fixture(scope="module")
 def two():
-    return run_checks("checks_sequence_split_deepspeed", world_size=2)
+    return run_checks("checks_sequence_split_deepspeed", world_size=2,
+                      only=["check_sp2_zero2_equals_one_process", "check_sp2_zero3_equals_one_process",
+                            "check_sp2_zero3_without_reduce_scatter_equals_one_process", "check_sp_deepspeed_refusals",
+                            "check_plain_deepspeed_after_sp"])
 
 
 def _equal(values, sums):
@@ -49,3 +53,16 @@ def test_engine_without_sp_after_an_sp_engine(two):
     out = two.assert_passed("check_plain_deepspeed_after_sp")[0]
     assert out["sequence_parallel_size"] == 1 and out["mpu"] == "None", out
     assert out["train_batch_size"] == 4, out
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_checks("checks_sequence_split_deepspeed", world_size=4,
+                      only=["check_dp2_sp2_zero2_equals_one_process", "check_dp2_sp2_zero3_equals_one_process"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dp2_sp2_on_four_processes_equals_one_process(four, stage):
+    for v in four.assert_passed(f"check_dp2_sp2_zero{stage}_equals_one_process"):
+        assert v["loss"] <= 1e-5 and v["params"] <= 1e-5, v
+        assert v["same_batches"] == [True] * 3 and v["train_batch_size"] == 2, v  # 1 row x 2 data-parallel
