@@ -241,7 +241,8 @@ def summarize(runs: dict[str, list[list[dict]]], base: str) -> list[dict]:
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print("| config | processes | step s (median) | tokens/s | vs base | CPU s / step (worst rank) | peak RSS MB | "
-          "vs base | above floor MB | vs base | above prepared MB | vs base | weights+AdamW MB | vs base | first loss |")
+          "vs base | above floor MB | vs base | above prepared MB | vs base | weights+AdamW MB | vs base | "
+          "first loss |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['processes']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "

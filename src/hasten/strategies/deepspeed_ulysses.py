@@ -55,10 +55,10 @@ def sequence_parallel_groups(sp_size: int, sp_mesh: Any) -> Any:
     if not (hasattr(mpu, "_SEQUENCE_PARALLEL_GROUP") and hasattr(mpu, "_release_sequence_parallel_groups")):
         import deepspeed
 
-        raise RuntimeError(f"sequence parallelism under DeepSpeed: DeepSpeed {deepspeed.__version__}'s parallel_state_sp "
-                           "has no _SEQUENCE_PARALLEL_GROUP / _release_sequence_parallel_groups (hasten reads them to "
-                           "reuse or rebuild its sp groups; written for 0.19.8); use that DeepSpeed, or FSDP2/DDP with "
-                           "hasten's own sp")
+        raise RuntimeError(f"sequence parallelism under DeepSpeed: DeepSpeed {deepspeed.__version__}'s "
+                           "parallel_state_sp has no _SEQUENCE_PARALLEL_GROUP / _release_sequence_parallel_groups "
+                           "(hasten reads them to reuse or rebuild its sp groups; written for 0.19.8); use that "
+                           "DeepSpeed, or FSDP2/DDP with hasten's own sp")
     existing = mpu._SEQUENCE_PARALLEL_GROUP
     if existing is not None and dist.get_world_size(existing) != sp_size:  # an earlier Accelerator's other size
         mpu._release_sequence_parallel_groups()
@@ -121,8 +121,8 @@ def check_model(model: nn.Module, sp_size: int) -> str:
     config = routing.text_config(model)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if not heads or heads % sp_size:
-        raise ValueError(f"sequence parallelism: {type(model).__name__} has num_attention_heads={heads}, not a multiple "
-                         f"of sp_size={sp_size}; use an sp_size that divides {heads}")
+        raise ValueError(f"sequence parallelism: {type(model).__name__} has num_attention_heads={heads}, not a "
+                         f"multiple of sp_size={sp_size}; use an sp_size that divides {heads}")
     if not kv_heads or kv_heads % sp_size:
         raise ValueError(f"sequence parallelism under DeepSpeed: {type(model).__name__} has num_key_value_heads="
                          f"{kv_heads}, not a multiple of sp_size={sp_size} (DeepSpeed's Ulysses would rewrite the "
