@@ -37,10 +37,10 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _reference(device) -> dict:
-    """One process: the plain model on the whole batch, 3 AdamW steps."""
+def _reference(device, optimizer=None) -> dict:
+    """One process: the plain model on the whole batch, 3 AdamW steps (or ``optimizer(parameters)``)."""
     model = _model().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = (optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3)))(model.parameters())
     losses, grads = [], None
     for step in range(STEPS):
         ids, pos, labels = _batch(step, device)

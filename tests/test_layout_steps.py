@@ -67,14 +67,18 @@ def test_context_parallelism_is_refused_only_where_it_has_no_kernel():
     assert "\n" not in problem
 
 
-def test_sequence_parallelism_under_deepspeed_is_one_clear_refusal():
+def test_sequence_parallelism_under_deepspeed_needs_deepspeed():
+    """sp under DeepSpeed runs DeepSpeed's Ulysses (test_sequence_split_deepspeed.py); sp_backend='deepspeed'
+    without DeepSpeed's engine is one clear refusal naming both ways out."""
     import pytest
 
-    for config, deepspeed in ((ParallelismConfig(sp_size=2), True), (ParallelismConfig(sp_size=2, sp_backend="deepspeed"), False)):
-        with pytest.raises(ValueError) as info:
-            config.check(2, sharded=False, device_type="cpu", deepspeed=deepspeed)
-        text = str(info.value)
-        assert "sp_size=2 with" in text and "sp_backend='hasten'" in text and "\n" not in text
+    with pytest.raises(ValueError) as info:
+        ParallelismConfig(sp_size=2, sp_backend="deepspeed").check(2, sharded=False, device_type="cpu", deepspeed=False)
+    text = str(info.value)
+    assert "sp_size=2 with sp_backend='deepspeed'" in text and "pass a deepspeed_plugin" in text
+    assert "sp_backend='hasten'" in text and "\n" not in text
+    for config in (ParallelismConfig(sp_size=2), ParallelismConfig(sp_size=2, sp_backend="deepspeed")):
+        config.check(2, sharded=False, device_type="cpu", deepspeed=True)  # DeepSpeed's Ulysses
     ParallelismConfig(sp_size=2).check(2, sharded=False, device_type="cpu")  # hasten's own, under DDP
 
 

@@ -151,7 +151,12 @@ class ParallelLayoutMixin:
             return loss
         from .strategies.sequence_parallel import loss_over_sequence
 
-        return loss_over_sequence(loss, num_tokens, self.strategy.mesh[axis].get_group())
+        summed = False
+        if axis == "sp" and getattr(self.strategy, "engines", None):  # DeepSpeed: sum or mean over sp, by ZeRO path
+            from .strategies.deepspeed_ulysses import engine_sums_over_sp
+
+            summed = engine_sums_over_sp(self.strategy.engines[0])
+        return loss_over_sequence(loss, num_tokens, self.strategy.mesh[axis].get_group(), summed=summed)
 
     @property
     def sequence_parallel_rank(self) -> int:

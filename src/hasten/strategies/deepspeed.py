@@ -238,20 +238,24 @@ class DeepSpeedStrategy(Strategy):
 
     def _initialize(self, call: PrepareCall, model: nn.Module, opt: Any, sched: Any) -> tuple[Any, Any, Any]:
         from .deepspeed_config import resolve_config
+        from .deepspeed_ulysses import no_sequence_parallel, sequence_parallel_engine
 
         deepspeed = import_deepspeed(self.state.device.type)
         _check_fp16_support(self.mode, self.state.device)
-        config, torch_opt, build_sched = resolve_config(self.plugin, self.state, call, model, opt, sched)
+        sp = getattr(self.parallelism_config, "sp_size", 1) or 1
+        config, torch_opt, build_sched = resolve_config(self.plugin, self.state, call, model, opt, sched,
+                                                        data_parallel=self.state.num_processes // sp)
         self.config = config
         _init_comm(deepspeed, self.state)
         model = model.to(self.state.device)
+        extra = sequence_parallel_engine(model, sp, self.mesh) if sp > 1 else no_sequence_parallel()  # mpu or none
         if self.plugin.leaf_modules():
             from deepspeed.utils import set_z3_leaf_modules
 
             classes = {type(m) for m in model.modules() if type(m).__name__ in self.plugin.leaf_modules()}
             set_z3_leaf_modules(model, list(classes))
         engine, _, _, ds_sched = deepspeed.initialize(model=model, optimizer=torch_opt, config=config,
-                                                      lr_scheduler=build_sched, dist_init_required=False)
+                                                      lr_scheduler=build_sched, dist_init_required=False, **extra)
         _share_fp32_master(engine.optimizer)
         self.engines.append(engine)
         # A loop without optimizer.step(): the sync step's engine.step() runs before the next forward.

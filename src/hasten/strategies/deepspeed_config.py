@@ -106,14 +106,15 @@ def agree_accumulation(plugin: DeepSpeedPlugin, steps: int, explicit: bool) -> i
 
 
 def resolve_config(plugin: DeepSpeedPlugin, state: Any, call: Any, model: nn.Module, opt: Any,
-                   sched: Any) -> tuple[dict, Optional[torch.optim.Optimizer], Optional[Callable]]:
+                   sched: Any, data_parallel: Optional[int] = None
+                   ) -> tuple[dict, Optional[torch.optim.Optimizer], Optional[Callable]]:
     """(config for ``deepspeed.initialize``, the torch optimizer to pass, a scheduler builder or None).
     ``opt`` None: the config of an engine without optimizer (a model prepared for inference).
 
     ``state``: the process state; ``call``: the ``prepared.PrepareCall`` (prepared dataloaders, accumulation steps)."""
     config = copy.deepcopy(plugin.deepspeed_config)
     where = getattr(plugin, "config_source", "the DeepSpeed config")
-    world = state.num_processes
+    world = data_parallel or state.num_processes  # sp processes share one batch (Accelerate's rule too)
     steps = call.accumulation_steps
     fill(config, "gradient_accumulation_steps", steps, f"the Accelerator's gradient_accumulation_steps", where)
     micro = _micro_batch(call.dataloaders, world)

@@ -139,22 +139,25 @@ class _TokenMean(torch.autograd.Function):
     Backward: process ``r`` receives the whole group's gradient times ``n_r / N``, its tokens' share."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, tokens: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, loss: torch.Tensor, tokens: torch.Tensor, group: Any, summed: bool) -> torch.Tensor:
         both = torch.stack([loss.detach().double() * tokens.double(), tokens.double()])
         dist.all_reduce(both, group=group)
         ctx.group, ctx.share = group, (tokens.double() / both[1].clamp(min=1)).to(loss.dtype)
+        ctx.divide = dist.get_world_size(group) if summed else 1
         return (both[0] / both[1].clamp(min=1)).to(loss.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad * ctx.share, None, None
+        return grad * ctx.share / ctx.divide, None, None, None
 
 
-def loss_over_sequence(loss: torch.Tensor, tokens: Any, group: Any) -> torch.Tensor:
+def loss_over_sequence(loss: torch.Tensor, tokens: Any, group: Any, summed: bool = False) -> torch.Tensor:
     """The mean over all tokens of the processes of ``group`` of a loss whose value is this process's
     mean over ``tokens`` of its own tokens; backward gives each process its tokens' share, so that
-    averaging gradients over the group (as DDP and FSDP2 do) gives the gradient of the all-token mean."""
+    averaging gradients over the group (as DDP and FSDP2 do) gives the gradient of the all-token mean.
+    ``summed``: the engine sums the group's gradients instead (DeepSpeed over its sp processes), so
+    each process's share is divided by the group's size."""
     tokens = torch.as_tensor(tokens, device=loss.device)
-    return _TokenMean.apply(loss, tokens, group)
+    return _TokenMean.apply(loss, tokens, group, summed)

@@ -40,8 +40,9 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), _BNB),
     **dict.fromkeys(("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
                      "map_pytorch_optim_to_deepspeed"), _DS_WRAPPER),
-    "DeepSpeedSequenceParallelConfig": ("DeepSpeed (Ulysses) sequence parallelism is not supported; split long "
-                                        "sequences with context parallelism: ParallelismConfig(cp_size=...)"),
+    "DeepSpeedSequenceParallelConfig": ("Accelerate's sp_handler is not taken: ParallelismConfig(sp_size=N) with a "
+                                        "deepspeed_plugin runs DeepSpeed's Ulysses with the model's own attention "
+                                        "kernel and any sequence length (docs/sharded.md, Long sequences)"),
     **dict.fromkeys(("fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "fsdp2_prepare_model",
                      "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler"), _FSDP2_INTERNAL),
     "PrepareForLaunch": _LAUNCH_INTERNAL,

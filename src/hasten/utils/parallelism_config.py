@@ -21,7 +21,7 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 # Schedules that run several stages on each process (``pp_stages_per_rank`` > 1; V-shaped ones exactly 2).
 PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 PP_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-# "hasten": hasten's own Ulysses all-to-all; "deepspeed": Accelerate's name for DeepSpeed's (refused where it cannot run).
+# "hasten": hasten's own Ulysses all-to-all; "deepspeed": Accelerate's name for DeepSpeed's (with DeepSpeed only).
 SP_BACKENDS = ("hasten", "deepspeed")
 
 
@@ -108,7 +108,8 @@ class ParallelismConfig:
             attention heads; ``hasten/strategies/sequence_parallel.py``). A mesh axis, counted in ``total_size``
             as in Accelerate; excludes ``cp_size``.
         sp_backend: "hasten" (the default: hasten's own all-to-all, with one process, DDP or FSDP2) or
-            "deepspeed" (Accelerate's default: DeepSpeed's Ulysses; refused, see ``docs/sharded.md``).
+            "deepspeed" (Accelerate's default: DeepSpeed's Ulysses, with a ``deepspeed_plugin``; under DeepSpeed
+            sp runs DeepSpeed's Ulysses whichever is named, see ``docs/sharded.md``).
         ep_size: processes the routed experts of a mixture-of-experts model are split over (expert
             parallelism). It borrows ``dp_shard`` processes (it must divide ``dp_shard_size``, or the number
             of processes when no other size is given) and needs FSDP2; it is no factor of the product rule.
@@ -331,13 +332,13 @@ class ParallelismConfig:
     def check(self, world_size: int, sharded: bool, device_type: str, deepspeed: bool = False) -> None:
         """Raise when this layout cannot run ``world_size`` processes (``sharded``: FSDP2 is on;
         ``deepspeed``: DeepSpeed's engine is)."""
-        if self.sp_size > 1 and (deepspeed or self.sp_backend == "deepspeed"):
-            # DeepSpeed 0.19.8's UlyssesSPAttentionHF runs here (a 2-process gloo probe: forward and backward), but
-            # hasten does not hand its groups to deepspeed.initialize (mpu) nor adapt the loader yet.
-            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} with "
-                             f"{'DeepSpeed' if deepspeed else repr('deepspeed') + ' as sp_backend'}: hasten does not run "
-                             "DeepSpeed's Ulysses (UlyssesSPAttentionHF) yet; use sp_backend='hasten' (hasten's own "
-                             "all-to-all) with DDP or FSDP2 and no deepspeed_plugin, or sp_size=1 under DeepSpeed")
+        if self.sp_size > 1 and self.sp_backend == "deepspeed" and not deepspeed:
+            raise ValueError(f"ParallelismConfig: sp_size={self.sp_size} with sp_backend='deepspeed' runs DeepSpeed's "
+                             "Ulysses attention, which needs DeepSpeed's engine: pass a deepspeed_plugin (or hasten "
+                             "launch --use_deepspeed), or use sp_backend='hasten' (hasten's own all-to-all) with DDP or "
+                             "FSDP2")
+        # Under DeepSpeed, sp always runs DeepSpeed's Ulysses (strategies/deepspeed_ulysses.py): its engine
+        # reduces gradients over its own sp groups (mpu), which hasten's all-to-all does not give it.
         layout = Layout.asked(self.all_sizes(), world_size)
         if layout is None:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
