@@ -56,26 +56,18 @@ def _heads_to_sequence(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, size * h, n // size, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (``forward`` of the pair), whose gradient is the other one."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _sequence_to_heads(x, group, size)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group, size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _heads_to_sequence(grad, ctx.group, ctx.size), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _heads_to_sequence(x, group, size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _sequence_to_heads(grad, ctx.group, ctx.size), None, None
+        back = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return back(grad, ctx.group, ctx.size), None, None, None
 
 
 def ulysses_attention(inner: str) -> Any:
@@ -90,12 +82,12 @@ def ulysses_attention(inner: str) -> Any:
         routing.check_mask(attention_mask, split)
         if key.shape[1] % split.size:  # too few key/value heads to share out: repeat them as the query heads
             key, value = routing.repeat_heads(key, value, query.shape[1])
-        q, k, v = (_SequenceToHeads.apply(t, split.group, split.size) for t in (query, key, value))
+        q, k, v = (_Exchange.apply(t, split.group, split.size, True) for t in (query, key, value))
         kwargs.pop("is_causal", None)
         out, _ = AttentionInterface()[inner](module, q, k, v, None, dropout=dropout, scaling=scaling,
                                               is_causal=True, **kwargs)
         out = out.transpose(1, 2)  # transformers' kernels return (B, S, H, D)
-        return _HeadsToSequence.apply(out, split.group, split.size).transpose(1, 2).contiguous(), None
+        return _Exchange.apply(out, split.group, split.size, False).transpose(1, 2).contiguous(), None
 
     return attention
 
