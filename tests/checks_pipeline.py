@@ -51,9 +51,9 @@ def _lm_data():
     return torch.utils.data.TensorDataset(ids, labels)
 
 
-def _accelerator(schedule: str, handlers=None) -> Accelerator:
+def _accelerator(schedule: str, handlers=None, precision: str = "no") -> Accelerator:
     reset_state()
-    return Accelerator(gradient_accumulation_steps=ACCUM, kwargs_handlers=handlers,
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=ACCUM, kwargs_handlers=handlers,
                        parallelism_config=ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=MICRO))
 
 
@@ -90,8 +90,8 @@ def _reference(make, batches, loss_of, eps=1e-8):
     return losses, norms, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None, handlers=None):
-    acc = _accelerator(schedule, handlers)
+def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None, handlers=None, precision="no"):
+    acc = _accelerator(schedule, handlers, precision)
     model = make()
     if loss_fn is not None:
         pipeline_loss(model, loss_fn)
@@ -315,26 +315,8 @@ def check_bf16_equals_one_process_bf16():
     """mixed_precision="bf16": autocast on each stage's forward; compared with one process under autocast."""
     if _world() != 2:
         return "skipped"
-    reset_state()
-    acc = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=ACCUM,
-                      parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="1F1B", pp_microbatches=MICRO))
-    model = _llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = _lm_data()
-    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=BATCH // 2))
-    losses, norms, grads = [], [], None
-    for x, y in loader:
-        with acc.accumulate(model):
-            out = model(input_ids=x, labels=y)
-            acc.backward(out.loss)
-            losses.append(float(out.loss))
-            if acc.sync_gradients:
-                if grads is None:
-                    grads = _gather({k: p.grad for k, p in model.named_stage_parameters()})
-                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
-            opt.step()
-            opt.zero_grad()
-    params = acc.strategy.model_state_dict(model, everyone=True)
+    _, _, losses, norms, grads, params = _pipelined("1F1B", _llama, data, BATCH // 2, _lm_forward, precision="bf16")
     batches = list(torch.utils.data.DataLoader(data, batch_size=BATCH // 2))
     ref_losses, ref_norms, ref_grads, ref_params = _reference(_llama, batches, _bf16_lm_ref)
     fp32_losses = _reference(_llama, batches, _lm_ref)[0]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checks_pipeline import CLIP, WIDTH, _gather, _llama, _seq, _worst
+from checks_pipeline import CLIP, WIDTH, _gather, _llama, _reference, _seq, _worst
 from checks_pipeline_compose import _merged
 from distributed import reset_state
 from hasten import Accelerator
@@ -56,23 +56,6 @@ def _lm_batches():
             _lm_batch(g, 6, 10, [10, 4, 10, 7, 9, 10], nearly_ignored=[0, 1]),
             _lm_batch(g, 3, 5, [5, 2, 4], nearly_ignored=[0]),
             _lm_batch(g, 5, 10, [10, 10, 6, 10, 8], nearly_ignored=[0, 1])]
-
-
-def _reference(make, batches, loss_of):
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, norms, grads = [], [], None
-    for i, batch in enumerate(batches):
-        loss = loss_of(model, batch)
-        (loss / ACCUM).backward()
-        losses.append(float(loss))
-        if (i + 1) % ACCUM == 0:
-            if grads is None:
-                grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-            opt.step()
-            opt.zero_grad()
-    return losses, norms, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _train(acc, model, batches, forward, gather=_gather):
