@@ -19,6 +19,11 @@ from hasten.utils.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
 from hasten.utils.parallelism_config import ParallelismConfig
 
 VOCAB, SEQ, PER_RANK, STEPS, CLIP, LR = 64, 8, 2, 3, 0.5, 0.01
+# AdamW's eps in the tp and cp checks. Some gradients there are ~5e-9 (lm_head rows, q_proj entries) and
+# differ from one process's by 1e-10..1e-9 (another summation order; ring attention's log-sum-exp merge);
+# next to the default eps 1e-8 Adam divides by about the gradient itself and turns that into 1e-5..1e-4 of
+# weight after one step (lr 0.01). With 1e-5 the same gradients move the weights by < 1e-6.
+SPLIT_EPS = 1e-5
 
 
 def _qwen3_moe(experts: int = 4) -> nn.Module:
@@ -80,16 +85,24 @@ def _batches(world: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (PER_RANK * world, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference(batches, build):
-    """One process, the whole batch: losses, aux losses, clip norms, first gradients, final weights."""
+def _next_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Labels already shifted (the next token; the last position's is the first token), so that a split
+    sequence keeps its labels and every process of a cp/sp group holds the same number of them."""
+    return torch.roll(x, -1, dims=1)
+
+
+def _reference(batches, build, shifted: bool = False, eps: float = 1e-8, lr: float = LR):
+    """One process, the whole batch: losses, aux losses, clip norms, first gradients, final weights.
+    ``shifted``: labels given already shifted (``_next_tokens``, as a split sequence needs them)."""
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses, aux, norms, grads = [], [], [], None
     for x in batches:
-        out = model(input_ids=x, labels=x)
+        out = model(input_ids=x, labels=_next_tokens(x), shift_labels=_next_tokens(x)) if shifted else \
+            model(input_ids=x, labels=x)
         out.loss.backward()
         losses.append(float(out.loss))
-        aux.append(float(out.aux_loss.detach()))
+        aux.append(float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -107,25 +120,45 @@ def _mean(acc, value: torch.Tensor) -> float:
     return float(acc.reduce(value.detach().reshape(1), reduction="mean"))
 
 
-def _train_ep(acc, build=_qwen3_moe):
-    rank, world = acc.process_index, acc.num_processes
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt = acc.prepare(model, opt)
-    batches = _batches(world)
-    losses, aux, norms, grads = [], [], [], None
-    for x in batches:
-        mine = x[rank * PER_RANK:(rank + 1) * PER_RANK].to(acc.device)
+def _step(acc, model, mine: torch.Tensor, split: bool):
+    """Forward and backward of this data-parallel rank's rows; ``split``: each cp/sp process its part of
+    every sequence, the loss the mean over all tokens (``loss_over_sequence``)."""
+    if not split:
         out = model(input_ids=mine, labels=mine)
         acc.backward(out.loss)
-        losses.append(_mean(acc, out.loss))
+        return out, out.loss
+    labels = _next_tokens(mine)
+    positions = torch.arange(mine.shape[1], device=mine.device).expand_as(mine).clone()
+    with acc.maybe_context_parallel(buffers=[mine, positions, labels], buffer_seq_dims=[1, 1, 1],
+                                    no_restore_buffers={mine, positions, labels}):
+        assert mine.shape[1] == SEQ // 2  # this process's part of each sequence
+        out = model(input_ids=mine, position_ids=positions, labels=labels, shift_labels=labels)
+        loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
+        acc.backward(loss)
+    return out, loss
+
+
+def _train_ep(acc, build=_qwen3_moe, split: bool = False, eps: float = 1e-8, lr: float = LR):
+    """3 AdamW steps with clipping: each data-parallel rank its rows of the global batch (the tp processes
+    of one copy the same rows), compared with one process on the whole batch. ``eps``: AdamW's (``SPLIT_EPS``
+    for tp and cp: see there)."""
+    data = acc.strategy.mesh.data_parallel()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    model, opt = acc.prepare(model, opt)
+    batches = _batches(data.size)
+    losses, aux, norms, grads = [], [], [], None
+    for x in batches:
+        mine = x[data.rank * PER_RANK:(data.rank + 1) * PER_RANK].clone().to(acc.device)  # cp/sp cut it in place
+        out, loss = _step(acc, model, mine, split)
+        losses.append(_mean(acc, loss))
         aux.append(float(out.aux_loss.detach()))  # the whole batch's, the same on every process
         norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
         if grads is None:  # after clipping, as in the reference
             grads = {strip_checkpoint_prefix(n): _full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    ref = _reference(batches, build)
+    ref = _reference(batches, build, shifted=split, eps=eps, lr=lr)
     weights = acc.strategy.model_state_dict(model, everyone=True)
     worst = {
         "loss": max(abs(a - b) for a, b in zip(losses, ref["loss"])),
@@ -194,6 +227,46 @@ def check_mixtral_ep_equals_one_process():
     return report
 
 
+def check_ep_borrowing_tp_equals_one_process():
+    """tp_size=2 with ep_size=2 on 2 processes: the experts split whole over the tp pair (Mixtral's tp plan
+    less its experts keys), each process sending its half of the shared tokens to them."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    model, _, report = _train_ep(_accelerator(tp_size=2, ep_size=2), build=_mixtral, eps=SPLIT_EPS)
+    report["attention"] = str(model.model.layers[0].self_attn.q_proj.weight.placements)
+    return report
+
+
+def check_ep_borrowing_cp_equals_one_process():
+    """cp_size=2 with ep_size=2: each process its part of every sequence (ring attention), the experts
+    split over the cp pair; the loss over all tokens and the router's loss of the whole batch."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    # lr 1e-3 (as the sequence-split checks): ring attention's merge leaves 1e-9 differences in tiny gradients
+    # that AdamW at lr 0.01 turns into ~1e-5 of weight (embedding rows first used at step 2 or 3).
+    return _train_ep(_accelerator(cp_size=2, ep_size=2), split=True, eps=SPLIT_EPS, lr=1e-3)[2]
+
+
+def check_ep_borrowing_sp_equals_one_process():
+    """sp_size=2 (Ulysses) with ep_size=2: the same, the experts split over the sp pair."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    return _train_ep(_accelerator(sp_size=2, ep_size=2), split=True)[2]
+
+
+def check_ep_borrowing_dp_shard_and_tp_equals_one_process():
+    """dp_shard_size=2 x tp_size=2 on 4 processes: ep=4 (the experts split over all four: two batches,
+    each shared by a tp pair) and ep=2 (over each tp pair; each expert FSDP-sharded over the two
+    processes holding it, which hold different tp positions)."""
+    if int(os.environ["WORLD_SIZE"]) != 4:
+        return "skipped"
+    out = {}
+    for ep in (4, 2):
+        _, _, report = _train_ep(_accelerator(dp_shard_size=2, tp_size=2, ep_size=ep), build=_mixtral, eps=SPLIT_EPS)
+        out[f"ep{ep}"] = report
+    return out
+
+
 def check_plain_pytorch_moe_under_a_user_plan():
     """A plain PyTorch MoE, split by ``ep_plan``: equals one process (SGD, clipping, 3 steps)."""
     world = int(os.environ["WORLD_SIZE"])
@@ -246,3 +319,4 @@ def check_ep_refusals_name_the_fix():
         out["no_fsdp"] = str(e)
     _accelerator(ep_size=2)  # the process state again, for the checks after this one
     return out
+

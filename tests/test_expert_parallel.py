@@ -30,7 +30,8 @@ def two(tmp_path_factory):
 def four(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ep4"))
     report = run_checks("checks_expert_parallel", world_size=4, env={"EP_TMP": tmp},
-                        only=["check_ep_equals_one_process_and_checkpoints", "check_ep_with_hsdp_equals_one_process"])
+                        only=["check_ep_equals_one_process_and_checkpoints", "check_ep_with_hsdp_equals_one_process",
+                              "check_ep_borrowing_dp_shard_and_tp_equals_one_process"])
     report.tmp = tmp
     return report
 
@@ -81,6 +82,58 @@ def test_plain_pytorch_moe_split_by_its_plan_equals_one_process(two):
     assert r["worst"] <= TOLERANCE and r["norms"] <= TOLERANCE and r["local"] == [2, 8, 16]
 
 
+def _judge_borrowing(results, local_shape, model):
+    for r in results:
+        print("largest differences from one process:", r["worst"])
+        assert all(v <= TOLERANCE for v in r["worst"].values()), r["worst"]
+        assert r["aux"] == pytest.approx(r["ref_aux"], abs=TOLERANCE)  # the whole batch's router statistics
+        assert r["class"] == f"FSDPExpertParallel{model}Experts" and r["local_shape"] == local_shape, r
+
+
+def test_ep_borrowing_the_tp_processes_equals_one_process(two):
+    """tp_size=2, ep_size=2 on 2 processes (Mixtral): attention split by its tp plan, the experts split
+    whole over the same two processes (the plan's experts keys left out), each sending half of the
+    shared tokens; loss, aux loss, clipped norms, gradients and weights after 3 AdamW steps."""
+    results = two.assert_passed("check_ep_borrowing_tp_equals_one_process")
+    _judge_borrowing(results, [2, 32, 32], "Mixtral")
+    assert all("Shard(dim=0)" in r["attention"] for r in results)  # q_proj is split over tp
+
+
+@pytest.mark.parametrize("axis", ["cp", "sp"])
+def test_ep_borrowing_the_sequence_processes_equals_one_process(two, axis):
+    """cp_size=2 (ring attention) or sp_size=2 (Ulysses) with ep_size=2: each process its half of every
+    sequence, the experts split over the same two processes; the loss over all tokens and the router's
+    loss of the whole batch equal one process's."""
+    _judge_borrowing(two.assert_passed(f"check_ep_borrowing_{axis}_equals_one_process"), [2, 32, 32], "Qwen3Moe")
+
+
+def test_ep_borrowing_dp_shard_and_tp_processes_equals_one_process(four):
+    """dp_shard_size=2 x tp_size=2: ep=4 (one expert per process, two batches each shared by a tp pair)
+    and ep=2 (the experts of each tp pair FSDP-sharded over the two processes holding them)."""
+    for r in four.assert_passed("check_ep_borrowing_dp_shard_and_tp_equals_one_process"):
+        _judge_borrowing([r["ep4"]], [1, 32, 32], "Mixtral")
+        _judge_borrowing([r["ep2"]], [1, 32, 32], "Mixtral")
+
+
+def test_tensor_plan_styles_hasten_lacks_are_named():
+    """Experts styles of transformers' tp plans point to ep_size; Qwen3's per-head norms (a replicated weight
+    with gradients summed over tp) are refused, since leaving them out would give partial gradients."""
+    from checks_expert_parallel import _qwen3_moe
+
+    from hasten.strategies.expert_parallel import planned_experts, without_experts
+    from hasten.strategies.tp_plan import model_plan, resolve_plan
+
+    model = _qwen3_moe()
+    with pytest.raises(ValueError, match=r"q_norm'\] = 'replicated_with_grad_allreduce'.*use tp_size=1"):
+        resolve_plan(model, None)
+    plan = {k: v for k, v in model_plan(model).items() if "norm" not in k}
+    with pytest.raises(ValueError, match=r"gate_up_proj'\] = 'packed_colwise'.*ParallelismConfig\(ep_size"):
+        resolve_plan(model, plan)
+    kept = without_experts(plan, model, planned_experts(model, model, None))
+    assert not any("experts" in k for k in kept) and "model.layers.*.self_attn.q_proj" in kept
+    assert "model.layers.0.self_attn.q_proj" in resolve_plan(model, kept, own=True)
+
+
 def test_ep_refusals_in_the_process_name_the_fix(two):
     r = two.assert_passed("check_ep_refusals_name_the_fix")[0]
     assert "ep_size=2 does not divide num_experts=3 of model.layers.0.mlp.experts" in r["experts"]
@@ -116,8 +169,9 @@ def test_ep_checkpoint_loads_on_one_process_and_save_model_is_one_file(which, re
     assert all(torch.equal(written[k], saved[k]) for k in written) and len(written) >= len(saved) - 1
 
 
-def test_layout_rule_ep_borrows_dp_shard():
-    """ep is no factor of the product rule; it divides dp_shard (every process when nothing else is asked)."""
+def test_layout_rule_ep_borrows_the_processes_of_one_model_copy():
+    """ep is no factor of the product rule; it divides dp_shard x cp x sp x tp (every process when nothing
+    else is asked)."""
     from hasten.layout import AXES, BORROWED, Layout
 
     assert "ep" not in AXES and BORROWED == ("ep",)
@@ -125,8 +179,12 @@ def test_layout_rule_ep_borrows_dp_shard():
     Layout.from_sizes({"dp_shard": 4, "ep": 4}, 4).check()
     with pytest.raises(ValueError, match=r"ep_size=3 does not divide dp_shard_size=4.*use ep_size=2"):
         Layout.asked({"ep": 3}, 4).check()
-    with pytest.raises(ValueError, match=r"ep_size=2 with tp_size=2.*not available yet.*use tp_size=1"):
-        Layout.from_sizes({"dp_shard": 2, "tp": 2, "ep": 2}, 4).check()
+    Layout.from_sizes({"dp_shard": 2, "tp": 2, "ep": 4}, 4).check()  # borrows tp processes too
+    Layout.from_sizes({"cp": 2, "ep": 2}, 2).check()
+    with pytest.raises(ValueError, match=r"ep_size=3 does not divide dp_shard_size=2 x tp_size=2 = 4.*use ep_size=2"):
+        Layout.from_sizes({"dp_shard": 2, "tp": 2, "ep": 3}, 4).check()
+    with pytest.raises(ValueError, match=r"ep_size=4 does not divide dp_shard_size=1 x cp_size=2 = 2.*use ep_size=2"):
+        Layout.from_sizes({"cp": 2, "ep": 4}, 2).check()
 
 
 def test_parallelism_config_reads_ep_size_from_the_environment(monkeypatch):

@@ -11,10 +11,10 @@ so the tensor-parallel ranks of one replica are consecutive (one machine, the mo
 pipeline axis is outermost (only point-to-point activations between neighbouring stages cross machines).
 
 ``ep`` (expert parallelism) is an axis of the table but not of the mesh order: it *borrows* processes
-(``Axis.borrows``) instead of multiplying them. The routed experts are split over ``ep`` consecutive
-``dp_shard`` processes, which still read different batches and shard everything else; so ``ep`` is no
-factor of the product rule. Its own rule (``Layout.expert_problem``) is written here once: ep divides
-the processes it borrows.
+(``Axis.borrows``) instead of multiplying them, as torchtitan's: the routed experts are split over ``ep``
+consecutive processes of one model copy's ``dp_shard x cp x sp x tp`` block, which still read their own
+tokens and lay out everything else as before; so ``ep`` is no factor of the product rule. Its own rule
+(``Layout.expert_problem``) is written here once: ep divides the processes it borrows.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Axis:
     name: str
     data: bool
     help: str
-    borrows: Optional[str] = None  # the mesh axis whose processes it reuses (no factor of the product rule)
+    borrows: tuple[str, ...] = ()  # the mesh axes whose processes it reuses (no factor of the product rule)
 
 
 AXIS_TABLE = (
@@ -43,7 +43,8 @@ AXIS_TABLE = (
     Axis("sp", False, "Processes a sequence is split over (sequence parallelism: Ulysses all-to-all over heads)."),
     Axis("tp", False, "Processes each layer is split over (tensor parallelism)."),
     Axis("ep", False, "Processes the routed experts of a mixture-of-experts model are split over (expert "
-                      "parallelism; borrows dp_shard processes, needs --use_fsdp).", borrows="dp_shard"),
+                      "parallelism; borrows dp_shard x cp x sp x tp processes, needs --use_fsdp).",
+         borrows=("dp_shard", "cp", "sp", "tp")),
 )
 AXES = tuple(axis.name for axis in AXIS_TABLE if not axis.borrows)  # the mesh order, outermost first
 SIZED_AXES = tuple(axis.name for axis in AXIS_TABLE)  # every ``<name>_size`` setting (the mesh's and borrowed)
@@ -86,7 +87,7 @@ class Layout:
     cp: int = 1
     sp: int = 1
     tp: int = 1
-    ep: int = 1  # borrowed from dp_shard (expert_problem), no factor of the product
+    ep: int = 1  # borrowed from dp_shard x cp x sp x tp (expert_problem), no factor of the product
 
     def __post_init__(self) -> None:
         for name in ("world_size",) + SIZED_AXES:
@@ -195,24 +196,27 @@ class Layout:
                 f"tensor/context parallelism composes with FSDP2, not with plain replication; use "
                 f"{s.use('dp_shard', self.dp_replicate)} and {s.use('dp_replicate', 1)} (with {s.fsdp})")
 
+    @property
+    def expert_block(self) -> int:
+        """The processes ``ep`` borrows from: one model copy's ``dp_shard x cp x sp x tp`` (per pipeline stage)."""
+        total = 1
+        for name in next(a for a in AXIS_TABLE if a.name == "ep").borrows:
+            total *= getattr(self, name)
+        return total
+
     def expert_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
-        """Expert parallelism borrows ``ep`` consecutive ``dp_shard`` processes: ep divides dp_shard_size.
-        With pipeline stages each stage's dp_shard processes split its experts. (With cp, sp or tp it is
-        not available yet.)"""
-        if self.ep == 1:
+        """Expert parallelism borrows ``ep`` consecutive processes of the ``dp_shard x cp x sp x tp`` block
+        (``expert_block``): ep divides it. With pipeline stages each stage's block splits its experts."""
+        if self.ep == 1 or self.expert_block % self.ep == 0:
             return None
         s = spelling or Spelling()
-        if self.cp > 1 or self.sp > 1 or self.tp > 1:
-            other = next(n for n in ("cp", "sp", "tp") if getattr(self, n) > 1)
-            return (f"{s.prefix}{s.size('ep', self.ep)} with {s.size(other, getattr(self, other))}: expert parallelism "
-                    f"borrows dp_shard processes only (with cp, sp or tp it is not available yet); use "
-                    f"{s.use(other, 1)} and give those processes to dp_shard_size")
-        if self.dp_shard % self.ep:
-            fits = max(d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0 and d <= self.ep)
-            return (f"{s.prefix}{s.size('ep', self.ep)} does not divide {s.size('dp_shard', self.dp_shard)}: the "
-                    f"experts are split over ep of the dp_shard processes (it borrows them, it does not add any); "
-                    f"use {s.use('ep', fits)} or a dp_shard_size that ep divides")
-        return None
+        block = self.expert_block
+        fits = max(d for d in range(1, block + 1) if block % d == 0 and d <= self.ep)
+        used = [n for n in ("dp_shard", "cp", "sp", "tp") if getattr(self, n) > 1 or n == "dp_shard"]
+        parts = " x ".join(s.size(n, getattr(self, n)) for n in used) + (f" = {block}" if len(used) > 1 else "")
+        return (f"{s.prefix}{s.size('ep', self.ep)} does not divide {parts}: the experts are split over ep "
+                f"of the processes of one model copy (it borrows them, it does not add any); use {s.use('ep', fits)} "
+                f"or sizes whose product ep divides")
 
     def sequence_problem(self, spelling: Optional[Spelling] = None) -> Optional[str]:
         """Sequence parallelism (Ulysses, ``sp``) splits the same sequences context parallelism does, so

@@ -1,9 +1,12 @@
 """Expert parallelism: the routed experts of a mixture-of-experts model split over the ``ep`` processes.
 
-``ParallelismConfig(ep_size=N)`` (with FSDP2) gives each of ``N`` consecutive ``dp_shard`` processes
-``num_experts / N`` whole experts. The processes keep reading different batches (ep *borrows* them,
-``hasten.layout``); in every experts module, each (token, expert) pair travels to the process that
-holds the expert and the result comes back (two all-to-alls per layer, forward and backward). Applied
+``ParallelismConfig(ep_size=N)`` (with FSDP2) gives each of ``N`` consecutive processes of one model
+copy's ``dp_shard x cp x sp x tp`` block ``num_experts / N`` whole experts. The processes keep their own
+tokens (ep *borrows* them, ``hasten.layout``); in every experts module, each (token, expert) pair
+travels to the process that holds the expert and the result comes back (two all-to-alls per layer,
+forward and backward); tp processes, which hold the same tokens, each send a disjoint slice of them
+(``ParallelMesh.same_tokens_mesh``), and the tensor plan leaves the experts out (``without_experts``:
+they are split whole, torchtitan's expert-tp of 1). Applied
 by the ``expert_parallel`` layout step (``layout_steps``), after the tensor plan and before activation
 checkpointing and sharding; FSDP2 then shards the experts over the processes that hold the same
 experts (``efsdp``, ``ParallelMesh.expert_mesh``) and everything else as usual.
@@ -39,8 +42,9 @@ on each stage (``stage_plan``: the whole model's plan restricted to the stage); 
 tokens; the one-process model computes it over the whole batch, and the two differ (it multiplies
 two means). On a transformers MoE model (``router_aux_loss_coef``) a forward hook replaces
 ``aux_loss`` (and the part of ``loss`` it made) with the loss of the whole batch: the token counts and
-router probabilities are summed over the data-parallel processes (one all-reduce), and the gradient
-of each process's part is scaled so that the data-parallel average is the one-process gradient.
+router probabilities are summed over the processes holding different tokens (data-parallel, cp, sp:
+``ParallelMesh.token_parallel``; one all-reduce), and the gradient of each process's part is scaled so
+that the average over them is the one-process gradient.
 Under a pipeline the whole model's forward never runs (hasten's pipeline computes the loss on the last
 stage), so ``refuse_router_aux_loss`` refuses a model that adds this loss.
 """
@@ -190,7 +194,8 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 def shard_experts(module: nn.Module, names: list[str], ep_mesh: Any, batch_mesh: Any) -> None:
     """Split ``module``'s experts over ``ep_mesh`` (``names``: its parameters of shape [num_experts, ...]).
 
-    ``batch_mesh``: the processes that share one batch (size 1: no tensor parallelism is borrowed)."""
+    ``batch_mesh``: the processes that hold the same tokens (``ParallelMesh.same_tokens_mesh``: the tp
+    processes; size 1 without tensor parallelism)."""
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers.distributed.expert_parallel import AllToAllEP
 
@@ -291,17 +296,31 @@ def stage_plan(module: nn.Module, whole: nn.Module, user_plan: Optional[dict[str
     return resolve_plan(module, mine) if mine else {}
 
 
+def planned_experts(module: nn.Module, whole: nn.Module, config: Any) -> dict[str, list[str]]:
+    """The expert-parallel plan of ``module`` (the model, or a pipeline stage cut from ``whole``)."""
+    user = getattr(config, "ep_plan", None)
+    return resolve_plan(module, user) if module is whole else stage_plan(module, whole, user)
+
+
+def without_experts(tp_plan: dict[str, Any], module: nn.Module, experts: dict[str, list[str]]) -> dict[str, Any]:
+    """``tp_plan`` less its keys naming the ``experts`` modules of ``module`` or anything inside them: with
+    ``ep`` the experts are split whole over the ep processes (borrowing the tp ones), not by tensor
+    parallelism (torchtitan's ``etp = 1``)."""
+    inside = [n for e in experts for n, _ in module.named_modules() if n == e or n.startswith(e + ".")]
+    inside += [n for e in experts for n, _ in module.named_parameters() if n.startswith(e + ".")]
+    return {k: v for k, v in tp_plan.items() if not any(matches(k, n) for n in inside)}
+
+
 def apply_expert_parallel(module: nn.Module, whole: nn.Module, mesh: Any, config: Any) -> list[str]:
     """Split the experts of ``module`` (the model, or a pipeline stage cut from ``whole``) over the mesh's
     ``ep`` processes (the ``expert_parallel`` layout step); returns the experts modules' names."""
-    user = getattr(config, "ep_plan", None)
-    plan = resolve_plan(module, user) if module is whole else stage_plan(module, whole, user)
+    plan = planned_experts(module, whole, config)
     check_experts(module, plan, mesh.ep)
     experts = mesh.expert_mesh()
     modules = dict(module.named_modules())
     for name, params in plan.items():
-        shard_experts(modules[name], params, experts["ep"], experts["etp"])
-    data = mesh.data_parallel()
+        shard_experts(modules[name], params, experts["ep"], mesh.same_tokens_mesh())
+    data = mesh.token_parallel()
     if module is whole and _routes_aux_loss(whole) and data.size > 1:
         # Under a pipeline the stages never run the whole model's forward: hasten's pipeline computes the loss,
         # and PipelineStrategy refuses a model that adds the router's loss (refuse_router_aux_loss).
@@ -340,11 +359,12 @@ def fully_shard_experts(model: nn.Module, layout: Any, **kwargs: Any) -> list[nn
 
     experts = expert_modules(model)
     for module in experts:
-        # Each expert's gradient already sums the tokens of the ep processes, so it is divided by every
-        # data-parallel process.
+        # Each expert's gradient already sums the tokens of the ep processes (each token sent once, also
+        # from tp processes holding the same tokens), so it is divided by every process holding other
+        # tokens, as the dense gradients are averaged over them.
         shard_mesh = expert_shard_mesh(layout)
         fully_shard(module, **dict(kwargs, mesh=shard_mesh))
-        module.set_gradient_divide_factor(float(layout.dp_size))
+        module.set_gradient_divide_factor(float(layout.token_size))
         # A custom factor is NCCL's PREMUL_SUM in the reduce-scatter; elsewhere (gloo) sum, then divide.
         # Not on a one-process shard group: torch 2.13 then divides by the factor twice.
         if dist.get_backend() != "nccl" and shard_mesh.size(shard_mesh.ndim - 1) > 1:

@@ -10,7 +10,7 @@ engine trains (the whole model, or each pipeline stage after the split):
    ``sequence_parallel`` (``sp``): attention routed through Ulysses' all-to-all over heads
    (``sequence_parallel.py``); cp and sp exclude each other;
 2. ``tensor_plan`` (``tp``): the planned layers split with ``parallelize_module``;
-3. ``expert_parallel`` (``ep``, borrowed from ``dp_shard``): the experts modules' experts split over the
+3. ``expert_parallel`` (``ep``, borrowed from ``dp_shard x cp x sp x tp``): the experts modules' experts split over the
    ``ep`` processes, tokens sent to them by all-to-all (``expert_parallel``); by module name, so before
    checkpointing renames the blocks, and before sharding (FSDP2 shards the experts on their own mesh);
 4. ``activation_checkpointing``: the blocks wrapped; after the plans (they match module names the
@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from .expert_parallel import planned_experts, without_experts
 from .mesh import ParallelMesh
 from .tp_plan import check_divisible, matches, model_plan, resolve_plan
 
@@ -83,11 +84,14 @@ def _sequence_parallel(target: Target) -> None:
 
 def tensor_plan(target: Target) -> dict[str, Any]:
     """``{module name: ParallelStyle}`` for ``target.module``: the user's plan, else the whole model's
-    own; for a stage, the plan's keys that name its layers (a stage may have none)."""
+    own; for a stage, the plan's keys that name its layers (a stage may have none). With ``ep`` the keys
+    naming the experts go: the experts are split over ep instead (``expert_parallel.without_experts``)."""
     user = getattr(target.config, "tp_plan", None)
-    if not target.is_stage:
-        return resolve_plan(target.module, user)
     plan = user if user is not None else model_plan(target.whole)  # a stage is no model class
+    if target.size("ep") > 1:
+        plan = without_experts(plan, target.module, planned_experts(target.module, target.whole, target.config))
+    if not target.is_stage:
+        return resolve_plan(target.module, plan, own=user is None)
     names = [n for n, _ in target.module.named_modules() if n]
     here = {k: v for k, v in plan.items() if any(matches(k, n) for n in names)}
     return resolve_plan(target.module, here) if here else {}

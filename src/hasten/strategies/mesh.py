@@ -72,7 +72,7 @@ class ParallelMesh:
         rank / world_size: this process and the job's number of processes.
         device_type: "cpu", "cuda", ... (the torch ``DeviceMesh`` is built on it when asked for).
         keep: dimensions the torch mesh holds even at size 1 (FSDP2's shard dimension).
-        ep: processes the routed experts are split over, borrowed from ``dp_shard`` (``expert_mesh``).
+        ep: processes the routed experts are split over, borrowed from ``dp_shard x cp x sp x tp`` (``expert_mesh``).
     """
 
     def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str = "cpu",
@@ -92,6 +92,7 @@ class ParallelMesh:
         self._expert_mesh: Any = None
         self._flattened: dict[str, Any] = {}
         self._data_parallel: Optional[DataParallel] = None
+        self._token_parallel: Optional[DataParallel] = None
 
     @classmethod
     def replicated(cls, state: Any) -> "ParallelMesh":
@@ -116,18 +117,21 @@ class ParallelMesh:
     def data_parallel(self) -> DataParallel:
         """Data-parallel rank, size and group (the group is created once, by every process)."""
         if self._data_parallel is None:
-            self._data_parallel = self._build_data_parallel()
+            # The processes that read different batches: those differing only in the data axes.
+            self._data_parallel = self._build_group([a for a in DIMS if a in DATA_AXES])
         return self._data_parallel
 
-    def _build_data_parallel(self) -> DataParallel:
-        """The processes that read different batches: those differing only in the data axes
-        (``hasten.layout.DATA_AXES``); one group per position on the other axes."""
+    def _build_group(self, data: list[str]) -> DataParallel:
+        """Rank, size and group of the processes differing only in the axes ``data``; one group per
+        position on the other axes (the whole job, with no group made, when those are all 1)."""
         coords = self.coordinates()
-        data = [a for a in DIMS if a in DATA_AXES]
-        others = [a for a in DIMS if a not in DATA_AXES]
+        others = [a for a in DIMS if a not in data]
         dp_rank = _row_major({a: coords[a] for a in data}, {a: self.sizes[a] for a in data})
+        size = 1
+        for a in data:
+            size *= self.sizes[a]
         if all(self.sizes[a] == 1 for a in others):
-            return DataParallel(dp_rank, self.dp_size)
+            return DataParallel(dp_rank, size)
         import torch.distributed as dist
 
         strides = _strides(self.sizes)
@@ -140,7 +144,7 @@ class ParallelMesh:
             group = dist.new_group(ranks=ranks)
             if self.rank in ranks:
                 mine = (group, tuple(ranks))
-        return DataParallel(dp_rank, self.dp_size, mine[0], mine[1])
+        return DataParallel(dp_rank, size, mine[0], mine[1])
 
     def device_mesh(self) -> Any:
         """The torch ``DeviceMesh`` over the dimensions larger than 1 (built once, collectively).
@@ -160,21 +164,40 @@ class ParallelMesh:
 
     def expert_mesh(self) -> Any:
         """The experts' torch ``DeviceMesh`` (built once, collectively): the same processes as the mesh,
-        with ``dp_shard`` split into ``efsdp`` (outer: the processes holding the same experts, which
-        FSDP2 shards them over) and ``ep`` (inner, consecutive ranks: the processes the experts are
-        split over and tokens travel between), beside ``pp`` (each pipeline stage's processes exchange
-        tokens among themselves), ``dp_replicate`` and ``etp`` (the processes sharing one batch: size 1,
-        tensor parallelism is not borrowed). Row-major like the mesh, so a process's ``efsdp * ep + ep``
-        coordinate is its ``dp_shard`` coordinate. The dense and the expert mesh are two torch meshes: the
-        experts' parameters and their FSDP2 mesh are slices of this one."""
+        with one model copy's ``dp_shard x cp x sp x tp`` block (consecutive ranks, row-major) split into
+        ``efsdp`` (outer: the processes holding the same experts, which FSDP2 shards them over) and ``ep``
+        (inner: the processes the experts are split over and tokens travel between), beside ``pp`` (each
+        pipeline stage's processes exchange tokens among themselves), ``dp_replicate`` and ``etp`` (size 1:
+        the experts are not split by tensor parallelism; ``same_tokens_mesh`` is what tp processes share).
+        The dense and the expert mesh are two torch meshes: the experts' parameters and their FSDP2 mesh are
+        slices of this one."""
         if self._expert_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shard = self.sizes["dp_shard"]
+            block = Layout.from_sizes({**self.sizes, "ep": self.ep}, self.world_size).expert_block
             names = ("pp", "dp_replicate", "efsdp", "ep", "etp")
-            shape = (self.sizes["pp"], self.sizes["dp_replicate"], shard // self.ep, self.ep, 1)
+            shape = (self.sizes["pp"], self.sizes["dp_replicate"], block // self.ep, self.ep, 1)
             self._expert_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._expert_mesh
+
+    def same_tokens_mesh(self) -> Any:
+        """The processes holding the same tokens (the ``tp`` processes, a size-1 mesh without tensor
+        parallelism): before the experts they take disjoint slices of those tokens, so that each token is
+        sent to its experts once (transformers' ``AllToAllEP``)."""
+        return self["tp"] if self.sizes["tp"] > 1 else self.expert_mesh()["etp"]
+
+    def token_parallel(self) -> DataParallel:
+        """Rank, size and group of the processes holding different tokens of one step: the data axes and
+        the sequence-splitting ones (``cp``, ``sp``); one group per position on ``pp`` and ``tp``. What a
+        whole-batch statistic (the router's load-balancing loss) sums over, and what the gradients of
+        parameters that see those tokens are averaged over."""
+        if self._token_parallel is None:
+            self._token_parallel = self._build_group([a for a in DIMS if a in DATA_AXES or a in ("cp", "sp")])
+        return self._token_parallel
+
+    @property
+    def token_size(self) -> int:
+        return self.dp_size * self.sizes["cp"] * self.sizes["sp"]
 
     def __getitem__(self, names: Any) -> Any:
         """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``,

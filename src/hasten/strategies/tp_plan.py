@@ -20,6 +20,9 @@ from torch import nn
 
 # transformers' style names -> how to build torch's ParallelStyle.
 _STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel")
+# transformers' styles for mixture-of-experts weights, which ep_size splits instead (expert_parallel)
+_EXPERT_STYLES = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert")
+_GRADIENT_STYLES = ("replicated_with_grad_allreduce",)
 
 
 def _style(name: Any, where: str) -> Any:
@@ -39,6 +42,14 @@ def _style(name: Any, where: str) -> Any:
         return RowwiseParallel(input_layouts=Replicate())
     if key == "sequence_parallel":
         return SequenceParallel()
+    if key in _EXPERT_STYLES:
+        raise ValueError(f"tp_plan[{where!r}] = {name!r}: hasten does not split experts by tensor parallelism; split "
+                         "them whole with expert parallelism (ParallelismConfig(ep_size=...), which borrows the tp "
+                         "processes too), or leave the key out of tp_plan")
+    if key in _GRADIENT_STYLES:
+        raise ValueError(f"tp_plan[{where!r}] = {name!r}: hasten has no such style yet (a replicated weight whose "
+                         "gradient is summed over tp, e.g. Qwen3's per-head q_norm/k_norm); leaving it out would "
+                         "give that weight partial gradients, so use tp_size=1 for this model")
     raise ValueError(f"tp_plan[{where!r}] = {name!r}: unknown style; use a torch ParallelStyle "
                      f"(ColwiseParallel(), RowwiseParallel(), ...) or one of {list(_STYLE_NAMES)}")
 
@@ -67,8 +78,11 @@ def matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
-def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """``{module name: ParallelStyle}`` for ``model``: the user's plan, else the model's own."""
+def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]], own: bool = False) -> dict[str, Any]:
+    """``{module name: ParallelStyle}`` for ``model``: the user's plan, else the model's own. ``own``:
+    ``user_plan`` is the model's own plan (filtered): a key of it may match nothing (a transformers plan
+    covers its config's variants, e.g. Qwen3-MoE's dense MLP layers), while a user's key must match."""
+    own = own or user_plan is None
     plan = user_plan if user_plan is not None else model_plan(model)
     if not plan:
         raise ValueError(f"tp_size > 1 but {type(model).__name__} has no tensor-parallel plan; pass "
@@ -77,12 +91,13 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict[str, Any]]) -> dict[
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     for pattern, style in plan.items():
+        style = _style(style, pattern)  # first: a style hasten lacks is the clearer message
         names = [n for n in modules if n and matches(pattern, n)]
-        if not names:
+        if not names and not own:
             raise ValueError(f"tp_plan key {pattern!r} matches no module of {type(model).__name__}; module names "
                              f"look like {[n for n in modules if n][:6]}")
         for name in names:
-            out[name] = _style(style, pattern)
+            out[name] = style
     return out
 
 

@@ -111,8 +111,9 @@ class ParallelismConfig:
             "deepspeed" (Accelerate's default: DeepSpeed's Ulysses, with a ``deepspeed_plugin``; under DeepSpeed
             sp runs DeepSpeed's Ulysses whichever is named, see ``docs/sharded.md``).
         ep_size: processes the routed experts of a mixture-of-experts model are split over (expert
-            parallelism). It borrows ``dp_shard`` processes (it must divide ``dp_shard_size``, or the number
-            of processes when no other size is given) and needs FSDP2; it is no factor of the product rule.
+            parallelism). It borrows processes of one model copy (it must divide ``dp_shard_size x cp_size x
+            sp_size x tp_size``, or the number of processes when no other size is given) and needs FSDP2; it
+            is no factor of the product rule.
         ep_plan: hasten's addition: ``{module name or pattern: "experts"}`` naming the experts modules to
             split, used instead of the model's own plan (transformers' ``base_model_ep_plan``); see
             ``hasten.strategies.expert_parallel``.
@@ -194,7 +195,7 @@ class ParallelismConfig:
     @property
     def total_size(self) -> int:
         """The product of the mesh axes' sizes (Accelerate's, which counts sp too; hasten's pp as well; not ep,
-        which borrows dp_shard processes)."""
+        which borrows processes)."""
         total = 1
         for size in self.sizes().values():
             total *= size
