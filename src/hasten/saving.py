@@ -298,7 +298,8 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
 
 def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
     """One safetensors weights file, atomically, with the ties, the save id and its own checksum in
-    its metadata; returns that checksum (for the index)."""
+    its metadata (and, when its dtypes are hasten's writer's, the checksums of its header and of every
+    ``files.ranged.BLOCK_SIZE`` bytes of its data); returns the whole file's checksum (for the index)."""
     digest: list[str] = []
     write_atomically(target, lambda tmp: digest.append(write_weights_into(tmp, shard, aliases, save_id)))
     return digest[0]

@@ -1,8 +1,10 @@
 """The checked files of a weights checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt`` state dict
 (``weights_only=True``), a sharded ``*.index.json`` or a folder holding one of those under
 transformers' names. Each file is a plain file read once and verified (``files.weights``) before any
-model changes; what ``load_checkpoint_in_model`` and the sharded loader
-(``strategies/shard_loading.py``) then copy are those verified bytes.
+model changes; what ``load_checkpoint_in_model`` then copies are those verified bytes. The sharded
+loader (``strategies/shard_loading.py``) asks for ``ranged`` sources instead: of a safetensors file
+only the header is read and checked, and the file is held open for the parts each process reads
+(``files.ranged``: verified block by block where ``save_model`` recorded block checksums).
 """
 
 from __future__ import annotations
