@@ -193,8 +193,8 @@ def _matches_file(model, path: str) -> bool:
     from safetensors.torch import load_file
 
     want = load_file(path)
-    return all(torch.equal(p.to_local() if hasattr(p, "to_local") else p, want[strip_checkpoint_prefix(n)][held_block(p)])
-               for n, p in model.named_parameters())
+    return all(torch.equal(p.to_local() if hasattr(p, "to_local") else p,
+                           want[strip_checkpoint_prefix(n)][held_block(p)]) for n, p in model.named_parameters())
 
 
 def check_each_process_reads_only_its_experts_from_the_file():

@@ -98,7 +98,8 @@ class BlockSummer:
         """The bsum64 of each ``block_bytes`` piece of the stream (a multiple of 4 KiB; the last piece
         may be shorter): what ``digest`` gives for each piece summed alone."""
         if block_bytes <= 0 or block_bytes % BLOCK_BYTES:
-            raise ValueError(f"a checksummed block must be a positive multiple of {BLOCK_BYTES} bytes, not {block_bytes}")
+            raise ValueError(f"a checksummed block must be a positive multiple of {BLOCK_BYTES} bytes, "
+                             f"not {block_bytes}")
         sums = self.block_sums()
         data = torch.cat(sums) if sums else torch.empty(0, dtype=torch.int64)
         step = block_bytes // BLOCK_BYTES

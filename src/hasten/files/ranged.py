@@ -147,7 +147,8 @@ class RangedWeights:
         size, sums = self.metadata.get(BLOCK_SIZE_KEY, ""), self.metadata.get(BLOCK_CHECKSUMS_KEY)
         block = int(size) if size.isdigit() else 0
         count = -(-data_size // block) if block else 0
-        if not 0 < block <= _MAX_BLOCK or sums is None or len(sums) != 8 * count or not re.fullmatch(r"[0-9a-f]*", sums):
+        digits = sums is not None and len(sums) == 8 * count and re.fullmatch(r"[0-9a-f]*", sums) is not None
+        if not 0 < block <= _MAX_BLOCK or not digits:
             raise CheckpointCorruptError(f"{self.path!r} has damaged block checksums in its header ({BLOCK_SIZE_KEY}="
                                          f"{size!r}, {len(sums or '')} digits for {data_size} data bytes); save the "
                                          "weights again")
