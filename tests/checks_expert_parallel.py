@@ -26,11 +26,11 @@ VOCAB, SEQ, PER_RANK, STEPS, CLIP, LR = 64, 8, 2, 3, 0.5, 0.01
 SPLIT_EPS = 1e-5
 
 
-def _qwen3_moe(experts: int = 4) -> nn.Module:
+def _qwen3_moe(experts: int = 4, moe_intermediate: int = 16) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=moe_intermediate,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
                          num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
                          max_position_embeddings=32)

@@ -50,3 +50,33 @@ def test_model_built_on_meta_under_ep_is_filled_from_the_file(report):
 
 def test_cpu_ram_efficient_loading_under_ep_gives_process_0s_experts(report):
     _judge(report, CHECKS[2])
+
+
+READ_CHECK = "check_each_process_reads_only_its_experts_from_the_file"
+
+
+def test_each_process_reads_only_its_experts_bytes_and_loads_them_bitwise(report):
+    """The experts are ~95% of the file: each process reads (rchar, during load_checkpoint_in_model) under
+    0.6x of a plain save_file file and of a save_model file (4 KiB checksummed blocks), and its shards
+    are the file's bitwise."""
+    results = report.assert_passed(READ_CHECK)
+    for rank, r in enumerate(results):
+        for name in ("plain", "hasten"):
+            f = r[name]
+            print(f"rank {rank} {name}: read {f['read']} of {f['size']} bytes ({f['read'] / f['size']:.3f})")
+            assert f["bitwise"], (rank, name)
+            assert f["read"] < 0.6 * f["size"], (rank, name, f)
+    assert [r["rows"][0] for r in results] == ROWS[report.world_size]
+
+
+def test_a_flipped_bit_in_process_1s_experts_raises_on_every_process_naming_the_file(report):
+    """One bit flipped mid-row of an expert only process 1 reads (save_model file): process 1 finds its
+    block's checksum differs; every process raises, naming the file; none waits."""
+    results = report.assert_passed(READ_CHECK)
+    for rank, r in enumerate(results):
+        error = r["corrupt"]
+        assert error is not None, rank
+        assert "corrupt" in error["message"] and "model.safetensors" in error["message"], (rank, error)
+    assert results[1]["corrupt"]["type"] == "CheckpointCorruptError", results[1]["corrupt"]
+    assert "block" in results[1]["corrupt"]["message"] and "checksum" in results[1]["corrupt"]["message"]
+    assert results[0]["corrupt"]["type"] == "RuntimeError"  # process 0 read nothing wrong: told by process 1

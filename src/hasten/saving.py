@@ -298,7 +298,8 @@ def save_model(state_dict: Mapping[str, Any], save_directory: PathLike, max_shar
 
 def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
     """One safetensors weights file, atomically, with the ties, the save id and its own checksum in
-    its metadata; returns that checksum (for the index)."""
+    its metadata (and, when its dtypes are hasten's writer's, the checksums of its header and of every
+    ``files.ranged.BLOCK_SIZE`` bytes of its data); returns the whole file's checksum (for the index)."""
     digest: list[str] = []
     write_atomically(target, lambda tmp: digest.append(write_weights_into(tmp, shard, aliases, save_id)))
     return digest[0]
@@ -306,6 +307,7 @@ def write_weights_file(target: str, shard: dict[str, Any], aliases: dict[str, st
 
 def write_weights_into(tmp: str, shard: dict[str, Any], aliases: dict[str, str], save_id: Optional[str]) -> str:
     """``write_weights_file``'s content written to the new file ``tmp`` (the caller renames it into place)."""
+    from .files import ranged
     from .files.safetensors_format import DTYPES, write_safetensors
 
     metadata = {"format": "pt", CHECKSUM_KEY: UNSET_CHECKSUM}
@@ -317,9 +319,9 @@ def write_weights_into(tmp: str, shard: dict[str, Any], aliases: dict[str, str],
     digest: list[str] = []
 
     def write(tmp: str) -> None:
-        if all(t.dtype in DTYPES for t in shard.values()):  # summed while written
-            digest.append(write_safetensors(tmp, shard, metadata)[1])
-        else:  # a dtype only the safetensors library writes: summed from the file
+        if all(t.dtype in DTYPES for t in shard.values()):  # summed while written, in blocks too (files.ranged)
+            digest.append(write_safetensors(tmp, shard, metadata, block_size=ranged.BLOCK_SIZE)[1])
+        else:  # a dtype only the safetensors library writes: summed from the file (read whole when loaded)
             from safetensors.torch import save_file
 
             from .files.reading import file_checksum

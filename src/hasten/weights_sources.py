@@ -1,8 +1,10 @@
 """The checked files of a weights checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt`` state dict
 (``weights_only=True``), a sharded ``*.index.json`` or a folder holding one of those under
 transformers' names. Each file is a plain file read once and verified (``files.weights``) before any
-model changes; what ``load_checkpoint_in_model`` and the sharded loader
-(``strategies/shard_loading.py``) then copy are those verified bytes.
+model changes; what ``load_checkpoint_in_model`` then copies are those verified bytes. The sharded
+loader (``strategies/shard_loading.py``) asks for ``ranged`` sources instead: of a safetensors file
+only the header is read and checked, and the file is held open for the parts each process reads
+(``files.ranged``: verified block by block where ``save_model`` recorded block checksums).
 """
 
 from __future__ import annotations
@@ -31,12 +33,25 @@ from .saving import (
 class Source:
     """One weights file, checked: its names and shapes; a ``.bin``'s contents (``data``); a
     safetensors file's ``view`` of its verified bytes (``files.reading``), kept from the check or,
-    when dropped to bound memory, read again at use and required to be the same bytes."""
+    when dropped to bound memory, read again at use and required to be the same bytes; or, for a
+    sharded load, the file held open with only its header read (``ranged``, ``files.ranged``), whose
+    ``blocks`` read and verify the parts asked for."""
 
     def __init__(self, path: str, safe: bool, shapes: dict[str, Optional[tuple]], data: Optional[dict] = None,
-                 view: Any = None, found: Optional[str] = None) -> None:
+                 view: Any = None, found: Optional[str] = None, ranged: Any = None) -> None:
         self.path, self.safe, self.shapes, self.data = path, safe, shapes, data
         self._view, self.found = view, found  # found: the checksum of the bytes that were checked
+        self.ranged = ranged
+
+    def blocks(self, wanted: Sequence[tuple[str, tuple]]) -> list:
+        """The blocks ``wanted`` ((key, tuple of slices) each) of this file's tensors: read alone from
+        the open file (``ranged``), else taken from the file's verified bytes or the state dict."""
+        if self.ranged is not None:
+            return self.ranged.blocks(wanted)
+        if not self.safe:
+            return [self.data[key][index] for key, index in wanted]
+        view = self.view
+        return [view.tensor(key)[index] for key, index in wanted]
 
     @property
     def view(self) -> Any:
@@ -49,8 +64,10 @@ class Source:
         return self._view
 
     def release(self) -> None:
-        """Let go of the bytes (tensors already taken from them keep their part)."""
+        """Let go of the bytes (tensors already taken from them keep their part) and of an open file."""
         self._view = None
+        if self.ranged is not None:
+            self.ranged.close()
 
 
 def verify_weights_file(path: str) -> Optional[str]:
@@ -60,20 +77,41 @@ def verify_weights_file(path: str) -> Optional[str]:
     return read_weights(path).recorded
 
 
-def read_source(path: str, keep: bool = True) -> tuple[Source, dict[str, str], Optional[str], Optional[str]]:
+def _aliases(path: str, metadata: dict[str, str]) -> dict[str, str]:
+    try:
+        aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}: {e}); the file is "
+                                     "damaged") from None
+    if not isinstance(aliases, dict):
+        raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
+    return aliases
+
+
+def read_source(path: str, keep: bool = True,
+                ranged: bool = False) -> tuple[Source, dict[str, str], Optional[str], Optional[str]]:
     """Names and shapes of one weights file, plus its recorded aliases, save id and checksum.
-    ``keep``: keep the verified bytes for loading (else they are read again then, and compared)."""
+    ``keep``: keep the verified bytes for loading (else they are read again then, and compared).
+    ``ranged``: read a safetensors file's header only and keep the file open, to read parts of it
+    (``files.ranged``), unless it records a checksum of its whole bytes only (older hasten: read whole)."""
     if path.endswith(".safetensors"):
+        if ranged:
+            from .files.ranged import RangedWeights
+
+            part = RangedWeights(path)
+            if not part.whole_only:
+                try:
+                    aliases = _aliases(path, part.metadata)
+                except BaseException:
+                    part.close()
+                    raise
+                source = Source(path, True, part.shapes(), ranged=part)
+                return source, aliases, part.metadata.get(SAVE_ID_KEY), part.recorded
+            part.close()
         file = read_weights(path, found=not keep)
         view = file.view
         metadata = view.metadata
-        try:
-            aliases = json.loads(metadata[ALIASES_KEY]) if ALIASES_KEY in metadata else {}
-        except (ValueError, RecursionError) as e:
-            raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}: {e}); the file is "
-                                         "damaged") from None
-        if not isinstance(aliases, dict):
-            raise CheckpointCorruptError(f"{path!r} records damaged tied names ({ALIASES_KEY}); the file is damaged")
+        aliases = _aliases(path, metadata)
         source = Source(path, True, view.shapes(), None, view if keep else None, file.found)
         return source, aliases, metadata.get(SAVE_ID_KEY), file.recorded
     import torch
@@ -150,9 +188,23 @@ def _memory_budget() -> int:
         return 1 << 30
 
 
-def checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[list[Source], dict[str, str]]:
+def checkpoint_sources(checkpoint: PathLike, release: bool = False,
+                       ranged: bool = False) -> tuple[list[Source], dict[str, str]]:
     """The checked weights files of ``checkpoint`` and its recorded aliases; ``release``: keep none of
-    their bytes (each is read again, verified, when loaded: a sharded load takes slices of each)."""
+    their bytes (each is read again, verified, when loaded); ``ranged``: read the headers of safetensors
+    files only and keep them open, to read parts of them (``read_source``: a sharded load takes slices
+    of each). On an error, every file opened is closed."""
+    sources: list[Source] = []
+    try:
+        return _checkpoint_sources(checkpoint, release, ranged, sources)
+    except BaseException:
+        for source in sources:
+            source.release()
+        raise
+
+
+def _checkpoint_sources(checkpoint: PathLike, release: bool, ranged: bool,
+                        sources: list[Source]) -> tuple[list[Source], dict[str, str]]:
     path = os.fspath(checkpoint)
     if os.path.isdir(path):
         candidates = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
@@ -179,14 +231,14 @@ def checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[lis
         return budget[0] >= 0
 
     if not path.endswith(".index.json"):
-        source, aliases, _, _ = read_source(path, keep(path))
-        return [source], aliases
+        source, aliases, _, _ = read_source(path, keep(path), ranged)
+        sources.append(source)
+        return sources, aliases
     index, checksums = read_weights_index(path)
     metadata = index.get("metadata") or {}
     aliases = dict(metadata.get(ALIASES_KEY) or {})
     save_id = metadata.get(SAVE_ID_KEY)
     directory = os.path.dirname(path)
-    sources = []
     for filename in dict.fromkeys(index["weight_map"].values()):
         shard = os.path.join(directory, filename)
         if not os.path.lexists(shard):
@@ -194,7 +246,8 @@ def checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[lis
         if checksums is not None and filename not in checksums:
             raise CheckpointCorruptError(f"index {path!r} lists shard {filename!r} but records no checksum for it; the "
                                          "index is damaged")
-        source, shard_aliases, shard_id, recorded = read_source(shard, keep(shard))
+        source, shard_aliases, shard_id, recorded = read_source(shard, keep(shard), ranged)
+        sources.append(source)
         if save_id is not None and shard_id is not None and shard_id != save_id:
             raise RuntimeError(
                 f"shard {shard!r} was written by a different save than index {path!r} (an interrupted "
@@ -207,7 +260,6 @@ def checkpoint_sources(checkpoint: PathLike, release: bool = False) -> tuple[lis
         if absent:
             raise ValueError(f"index {path!r} says {_listing(absent)} are in {filename!r}, but that file lacks them")
         aliases.update(shard_aliases)
-        sources.append(source)
     return sources, aliases
 
 

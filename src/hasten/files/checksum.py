@@ -80,7 +80,8 @@ class BlockSummer:
             self.current += int(words[pos:].sum())
             self.words_in_block += n - pos
 
-    def digest(self) -> str:
+    def block_sums(self) -> list:
+        """The sums of every 4 KiB block so far, the open one (zero-padded) included."""
         sums = list(self.sums)
         current, in_block = self.current, self.words_in_block
         if self.carry:
@@ -88,7 +89,21 @@ class BlockSummer:
             in_block += 1
         if in_block:
             sums.append(torch.tensor([_signed(current)], dtype=torch.int64))
-        return _digest(sums)
+        return sums
+
+    def digest(self) -> str:
+        return _digest(self.block_sums())
+
+    def digests(self, block_bytes: int) -> list[str]:
+        """The bsum64 of each ``block_bytes`` piece of the stream (a multiple of 4 KiB; the last piece
+        may be shorter): what ``digest`` gives for each piece summed alone."""
+        if block_bytes <= 0 or block_bytes % BLOCK_BYTES:
+            raise ValueError(f"a checksummed block must be a positive multiple of {BLOCK_BYTES} bytes, "
+                             f"not {block_bytes}")
+        sums = self.block_sums()
+        data = torch.cat(sums) if sums else torch.empty(0, dtype=torch.int64)
+        step = block_bytes // BLOCK_BYTES
+        return [_digest([data[i:i + step]]) for i in range(0, data.numel(), step)]
 
 
 def _signed(value: int) -> int:

@@ -5,6 +5,9 @@ Every safetensors file ``save_model`` writes records the bsum64 of its own bytes
 in its header metadata, computed with that value replaced by ``UNSET_CHECKSUM`` (same length), so every
 byte is covered, the header included; its index records each file's value under ``CHECKSUMS_KEY`` and
 its own under ``CHECKSUM_KEY`` the same way. The files stay plain safetensors / JSON for other readers.
+They also record the checksums of their header and of every block of their data (``files.ranged``),
+so that a process of a sharded load can read and verify only its parts; the readers here read and
+verify whole files.
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ Used by ``hasten.load_checkpoint_in_model`` when the model has ``DTensor`` param
 may still be on ``meta`` (built under ``init_empty_weights()`` on every process and prepared):
 its shards are then allocated here (``to_empty``, which FSDP2 follows) and read from the files.
 Each process takes the block of each tensor it holds (``held_block``: its FSDP2 rows, its TP
-columns, its experts' rows under expert parallelism) from the file's verified bytes
-(``weights_sources``: every file is read and checked whole, one file in memory at a time), so host
-memory holds this process's shards plus one file's bytes at most.
+columns, its experts' rows under expert parallelism) from the file itself: of a safetensors file it
+reads the header and then only the bytes of its blocks (``files.ranged``: for each block, the smallest
+contiguous byte range covering it, widened to whole checksummed blocks and each verified where
+``save_model`` recorded block checksums), never the rest; a file recording only a checksum of its
+whole bytes (an older hasten) and a ``.bin`` are still read whole, one file in memory at a time. Host
+memory holds this process's shards plus its own parts of one file (or one whole file) at most.
 
 Every process checks the whole checkpoint against the whole model (names, shapes) before any
 shard changes, and every process raises when any process fails (one all-gather), so no process
@@ -80,7 +83,7 @@ class _Plan(NamedTuple):
 def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
     """Match the checkpoint's tensors to the model's, or raise ``CheckpointMismatchError`` naming
     every problem (key, shapes, file). The same on every process: all read the same headers."""
-    sources, aliases = checkpoint_sources(checkpoint, release=True)  # only our slices stay resident
+    sources, aliases = checkpoint_sources(checkpoint, release=True, ranged=True)  # headers only: slices read later
     found: dict[str, tuple[Any, str]] = {}
     for source in sources:
         for key in source.shapes:
@@ -113,6 +116,8 @@ def _plan(model: nn.Module, checkpoint: Any, strict: bool) -> _Plan:
         problems.append(f"missing from the checkpoint and still on the meta device (no value to give them): "
                         f"{_listing(absent)}")
     if problems:
+        for source in sources:
+            source.release()
         files = ", ".join(sorted({os.path.basename(s.path) for s in sources}))
         raise CheckpointMismatchError(
             f"checkpoint {os.fspath(checkpoint)!r} ({files}) does not fit {type(model).__name__} (model unchanged): "
@@ -210,15 +215,13 @@ def held_block(tensor: torch.Tensor) -> tuple:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _read_block(source: Any, key: str, index: tuple, dest: torch.Tensor) -> None:
-    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins), from the
-    file's verified bytes (``weights_sources.Source.view``)."""
-    if dest.numel() == 0:
-        return
-    if not source.safe:  # a torch state dict, already loaded (memory-mapped) by checkpoint_sources
-        dest.copy_(source.data[key][index])
-        return
-    dest.copy_(source.view.tensor(key)[index])
+def _read_blocks(source: Any, wanted: list[tuple[str, tuple, torch.Tensor]]) -> None:
+    """Copy the block ``index`` of tensor ``key`` of ``source`` into ``dest`` (its dtype wins) for each
+    ``(key, index, dest)`` of ``wanted``: read together from the file, only those bytes where it can be
+    (``weights_sources.Source.blocks``), verified."""
+    wanted = [w for w in wanted if w[2].numel()]
+    for (_, _, dest), block in zip(wanted, source.blocks([(key, index) for key, index, _ in wanted])):
+        dest.copy_(block)
 
 
 def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
@@ -236,14 +239,16 @@ def load_into_sharded(model: nn.Module, checkpoint: Any, strict: bool) -> Any:
         _materialise(model)
         slots = _slots(model)
         with torch.no_grad():
-            for source in plan.sources:  # one file's bytes in memory at a time
-                for name, (owner, key) in plan.where.items():
-                    if owner is source:
-                        tensor = slots[name].tensor
-                        _read_block(source, key, held_block(tensor), _local(tensor))
+            for source in plan.sources:  # one file's parts (or bytes) in memory at a time
+                wanted = [(key, held_block(slots[name].tensor), _local(slots[name].tensor))
+                          for name, (owner, key) in plan.where.items() if owner is source]
+                _read_blocks(source, wanted)
                 source.release()
     except Exception as e:  # noqa: BLE001 - raised on every process by _agree
         failure = e
+    finally:
+        for source in plan.sources:
+            source.release()
     _agree(failure)
     log_partial_load(checkpoint, model, plan.missing, plan.unexpected)
     return LoadResult(plan.missing, plan.unexpected)
