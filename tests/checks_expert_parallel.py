@@ -86,9 +86,14 @@ def _batches(world: int) -> list[torch.Tensor]:
 
 
 def _next_tokens(x: torch.Tensor) -> torch.Tensor:
-    """Labels already shifted (the next token; the last position's is the first token), so that a split
-    sequence keeps its labels and every process of a cp/sp group holds the same number of them."""
-    return torch.roll(x, -1, dims=1)
+    """Labels already shifted (the next token), so that a split sequence keeps its labels; the last
+    position's and three of the first row's are -100, so that the processes of a cp/sp group hold
+    different numbers of labelled tokens (the loss must still be the all-token mean, and the router's
+    loss must not be weighted by those numbers)."""
+    labels = torch.roll(x, -1, dims=1)
+    labels[:, -1] = -100
+    labels[0, 1:4] = -100
+    return labels
 
 
 def _reference(batches, build, shifted: bool = False, eps: float = 1e-8, lr: float = LR):

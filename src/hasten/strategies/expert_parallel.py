@@ -252,11 +252,36 @@ def global_load_balancing_loss(router_logits: tuple, num_experts: int, top_k: in
     return torch.sum((all_counts / all_rows) * (probs / all_rows)) * num_experts
 
 
-class _WholeBatchAuxLoss:
-    """Forward hook (with kwargs) of a transformers MoE model: ``aux_loss`` and ``loss`` of the whole batch."""
+class _SequenceMeanGradient(torch.autograd.Function):
+    """Identity forward; backward: the gradient's mean over the processes of a cp/sp group.
 
-    def __init__(self, model: nn.Module, group: Any, size: int) -> None:
-        self.group, self.size = group, size
+    The whole-batch auxiliary loss is one number per batch, not a mean over tokens; but under cp/sp the
+    loss holding it goes through ``loss_over_sequence``, whose backward gives each process of the group
+    its labelled tokens' share (``cp x n_r / N``, which average to 1). Taking the group's mean of the
+    gradient that reaches the auxiliary loss undoes that weighting whatever the counts (and changes
+    nothing when the loss is not weighted), keeping the scaling every process shares (accumulation,
+    loss scaling)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad / dist.get_world_size(ctx.group), None
+
+
+class _WholeBatchAuxLoss:
+    """Forward hook (with kwargs) of a transformers MoE model: ``aux_loss`` and ``loss`` of the whole batch.
+    ``sequence_group``: the cp or sp processes splitting each sequence (None without)."""
+
+    def __init__(self, model: nn.Module, group: Any, size: int, sequence_group: Any = None) -> None:
+        self.group, self.size, self.sequence_group = group, size, sequence_group
         self.num_experts, self.top_k = model.num_experts, model.num_experts_per_tok
         self.coef = model.router_aux_loss_coef
         self.signature = inspect.signature(type(model).forward)
@@ -269,6 +294,8 @@ class _WholeBatchAuxLoss:
         bound = self.signature.bind_partial(module, *args, **kwargs).arguments
         whole = global_load_balancing_loss(tuple(logits), self.num_experts, self.top_k, bound.get("attention_mask"),
                                            self.group, self.size)
+        if self.sequence_group is not None and torch.is_grad_enabled() and whole.requires_grad:
+            whole = _SequenceMeanGradient.apply(whole, self.sequence_group)
         output["aux_loss"] = whole
         if output.get("loss") is not None and bound.get("labels") is not None:  # transformers added coef x its own
             output["loss"] = output["loss"] - self.coef * local.to(output["loss"].device) + \
@@ -324,7 +351,9 @@ def apply_expert_parallel(module: nn.Module, whole: nn.Module, mesh: Any, config
     if module is whole and _routes_aux_loss(whole) and data.size > 1:
         # Under a pipeline the stages never run the whole model's forward: hasten's pipeline computes the loss,
         # and PipelineStrategy refuses a model that adds the router's loss (refuse_router_aux_loss).
-        whole.register_forward_hook(_WholeBatchAuxLoss(whole, data.group, data.size), with_kwargs=True)
+        split = next((a for a in ("cp", "sp") if mesh.sizes[a] > 1), None)
+        sequence_group = mesh[split].get_group() if split else None
+        whole.register_forward_hook(_WholeBatchAuxLoss(whole, data.group, data.size, sequence_group), with_kwargs=True)
     return list(plan)
 
 
