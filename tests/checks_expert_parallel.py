@@ -242,6 +242,19 @@ def check_ep_borrowing_tp_equals_one_process():
     return report
 
 
+def check_qwen3_moe_tp_with_ep_equals_one_process():
+    """Qwen3-MoE under its own tp plan (tp_size=2, ep_size=2): its per-head q_norm/k_norm are whole on both
+    processes but see half the heads each, so their gradients are summed over tp (GradientSum)."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    model, _, report = _train_ep(_accelerator(tp_size=2, ep_size=2), eps=SPLIT_EPS)
+    attention = model.model.layers[0].self_attn
+    report["attention"] = str(attention.q_proj.weight.placements)
+    report["q_norm_local"] = list(attention.q_norm.weight.to_local().shape) if hasattr(
+        attention.q_norm.weight, "to_local") else list(attention.q_norm.weight.shape)
+    return report
+
+
 def check_ep_borrowing_cp_equals_one_process():
     """cp_size=2 with ep_size=2: each process its part of every sequence (ring attention), the experts
     split over the cp pair; the loss over all tokens and the router's loss of the whole batch."""

@@ -143,6 +143,46 @@ def check_tp_llama_plan_equals_one_process():
     return {"worst": worst, "split": len(split)}
 
 
+def check_tp_qwen3_plan_with_accumulation_equals_one_process():
+    """Qwen3 (dense) under its own tp plan, TP alone, gradient accumulation 2: its per-head q_norm/k_norm
+    weights stay whole and their gradients are summed over tp at each backward (``GradientSum``), so the
+    accumulated sums equal one process's gradients."""
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        return "skipped"
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            max_position_embeddings=32))
+
+    reset_state()
+    acc = Accelerator(parallelism_config=ParallelismConfig(tp_size=2), gradient_accumulation_steps=2)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = acc.prepare(model, opt)
+    ref = build().to(acc.device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 64, (2, 8), generator=g).to(acc.device) for _ in range(4)]
+    for i, ids in enumerate(batches):
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+        (ref(input_ids=ids, labels=ids).loss / 2).backward()
+        if i % 2 == 1:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    norm = model.model.layers[0].self_attn.q_norm.weight
+    assert type(norm).__name__ != "DTensor" and tuple(norm.shape) == (8,)  # whole on both processes
+    worst = _worst(_full(acc, model), _cpu(ref.state_dict()))
+    norms = max(float((p.detach().cpu() - ref.get_parameter(n).detach().cpu()).abs().max())
+                for n, p in model.named_parameters() if "norm" in n and "layernorm" not in n)
+    return {"worst": worst, "q_k_norms": norms}
+
+
 def check_tp_gather_for_metrics_exact():
     if int(os.environ["WORLD_SIZE"]) != 2:
         return "skipped"

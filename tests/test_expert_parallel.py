@@ -115,23 +115,30 @@ def test_ep_borrowing_dp_shard_and_tp_processes_equals_one_process(four):
         _judge_borrowing([r["ep2"]], [1, 32, 32], "Mixtral")
 
 
-def test_tensor_plan_styles_hasten_lacks_are_named():
-    """Experts styles of transformers' tp plans point to ep_size; Qwen3's per-head norms (a replicated weight
-    with gradients summed over tp) are refused, since leaving them out would give partial gradients."""
+def test_tensor_plan_experts_styles_point_to_ep_and_are_left_out_under_ep():
+    """Without ep, transformers' experts styles in a tp plan are refused pointing to ep_size; under ep the
+    plan's experts keys are left out (the experts are split whole over ep). Qwen3's per-head norms
+    (replicated_with_grad_allreduce) are accepted: their gradients are summed over tp."""
     from checks_expert_parallel import _qwen3_moe
 
     from hasten.strategies.expert_parallel import planned_experts, without_experts
-    from hasten.strategies.tp_plan import model_plan, resolve_plan
+    from hasten.strategies.tp_plan import GradientSum, model_plan, resolve_plan
 
     model = _qwen3_moe()
-    with pytest.raises(ValueError, match=r"q_norm'\] = 'replicated_with_grad_allreduce'.*use tp_size=1"):
-        resolve_plan(model, None)
-    plan = {k: v for k, v in model_plan(model).items() if "norm" not in k}
     with pytest.raises(ValueError, match=r"gate_up_proj'\] = 'packed_colwise'.*ParallelismConfig\(ep_size"):
-        resolve_plan(model, plan)
-    kept = without_experts(plan, model, planned_experts(model, model, None))
+        resolve_plan(model, None)
+    kept = without_experts(model_plan(model), model, planned_experts(model, model, None))
     assert not any("experts" in k for k in kept) and "model.layers.*.self_attn.q_proj" in kept
-    assert "model.layers.0.self_attn.q_proj" in resolve_plan(model, kept, own=True)
+    resolved = resolve_plan(model, kept, own=True)
+    assert "model.layers.0.self_attn.q_proj" in resolved
+    assert isinstance(resolved["model.layers.0.self_attn.q_norm"], GradientSum)
+
+
+def test_qwen3_moe_under_its_tp_plan_with_ep_equals_one_process(two):
+    """tp_size=2, ep_size=2 with Qwen3-MoE's own tp plan: q_norm/k_norm whole, their gradients summed over tp."""
+    results = two.assert_passed("check_qwen3_moe_tp_with_ep_equals_one_process")
+    _judge_borrowing(results, [2, 32, 32], "Qwen3Moe")
+    assert all(r["q_norm_local"] == [8] for r in results)
 
 
 def test_ep_refusals_in_the_process_name_the_fix(two):

@@ -40,6 +40,14 @@ def test_transformers_model_under_its_own_tp_plan(two):
         assert r["worst"] < 1e-5 and r["split"] == 15  # 7 linears x 2 layers + lm_head
 
 
+def test_qwen3_per_head_norms_get_gradients_summed_over_tp(two):
+    """transformers' replicated_with_grad_allreduce (Qwen3's q_norm/k_norm): under TP alone with gradient
+    accumulation 2 (SGD, 2 updates), the weights equal one process's within 1e-5."""
+    for r in two.assert_passed("check_tp_qwen3_plan_with_accumulation_equals_one_process"):
+        print("qwen3 tp2, largest differences from one process:", r)
+        assert r["worst"] < 1e-5 and r["q_k_norms"] < 1e-5, r
+
+
 def test_gather_for_metrics_exact_under_tp(two):
     assert two.assert_passed("check_tp_gather_for_metrics_exact") == [list(range(13))] * 2
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from .expert_parallel import planned_experts, without_experts
 from .mesh import ParallelMesh
-from .tp_plan import check_divisible, matches, model_plan, resolve_plan
+from .tp_plan import GradientSum, check_divisible, matches, model_plan, resolve_plan
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,13 @@ def _tensor_plan(target: Target) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tensor_plan(target)
-    if plan:
-        check_divisible(target.module, plan, target.size("tp"), config=getattr(target.whole, "config", None))
-        parallelize_module(target.module, target.mesh["tp"], plan)
+    summed = {name: style for name, style in plan.items() if isinstance(style, GradientSum)}
+    styles = {name: style for name, style in plan.items() if name not in summed}
+    if styles:
+        check_divisible(target.module, styles, target.size("tp"), config=getattr(target.whole, "config", None))
+        parallelize_module(target.module, target.mesh["tp"], styles)
+    for name, style in summed.items():
+        style.install(target.module.get_submodule(name), target.mesh["tp"].get_group())
 
 
 def _expert_parallel(target: Target) -> None:

@@ -22,7 +22,6 @@ from torch import nn
 _STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "sequence_parallel")
 # transformers' styles for mixture-of-experts weights, which ep_size splits instead (expert_parallel)
 _EXPERT_STYLES = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert")
-_GRADIENT_STYLES = ("replicated_with_grad_allreduce",)
 
 
 def _style(name: Any, where: str) -> Any:
@@ -46,12 +45,48 @@ def _style(name: Any, where: str) -> Any:
         raise ValueError(f"tp_plan[{where!r}] = {name!r}: hasten does not split experts by tensor parallelism; split "
                          "them whole with expert parallelism (ParallelismConfig(ep_size=...), which borrows the tp "
                          "processes too), or leave the key out of tp_plan")
-    if key in _GRADIENT_STYLES:
-        raise ValueError(f"tp_plan[{where!r}] = {name!r}: hasten has no such style yet (a replicated weight whose "
-                         "gradient is summed over tp, e.g. Qwen3's per-head q_norm/k_norm); leaving it out would "
-                         "give that weight partial gradients, so use tp_size=1 for this model")
+    if key == "replicated_with_grad_allreduce":
+        return GradientSum()
     raise ValueError(f"tp_plan[{where!r}] = {name!r}: unknown style; use a torch ParallelStyle "
                      f"(ColwiseParallel(), RowwiseParallel(), ...) or one of {list(_STYLE_NAMES)}")
+
+
+class GradientSum:
+    """transformers' ``replicated_with_grad_allreduce``: the module's weights stay whole on every tp process,
+    but what it computes on is split over tp (Qwen3's per-head ``q_norm``/``k_norm`` see this process's
+    heads only), so each process's gradient of them is partial and is summed over tp in backward. torch
+    has no ParallelStyle for it: ``install`` puts a forward pre-hook on the module that gives each weight
+    it computes with a gradient hook (FSDP2's unsharded weights exist from the first forward on)."""
+
+    def install(self, module: nn.Module, group: Any) -> None:
+        module.register_forward_pre_hook(_SumGradients(group))
+
+
+class _SumGradients:
+    """Forward pre-hook of a ``GradientSum`` module: hook each weight it is about to compute with, once."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.hooked: dict[str, nn.Parameter] = {}  # by name: the weight object last hooked (FSDP2 may swap it)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and self.hooked.get(name) is not param:
+                param.register_hook(self._sum)
+                self.hooked[name] = param
+
+    def _sum(self, grad: Any) -> Any:
+        """This backward's gradient summed over tp, before it is accumulated (so accumulation adds sums)."""
+        import torch.distributed as dist
+
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        total = local.clone()
+        dist.all_reduce(total, group=self.group)
+        if hasattr(grad, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(total, grad.device_mesh, grad.placements, run_check=False)
+        return total
 
 
 def base_model_plan(model: nn.Module, attribute: str) -> dict[str, Any]:
