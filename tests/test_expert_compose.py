@@ -1,5 +1,6 @@
 """Expert parallelism composed with pipeline stages (checks in checks_expert_compose.py): one launch of
-4 gloo processes, pp_size=2 x dp_shard_size=2 with ep_size=2; the tests judge what the ranks reported."""
+4 gloo processes, pp_size=2 x dp_shard_size=2 and pp_size=2 x tp_size=2, each with ep_size=2; the tests
+judge what the ranks reported."""
 
 import pytest
 
@@ -27,6 +28,17 @@ def test_pp2_with_ep2_equals_one_process(four):
         assert r["local_shape"] == [2, 32, 32]  # 2 of the 4 experts of each layer
         assert r["ep_ranks"] == ([0, 1] if rank < 2 else [2, 3])  # tokens travel within the stage only
         assert r["classes"] == ["FSDPExpertParallelQwen3MoeExperts"]
+
+
+def test_pp2_with_tp2_and_ep2_equals_one_process(four):
+    """Each stage's tp pair splits its attention by Mixtral's tp plan and its experts whole over ep (borrowing
+    the tp pair): losses, first gradients, norms and weights after 3 AdamW steps within 1e-5 of one process."""
+    for rank, r in enumerate(four.assert_passed("check_pp2_with_tp2_and_ep2_equals_one_process")):
+        print("pp2 x tp2 x ep2, largest differences from one process:", {k: r[k] for k in ("loss", "norm", "grad", "param")})
+        assert all(r[k] < TOLERANCE for k in ("loss", "norm", "grad", "param")), r
+        assert r["mesh"] == "ParallelMesh(pp=2, dp_replicate=1, dp_shard=1, cp=1, sp=1, tp=2, ep=2)"
+        assert r["experts"] == 2 and r["local_shape"] == [2, 32, 32]
+        assert r["ep_ranks"] == ([0, 1] if rank < 2 else [2, 3])  # the stage's tp pair
 
 
 def test_router_aux_loss_under_pipeline_is_refused_in_one_line(four):

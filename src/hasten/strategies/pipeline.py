@@ -37,9 +37,8 @@ from ..utils.dataclasses import DistributedType
 from .base import Params, Strategy
 from .dtensor import _finish, _local, _partial_norm, _replicas
 from .expert_parallel import fully_shard_experts, refuse_router_aux_loss
-from .layout_steps import lay_out
+from .layout_steps import lay_out, tensor_plan
 from .mesh import ParallelMesh
-from .tp_plan import resolve_plan
 
 
 class PipelineStrategy(Strategy):
@@ -62,6 +61,7 @@ class PipelineStrategy(Strategy):
         self._live: dict[nn.Parameter, nn.Parameter] = {}
         self._models: list[PipelinedModel] = []
         self._params_by_name: dict[str, nn.Parameter] = {}  # the live parameter (this process's, or released) by name
+        self._sharded = plan.parallelism_config.dp_shard_size > 1 or plan.distributed_type == DistributedType.FSDP
         super().__init__(plan)
         self.distributed_type = plan.distributed_type
         cfg = self.parallelism_config
@@ -79,15 +79,16 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"pipeline parallelism with mixed_precision={plan.mixed_precision!r} is not supported; "
                              "use mixed_precision='bf16' (no loss scaling needed) or 'no'")
         self.fsdp_plugin = plugin
-        self._sharded = cfg.dp_shard_size > 1 or plan.distributed_type == DistributedType.FSDP
         self._no_sync = 0  # depth of no_sync() blocks entered
 
     def build_precision(self, mode: str, scaler_kwargs: Any, autocast_kwargs: Any) -> Precision:
         return _StagePrecision(mode, self.state.device, scaler_kwargs, autocast_kwargs)
 
     def build_mesh(self) -> ParallelMesh:
+        # FSDP2 on the stages needs a shard dimension, also of size 1 (an FSDP plugin with pp x tp, e.g. for ep)
+        keep = ("dp_shard",) if self._sharded else ()
         return ParallelMesh(self.parallelism_config.sizes(), self.state.process_index, self.state.num_processes,
-                            self.state.device.type, ep=self.parallelism_config.ep_size)
+                            self.state.device.type, keep=keep, ep=self.parallelism_config.ep_size)
 
     # -- the model ------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -103,14 +104,14 @@ class PipelineStrategy(Strategy):
                              "before accelerator.prepare(model) (loss_fn(output, target) -> mean over the samples)")
         pp_rank, pp_size = self.mesh.coordinates()["pp"], cfg.pp_size
         indices = local_stage_indices(cfg.pp_schedule, pp_rank, pp_size, cfg.pp_stages_per_rank)
+        if self.mesh.sizes["tp"] > 1:  # every key must name modules of the full model (before the others go)
+            tensor_plan(self.layout_target(model, whole=model))
         local = [(i, build_stage(model, stages[i])) for i in indices]
         originals = {name: p for _, m in local for name, p in m.named_parameters()}
         _release_other_stages(model, set(originals.values()))
         meta_buffers: set[str] = set()
         for _, module in local:  # in place: the Parameter objects (and an optimizer's references) stay, unless on meta
             meta_buffers |= _place_stage(module, self.state.device)
-        if self.mesh.sizes["tp"] > 1:
-            resolve_plan(model, getattr(cfg, "tp_plan", None))  # every key must name modules of the full model
         for _, module in local:  # the layout steps each stage needs: tensor plan, checkpointing, FSDP2
             lay_out(self.layout_target(module, whole=model))
         live_by_name = {strip_checkpoint_prefix(n): p for _, m in local for n, p in m.named_parameters()}
