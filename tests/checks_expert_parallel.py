@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from checks_sequence_split import split_step
 from distributed import reset_state
 from hasten import Accelerator
 from hasten.activation_checkpointing import strip_checkpoint_prefix
@@ -132,15 +133,8 @@ def _step(acc, model, mine: torch.Tensor, split: bool):
         out = model(input_ids=mine, labels=mine)
         acc.backward(out.loss)
         return out, out.loss
-    labels = _next_tokens(mine)
     positions = torch.arange(mine.shape[1], device=mine.device).expand_as(mine).clone()
-    with acc.maybe_context_parallel(buffers=[mine, positions, labels], buffer_seq_dims=[1, 1, 1],
-                                    no_restore_buffers={mine, positions, labels}):
-        assert mine.shape[1] == SEQ // 2  # this process's part of each sequence
-        out = model(input_ids=mine, position_ids=positions, labels=labels, shift_labels=labels)
-        loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
-        acc.backward(loss)
-    return out, loss
+    return split_step(acc, model, mine, positions, _next_tokens(mine))
 
 
 def _train_ep(acc, build=_qwen3_moe, split: bool = False, eps: float = 1e-8, lr: float = LR):

@@ -54,6 +54,19 @@ def _reference(device, optimizer=None) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def split_step(acc: Accelerator, model, ids, positions, labels) -> tuple:
+    """Forward and backward of one batch whose sequences are split over the cp/sp processes (the buffers
+    are cut in place, each process keeping its half), the loss the mean over all labelled tokens."""
+    length = ids.shape[1]
+    with acc.maybe_context_parallel(buffers=[ids, positions, labels], buffer_seq_dims=[1, 1, 1],
+                                    no_restore_buffers={ids, positions, labels}):
+        assert ids.shape[1] == length // 2  # this process's part of each sequence
+        out = model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels)
+        loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
+        acc.backward(loss)
+    return out, loss
+
+
 def _split_run(acc: Accelerator) -> dict:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -62,12 +75,7 @@ def _split_run(acc: Accelerator) -> dict:
     losses, grads = [], None
     for step in range(STEPS):
         ids, pos, labels = _batch(step, acc.device)
-        with acc.maybe_context_parallel(buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
-                                        no_restore_buffers={ids, pos, labels}):
-            assert ids.shape[1] == SEQ // 2  # this process's part of each sequence
-            out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels)
-            loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
-            acc.backward(loss)
+        _, loss = split_step(acc, model, ids, pos, labels)
         if step == 0:
             grads = {n: _full(p.grad).detach().clone() for n, p in inner.named_parameters()}
         opt.step()

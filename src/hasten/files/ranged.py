@@ -21,7 +21,7 @@ What is verified depends on what the file records:
 * A file that records no checksum (``safetensors.torch.save_file``, transformers' ``save_pretrained``)
   gets the header checks only; its ranges are read as they are.
 
-The writer's side is here too (``block_metadata``, ``seal_header``), so the format has one definition.
+The fields and the writer's side are in ``checksum_fields`` (``block_metadata``, ``seal_header``).
 ``BLOCK_SIZE`` is the block size ``save_model`` writes (1 MiB); it is read when a file is written, so
 a test may set a smaller one (a multiple of 4 KiB) to have blocks smaller than a tensor.
 """
@@ -34,66 +34,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .checksum import BlockSummer, digest_of, piece_sums
+from .checksum import digest_of, piece_sums
+from .checksum_fields import (BLOCK_CHECKSUMS_KEY, BLOCK_SIZE_KEY, HEADER_CHECKSUM_KEY, checksum_field,
+                              header_digest)
 from .errors import CheckpointCorruptError
 from .reading import pread_into, pread_tensor
 from .safetensors_format import CODES, header_length, parse_header
-from .weights import UNSET_CHECKSUM, checksum_field, open_weights
+from .weights import open_weights
 
 BLOCK_SIZE = 1 << 20
-BLOCK_SIZE_KEY = "hasten_block_size"
-BLOCK_CHECKSUMS_KEY = "hasten_block_checksums"
-HEADER_CHECKSUM_KEY = "hasten_header_checksum"
-_HEADER_FIELD = re.compile(rb'"hasten_header_checksum"\s*:\s*"([^"]*)"')
 _MAX_BLOCK = 1 << 34
-
-
-# -- writing ---------------------------------------------------------------------------------------
-def block_metadata(pieces: Sequence[torch.Tensor], block_size: int) -> dict[str, str]:
-    """The metadata entries that make a file readable in verified parts: the checksum of every
-    ``block_size`` bytes of its data section (``pieces``: the data's bytes in order, uint8 tensors)
-    and a placeholder for the header's own checksum (``seal_header`` fills it in)."""
-    summer = BlockSummer()
-    for piece in pieces:
-        summer.update(piece)
-    digests = summer.digests(block_size) if any(p.numel() for p in pieces) else []
-    return {BLOCK_SIZE_KEY: str(block_size), BLOCK_CHECKSUMS_KEY: "".join(d[len("bsum64:"):] for d in digests),
-            HEADER_CHECKSUM_KEY: UNSET_CHECKSUM}
-
-
-def _unset(head: bytes, spans: list) -> bytes:
-    patched = bytearray(head)
-    for position in spans:
-        patched[position:position + len(UNSET_CHECKSUM)] = UNSET_CHECKSUM.encode("ascii")
-    return bytes(patched)
-
-
-def _header_digest(head: bytes, spans: list) -> str:
-    raw = torch.frombuffer(bytearray(_unset(head, spans)), dtype=torch.uint8)
-    return digest_of([piece_sums(raw)])
-
-
-def _header_field(head: bytes, path: str) -> Optional[tuple[int, str]]:
-    found = list(_HEADER_FIELD.finditer(head))
-    if not found:
-        return None
-    value = found[0].group(1).decode("ascii", "replace")
-    if len(found) > 1 or not re.fullmatch(r"bsum64:[0-9a-f?]{8}", value):
-        raise CheckpointCorruptError(f"{path!r} has a damaged header checksum field ({HEADER_CHECKSUM_KEY}="
-                                     f"{value!r}); the file was damaged or edited: save it again")
-    return found[0].start(1), value
-
-
-def seal_header(head: bytes, path: str) -> bytes:
-    """``head`` (the length prefix and JSON of a header holding ``block_metadata``'s entries) with its
-    own checksum filled in; the whole-file checksum, when there is one, stays as it is (unset)."""
-    header = _header_field(head, path)
-    if header is None:
-        raise RuntimeError(f"{path!r}: the header checksum field was not written")
-    whole = checksum_field(head, path)
-    spans = [header[0]] + ([whole[0]] if whole is not None else [])
-    digest = _header_digest(head, spans)
-    return head[:header[0]] + digest.encode("ascii") + head[header[0] + len(digest):]
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -126,7 +76,7 @@ class RangedWeights:
         head = first + bytes(self._pread(n, 8).numpy().tobytes())
         self.data_start, data_size = 8 + n, self.size - 8 - n
         whole = checksum_field(head, path)
-        header = _header_field(head, path)
+        header = checksum_field(head, path, HEADER_CHECKSUM_KEY)
         self.recorded = whole[1] if whole is not None else None
         self.whole_only = whole is not None and header is None
         self.block_size, self.checksums = 0, ""
@@ -134,7 +84,7 @@ class RangedWeights:
             if whole is not None and whole[0] == header[0]:  # only the header's value is left: a damaged name
                 raise CheckpointCorruptError(f"{path!r} has a damaged checksum field in its header; the file was "
                                              "damaged or edited: save it again")
-            found = _header_digest(head, [header[0]] + ([whole[0]] if whole is not None else []))
+            found = header_digest(head, [header[0]] + ([whole[0]] if whole is not None else []))
             if found != header[1]:
                 raise CheckpointCorruptError(f"{path!r} is corrupted: its header has checksum {found}, not the "
                                              f"{header[1]} recorded when it was saved (a flipped bit or an edited "

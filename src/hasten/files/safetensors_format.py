@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from .checksum import BlockSummer, as_bytes_tensor
+from .checksum_fields import block_metadata, seal_header
 from .durable import fsync_fd
 from .errors import CheckpointCorruptError
 
@@ -171,7 +172,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: Opt
     Tensors must not share memory (the caller drops tied duplicates). The checksum runs inline, at
     memory speed: computed on a second thread beside the writes it made saves slower and less steady
     on a 2-core machine (it competes with the kernel's writeback). ``block_size``: also record the
-    checksum of every ``block_size`` bytes of the data and of the header itself (``ranged``: the file can
+    checksum of every ``block_size`` bytes of the data and of the header itself (``checksum_fields``; ``ranged``: the file can
     then be read and verified in parts), summed in a pass over the tensors before the write.
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
@@ -188,16 +189,12 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: Opt
         header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if block_size:
-        from .ranged import block_metadata
-
         header.setdefault("__metadata__", {}).update(
             block_metadata([as_bytes_tensor(prepared[name]) for name in order], block_size))
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % 8)  # data starts 8-aligned
     head = len(text).to_bytes(8, "little") + text
     if block_size:
-        from .ranged import seal_header
-
         head = seal_header(head, path)
     pieces = [head] + [raw for raw in (as_bytes_tensor(prepared[name]) for name in order) if raw.numel()]
     size = len(head) + offset

@@ -5,7 +5,8 @@ Every safetensors file ``save_model`` writes records the bsum64 of its own bytes
 in its header metadata, computed with that value replaced by ``UNSET_CHECKSUM`` (same length), so every
 byte is covered, the header included; its index records each file's value under ``CHECKSUMS_KEY`` and
 its own under ``CHECKSUM_KEY`` the same way. The files stay plain safetensors / JSON for other readers.
-They also record the checksums of their header and of every block of their data (``files.ranged``),
+They also record the checksums of their header and of every block of their data (``files.checksum_fields``,
+read in parts by ``files.ranged``),
 so that a process of a sharded load can read and verify only its parts; the readers here read and
 verify whole files.
 """
@@ -13,9 +14,9 @@ verify whole files.
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING, Any, Optional
 
+from .checksum_fields import CHECKSUM_KEY, CHECKSUMS_KEY, UNSET_CHECKSUM, checksum_field  # noqa: F401 - public here
 from .errors import CheckpointCorruptError
 from .paths import hub_blob, open_inside, split
 
@@ -30,28 +31,6 @@ WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-CHECKSUM_KEY = "hasten_checksum"
-CHECKSUMS_KEY = "hasten_checksums"
-UNSET_CHECKSUM = "bsum64:????????"
-_CHECKSUM_FIELD = re.compile(rb'"hasten_checksum"\s*:\s*"([^"]*)"')
-_CHECKSUM_VALUE = re.compile(rb'"(bsum64:[0-9a-f?]{8})"')  # the field again, should its name be damaged
-
-
-def checksum_field(head: bytes, path: str) -> Optional[tuple[int, str]]:
-    """(byte offset, value) of the ``hasten_checksum`` field in the header bytes ``head`` of
-    ``path``; None when it has none (a file written by another library or an older hasten)."""
-    found = list(_CHECKSUM_FIELD.finditer(head))
-    if not found:
-        # A flipped bit in the field's name must not make the file look like one without checksum:
-        # a value of the checksum's form is still there, and it is checked (and fails, as the name differs).
-        found = list(_CHECKSUM_VALUE.finditer(head))
-        if not found:
-            return None
-    value = found[0].group(1).decode("ascii", "replace")
-    if len(found) > 1 or not re.fullmatch(r"bsum64:[0-9a-f?]{8}", value):
-        raise CheckpointCorruptError(f"{path!r} has a damaged checksum field in its header ({CHECKSUM_KEY}="
-                                     f"{value!r}); the file was damaged or edited: save it again")
-    return found[0].start(1), value
 
 
 def self_checksum(raw: "torch.Tensor", head: int, path: str, pool: Any = None) -> Optional[str]:

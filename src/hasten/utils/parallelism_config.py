@@ -345,9 +345,9 @@ class ParallelismConfig:
             return  # nothing asked: the strategy's default layout (DDP replicas or FSDP2 over all)
         layout.check(device_type=device_type)  # the product, composition, expert and device rules (hasten.layout)
         if self.ep_size > 1 and not sharded:
-            raise ValueError(f"ParallelismConfig: ep_size={self.ep_size} splits the experts over dp_shard processes, "
-                             "which FSDP2 shards; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or "
-                             "hasten launch --use_fsdp")
+            raise ValueError(f"ParallelismConfig: ep_size={self.ep_size} splits the experts over processes of one "
+                             "model copy, and FSDP2 shards them over the processes holding the same ones; turn it on "
+                             "with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch --use_fsdp")
         if self.cp_size > 1 and not sharded:
             raise ValueError(f"ParallelismConfig: cp_size={self.cp_size} shards the model over dp_shard x cp with "
                              "FSDP2; turn it on with fsdp_plugin=FullyShardedDataParallelPlugin() or hasten launch "
