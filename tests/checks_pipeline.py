@@ -98,20 +98,30 @@ def _pipelined(schedule, make, data, batch_size, forward, loss_fn=None, handlers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=batch_size))
     assert type(acc.strategy).__name__ == "PipelineStrategy"
+    losses, norms, grads = train_loop(acc, model, opt, loader, forward)
+    params = acc.strategy.model_state_dict(model, everyone=True)
+    return acc, model, losses, norms, grads, params
+
+
+def train_loop(acc, model, opt, batches, forward, gather=_gather, each_step=None) -> tuple:
+    """The four-line loop with accumulation and clipping over ``batches`` of a prepared pipelined ``model``:
+    the losses, the clipped norms and the first update's gradients (``gather``-ed over the stages);
+    ``each_step(model)`` after each backward."""
     losses, norms, grads = [], [], None
-    for batch in loader:
+    for batch in batches:
         with acc.accumulate(model):
             out = forward(model, batch)
             acc.backward(out.loss)
             losses.append(float(out.loss))
+            if each_step is not None:
+                each_step(model)
             if acc.sync_gradients:
                 if grads is None:
-                    grads = _gather({k: p.grad for k, p in model.named_stage_parameters()})
+                    grads = gather({k: p.grad for k, p in model.named_stage_parameters()})
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad()
-    params = acc.strategy.model_state_dict(model, everyone=True)
-    return acc, model, losses, norms, grads, params
+    return losses, norms, grads
 
 
 def _compare(schedule, make, data, batch_size, forward, ref_loss, loss_fn=None, handlers=None):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checks_pipeline import CLIP, WIDTH, _gather, _llama, _reference, _seq, _worst
+from checks_pipeline import CLIP, WIDTH, _gather, _llama, _reference, _seq, _worst, train_loop
 from checks_pipeline_compose import _merged
 from distributed import reset_state
 from hasten import Accelerator
@@ -63,20 +63,13 @@ def _train(acc, model, batches, forward, gather=_gather):
     parameters at the end, and how many times torch's stages were built (distinct schedules seen)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
-    losses, norms, grads, schedules = [], [], None, []
-    for batch in batches:
-        with acc.accumulate(model):
-            out = forward(model, batch)
-            acc.backward(out.loss)
-            losses.append(float(out.loss))
-            if not any(s is model._schedule for s in schedules):
-                schedules.append(model._schedule)
-            if acc.sync_gradients:
-                if grads is None:
-                    grads = gather({k: p.grad for k, p in model.named_stage_parameters()})
-                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
-            opt.step()
-            opt.zero_grad()
+    schedules = []
+
+    def seen(prepared) -> None:  # torch's stages built again show as a new schedule object
+        if not any(s is prepared._schedule for s in schedules):
+            schedules.append(prepared._schedule)
+
+    losses, norms, grads = train_loop(acc, model, opt, batches, forward, gather, each_step=seen)
     return losses, norms, grads, acc.strategy.model_state_dict(model, everyone=True), len(schedules)
 
 

@@ -4,7 +4,7 @@ against one process on the same batches (the model, batches and reference of che
 
 import torch
 
-from checks_sequence_split import STEPS, _batch, _model, _reference
+from checks_sequence_split import STEPS, _batch, _model, _reference, _refusal, split_step
 from distributed import reset_state
 from hasten import Accelerator
 from hasten.utils import ParallelismConfig
@@ -35,11 +35,7 @@ def _sp_deepspeed(stage: int, plugin=None, **config) -> dict:
     for step, ids in enumerate(loader):
         want_ids, pos, labels = _batch(step, acc.device)
         same_batches.append(bool(torch.equal(ids, want_ids)))
-        with acc.maybe_context_parallel(buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
-                                        no_restore_buffers={ids, pos, labels}):
-            out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels)
-            loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
-            acc.backward(loss)
+        _, loss = split_step(acc, model, ids, pos, labels)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -62,14 +58,6 @@ def check_sp2_zero3_equals_one_process():
 
 def check_sp2_zero3_without_reduce_scatter_equals_one_process():
     return _sp_deepspeed(3, plugin={"zero_optimization": {"stage": 3, "reduce_scatter": False}})
-
-
-def _refusal(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as error:
-        return str(error)
-    raise AssertionError("no error")
 
 
 def check_sp_deepspeed_refusals():
@@ -114,11 +102,7 @@ def _dp2_sp2(stage: int) -> dict:
     for step, ids in enumerate(loader):
         want, pos, labels = (t[dp:dp + 1].clone() for t in _batch(step, acc.device))
         same.append(bool(torch.equal(ids, want)))
-        with acc.maybe_context_parallel(buffers=[ids, pos, labels], buffer_seq_dims=[1, 1, 1],
-                                        no_restore_buffers={ids, pos, labels}):
-            out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels)
-            loss = acc.loss_over_sequence(out.loss, (labels != -100).sum())
-            acc.backward(loss)
+        _, loss = split_step(acc, model, ids, pos, labels)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))

@@ -72,24 +72,19 @@ def _placed(ranks):
         assert firsts[v_shaped] == [0, 3] and ranks[3][v_shaped]["stages"] == [1, 2]
 
 
-def test_each_schedule_with_fsdp2_equals_one_process(four):
-    ranks = four.assert_passed("check_each_schedule_with_fsdp2_equals_one_process")
+# fsdp2: every parameter sharded over the stage's dp_shard pair; tp: split linears, replicated norms
+KINDS = {"fsdp2": ["DTensor"], "tp": ["DTensor", "Parameter"]}
+
+
+@pytest.mark.parametrize("with_", ["fsdp2", "tp"])
+def test_each_schedule_equals_one_process(four, with_):
+    ranks = four.assert_passed(f"check_each_schedule_with_{with_}_equals_one_process")
     _placed(ranks)
     for r in ranks:
         assert set(r) == set(SCHEDULES)
         for schedule in SCHEDULES:
             _close(r[schedule])
-            assert r[schedule]["kinds"] == ["DTensor"]  # every parameter sharded over the stage's dp_shard pair
-
-
-def test_each_schedule_with_tp_equals_one_process(four):
-    ranks = four.assert_passed("check_each_schedule_with_tp_equals_one_process")
-    _placed(ranks)
-    for r in ranks:
-        assert set(r) == set(SCHEDULES)
-        for schedule in SCHEDULES:
-            _close(r[schedule])
-            assert r[schedule]["kinds"] == ["DTensor", "Parameter"]  # split linears, replicated norms
+            assert r[schedule]["kinds"] == KINDS[with_]
 
 
 def test_bf16_with_fsdp2_equals_one_process_bf16(four):
