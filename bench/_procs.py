@@ -112,5 +112,13 @@ def header() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
 
 
+def emit(payload: dict, path: Optional[str] = None) -> None:
+    """The results as one ``JSON:`` line (what the bench smoke tests read), and into ``path`` when given."""
+    print("\nJSON: " + json.dumps(payload))
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
 def footer() -> None:
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

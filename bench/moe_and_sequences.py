@@ -56,7 +56,6 @@ not GPU kernels; memory ratios carry over better than speed ratios. See docs/per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -304,10 +303,7 @@ def main() -> None:
         print_table(f"Long sequence: Llama, 2 layers, hidden {args.seq_hidden}, one sequence of {args.seq} tokens a "
                     f"step; median of {args.rounds} rounds x {args.steps} steps; base: one process", rows)
         payload["seq"] = rows
-    print("\nJSON: " + json.dumps(payload))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+    _procs.emit(payload, args.json)
     _procs.footer()
 
 

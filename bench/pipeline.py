@@ -42,7 +42,6 @@ there, and say little about GPU runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -219,10 +218,7 @@ def main() -> None:
               f"{cpu_ms:>14}{bubble:>24}{theo:>8}{peak:>20}{add:>21}")
     payload = {"model": {"blocks": args.blocks, "width": args.width, "batch": args.batch},
                "rounds": args.rounds, "steps": args.steps, "rows": rows}
-    print("\nJSON: " + json.dumps(payload))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+    _procs.emit(payload, args.json)
     _procs.footer()
 
 
