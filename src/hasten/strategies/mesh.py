@@ -11,12 +11,15 @@ world size, and gathers metrics over the data-parallel group only.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Optional
 
 from ..layout import AXES, DATA_AXES, Layout, Spelling
 from ..topology import DataParallel
 
 DIMS = AXES  # the mesh order, outermost first (hasten.layout)
+# The axes whose processes hold different tokens of a step: the data axes and the sequence-splitting ones.
+TOKEN_AXES = tuple(a for a in DIMS if a in DATA_AXES or a in ("cp", "sp"))
 # Joint dimensions of the torch mesh (Accelerate's names) -> the dimensions they flatten.
 # ``dp_shard_sp`` is hasten's: what FSDP2 shards over with sequence parallelism (sp processes hold the same weights).
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -192,12 +195,13 @@ class ParallelMesh:
         whole-batch statistic (the router's load-balancing loss) sums over, and what the gradients of
         parameters that see those tokens are averaged over."""
         if self._token_parallel is None:
-            self._token_parallel = self._build_group([a for a in DIMS if a in DATA_AXES or a in ("cp", "sp")])
+            self._token_parallel = self._build_group(list(TOKEN_AXES))
         return self._token_parallel
 
     @property
     def token_size(self) -> int:
-        return self.dp_size * self.sizes["cp"] * self.sizes["sp"]
+        """``token_parallel().size``, without making its groups (not collective)."""
+        return math.prod(self.sizes[a] for a in TOKEN_AXES)
 
     def __getitem__(self, names: Any) -> Any:
         """The torch sub-mesh of ``names`` (e.g. ``mesh["tp"]``, ``mesh[("dp_replicate", "dp_shard")]``,
